@@ -1,0 +1,9 @@
+"""Leto: in-place recovery for PyTorch training.
+
+Subpackages follow the process model: ``leto.erasure`` (field, codec, kernels; used by
+every process that touches parity), ``leto.memory`` (the state manager and its pool),
+``leto.update`` (resumable updater), ``leto.runtime`` (launcher, cells, shadows,
+monitor), ``leto.sim`` (ETTR model and simulator).
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,209 @@
+"""``ReedSolomon``: a systematic MDS erasure code for one shape of protection group.
+
+Runs in whichever process holds the pages (trainer for device pages, state manager or
+trainer for host parity). Works on the device the pages live on: CUDA tensors never
+touch host memory (coefficients and tables are the only host→device traffic).
+
+Index space for erasures: data pages are ``0 .. D-1``, parity pages ``D .. D+H-1``.
+
+What it does not guarantee: integrity of pages it is told are intact (a corrupted
+survivor decodes into wrong bytes; use ``verify``), atomicity of in-place writes (a
+crash mid-call leaves partially written outputs; the updater's undo buffer and marker
+provide crash consistency), or thread safety of concurrent calls on the same pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from leto.erasure import field
+from leto.erasure.errors import PageRangeError, PageShapeError, TooManyErasures
+from leto.erasure.kernels import Coefficients, GFKernel, by_name, for_device
+from leto.erasure.pages import (
+    PageInput,
+    PageList,
+    as_pages,
+    group_name,
+    padded,
+    parity_page_bytes,
+    same_device,
+)
+
+
+class ReedSolomon:
+    """Code of ``data_pages`` (D) data pages and ``parity_pages`` (H) parity pages.
+
+    ``kernel`` forces an implementation ("reference", "cpu", "cuda"); by default the
+    fast one for the pages' device is used.
+    """
+
+    def __init__(self, data_pages: int = 1024, parity_pages: int = 16, *, kernel: str | None = None):
+        if not isinstance(data_pages, int) or not isinstance(parity_pages, int):
+            raise TypeError("data_pages and parity_pages must be integers")
+        self.data_pages = data_pages
+        self.parity_pages = parity_pages
+        self._g = field.cauchy_generator(data_pages, parity_pages)
+        self._g.setflags(write=False)
+        self._coeffs = Coefficients(self._g)
+        self._kernel_name = kernel
+        if kernel is not None:
+            by_name(kernel)  # fail now on an unknown name
+
+    def __repr__(self) -> str:
+        return f"ReedSolomon(data_pages={self.data_pages}, parity_pages={self.parity_pages})"
+
+    # -- introspection -------------------------------------------------------------
+
+    def generator_matrix(self) -> list[list[int]]:
+        """The H × D coefficients: parity page j = Σ_i G[j][i] · data page i."""
+        return self._g.tolist()
+
+    @staticmethod
+    def parity_page_bytes(page_bytes: int) -> int:
+        return parity_page_bytes(page_bytes)
+
+    # -- operations ----------------------------------------------------------------
+
+    def encode(self, data: PageInput, *, out: PageInput | None = None, group: object = None):
+        """Parity of ``data`` (D pages). Returns a new H × P uint8 tensor on the data's
+        device, or writes into ``out`` (H pages of P bytes) and returns it."""
+        d = as_pages(data, self.data_pages, "data", group)
+        pbytes = parity_page_bytes(d.page_bytes)
+        if out is None:
+            out = torch.empty((self.parity_pages, pbytes), dtype=torch.uint8, device=d.device)
+        p = self._parity_pages(out, pbytes, group)
+        same_device(group, d, p)
+        self._kernel(d.device).matmul(self._coeffs, padded(d), p.pages)
+        return out
+
+    def verify(self, data: PageInput, parity: PageInput, *, group: object = None) -> bool:
+        """True when ``parity`` is exactly the parity of ``data`` (bytes compared)."""
+        d = as_pages(data, self.data_pages, "data", group)
+        p = self._parity_pages(parity, parity_page_bytes(d.page_bytes), group)
+        same_device(group, d, p)
+        fresh = torch.empty((self.parity_pages, p.page_bytes), dtype=torch.uint8, device=d.device)
+        self._kernel(d.device).matmul(self._coeffs, padded(d), list(fresh))
+        return all(torch.equal(fresh[j], p.pages[j]) for j in range(self.parity_pages))
+
+    def update(
+        self,
+        parity: PageInput,
+        first_page: int,
+        old: PageInput,
+        new: PageInput,
+        *,
+        group: object = None,
+    ) -> None:
+        """``parity ⊕= contribution of (old ⊕ new)`` for data pages ``first_page ..``.
+
+        ``old`` and ``new`` are the previous and current contents of a run of
+        consecutive data pages. Afterwards ``parity`` equals the encoding of the group
+        with ``new`` in place of ``old`` (if it matched the old contents before).
+        """
+        o = as_pages(old, None, "old", group)
+        n = as_pages(new, len(o), "new", group)
+        if n.page_bytes != o.page_bytes or n.dtype != o.dtype:
+            raise PageShapeError(
+                f"protection group {group_name(group)}: old pages are {o.page_bytes} bytes of "
+                f"{o.dtype}, new pages {n.page_bytes} bytes of {n.dtype}; they must match"
+            )
+        self._check_run(first_page, len(o), group)
+        p = self._parity_pages(parity, parity_page_bytes(o.page_bytes), group)
+        same_device(group, o, n, p)
+        self._kernel(o.device).matmul(
+            self._coeffs,
+            padded(o),
+            p.pages,
+            col_offset=first_page,
+            xor_with=padded(n),
+            accumulate=True,
+        )
+
+    def reconstruct(
+        self,
+        data: PageInput,
+        parity: PageInput,
+        erased: Iterable[int],
+        *,
+        group: object = None,
+    ) -> None:
+        """Rebuild the ``erased`` pages in place from the others.
+
+        Indices ``0..D-1`` name data pages, ``D..D+H-1`` parity pages. The contents of
+        erased pages are ignored; every other page must be intact and consistent.
+        More than H erasures raise ``TooManyErasures`` and write nothing.
+        """
+        D, H = self.data_pages, self.parity_pages
+        erased_list = [int(i) for i in erased]
+        lost = sorted(set(erased_list))
+        bad = [i for i in lost if i < 0 or i >= D + H]
+        if bad:
+            raise PageRangeError(
+                f"protection group {group_name(group)}: erased page index {bad[0]} outside "
+                f"0..{D + H - 1} (D={D} data + H={H} parity); nothing was rebuilt"
+            )
+        if len(lost) != len(erased_list):
+            raise PageRangeError(
+                f"protection group {group_name(group)}: erased list {erased_list} names a page twice; "
+                "nothing was rebuilt"
+            )
+        d = as_pages(data, D, "data", group)
+        p = self._parity_pages(parity, parity_page_bytes(d.page_bytes), group)
+        same_device(group, d, p)
+        if len(lost) > H:
+            n_data = sum(i < D for i in lost)
+            raise TooManyErasures(group, len(lost), H, f"{n_data} data and {len(lost) - n_data} parity pages")
+        if not lost:
+            return
+        lost_data = [i for i in lost if i < D]
+        lost_parity = [i - D for i in lost if i >= D]
+        kernel = self._kernel(d.device)
+        if lost_data:
+            self._decode_data(kernel, d, p, lost_data, lost_parity)
+        if lost_parity:
+            rows = Coefficients(self._g[lost_parity])
+            kernel.matmul(rows, padded(d), [p.pages[j] for j in lost_parity])
+
+    # -- internals -----------------------------------------------------------------
+
+    def _decode_data(self, kernel: GFKernel, d: PageList, p: PageList, lost: list[int], lost_parity: list[int]) -> None:
+        # Solve A · x = syndrome with A = G[P][:, lost] for e surviving parity rows P:
+        #   x = A⁻¹ · (parity_P ⊕ G[P][:, survivors] · survivors)
+        # folded into one matrix over the inputs [parity_P, survivors], so the decode is
+        # the same kernel as encode (e outputs instead of H).
+        e = len(lost)
+        rows = [j for j in range(self.parity_pages) if j not in set(lost_parity)][:e]
+        survivors = [i for i in range(self.data_pages) if i not in set(lost)]
+        a_inv = field.mat_inv(self._g[np.ix_(rows, lost)])
+        m = np.concatenate([a_inv, field.matmul(a_inv, self._g[np.ix_(rows, survivors)])], axis=1)
+        data_in = padded(d)
+        inputs = [p.pages[j] for j in rows] + [data_in[i] for i in survivors]
+        if d.page_bytes % 2 == 0:
+            kernel.matmul(Coefficients(m), inputs, [d.pages[i] for i in lost])
+            return
+        tmp = torch.empty((e, d.page_bytes + 1), dtype=torch.uint8, device=d.device)
+        kernel.matmul(Coefficients(m), inputs, list(tmp))
+        for k, i in enumerate(lost):
+            d.pages[i].copy_(tmp[k, :-1])
+
+    def _parity_pages(self, parity: PageInput, pbytes: int, group: object) -> PageList:
+        p = as_pages(parity, self.parity_pages, "parity", group)
+        if p.page_bytes != pbytes:
+            raise PageShapeError(
+                f"protection group {group_name(group)}: parity pages are {p.page_bytes} bytes, "
+                f"expected {pbytes} for these data pages"
+            )
+        return p
+
+    def _check_run(self, first: int, count: int, group: object) -> None:
+        if not isinstance(first, int) or first < 0 or first + count > self.data_pages:
+            raise PageRangeError(
+                f"protection group {group_name(group)}: data pages {first}..{first + count - 1} "
+                f"are outside 0..{self.data_pages - 1}; parity was not changed"
+            )
+
+    def _kernel(self, device: torch.device) -> GFKernel:
+        return by_name(self._kernel_name) if self._kernel_name else for_device(device)

@@ -1,0 +1,143 @@
+"""GPU kernel: CUDA C++ (``gf_matmul.cu``) compiled by CuPy's NVRTC on first use.
+
+Runs in the process that owns the CUDA tensors (the trainer), on the caller's current
+torch stream, with pages addressed through a device-side pointer table, so pages of a
+protection group may be scattered over many allocations (one VMM mapping per page).
+Nothing but the coefficient matrix (2·R·K bytes) and the pointer table (8 bytes a
+page) crosses from the host; the multiplication tables are built on the device.
+
+CuPy keeps compiled binaries in its kernel cache (``~/.cupy/kernel_cache``), so the
+compile cost (~1 s) is paid once per machine.
+
+Fast path: page length a multiple of 16 bytes and every page 16-byte aligned (one
+thread per 8 symbols, uint4 loads). Anything else runs the same code with one symbol
+per thread (correct, several times slower). Not covered: pages on different GPUs in
+one call (the codec rejects them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from importlib import resources
+
+import numpy as np
+import torch
+
+from leto.erasure.kernels.api import Coefficients, GFKernel
+
+ROWS_PER_BLOCK = 16
+THREADS = 256
+
+
+def _load_module():
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise RuntimeError(
+            "the CUDA codec kernel needs CuPy (pip install 'leto[cuda]'); the CPU kernel "
+            "was not substituted because the pages are on the GPU"
+        ) from e
+    source = resources.files("leto.erasure.kernels").joinpath("gf_matmul.cu").read_text()
+    return cupy, cupy.RawModule(code=source, options=("-std=c++17",))
+
+
+class CudaKernel(GFKernel):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._cupy, self._module = _load_module()
+        self._fn = {
+            8: self._module.get_function("gf_matmul_v8"),
+            1: self._module.get_function("gf_matmul_v1"),
+        }
+        self._build = self._module.get_function("gf_build_tables")
+
+    def kernel_info(self) -> dict[str, dict[str, int]]:
+        """Registers, spills and shared memory of the compiled kernels (for benchmarks)."""
+        return {
+            f"gf_matmul_v{v}": {
+                "registers": f.num_regs,
+                "local_bytes": f.local_size_bytes,
+                "shared_bytes": f.shared_size_bytes,
+            }
+            for v, f in self._fn.items()
+        }
+
+    def tables(self, coeffs: Coefficients, device: torch.device) -> torch.Tensor:
+        """Packed nibble tables for ``coeffs`` on ``device``, built there and cached."""
+        key = ("cuda", device.index)
+        t = coeffs.derived.get(key)
+        if t is None:
+            n_rb = -(-coeffs.rows // ROWS_PER_BLOCK)
+            padded = np.zeros((n_rb * ROWS_PER_BLOCK, coeffs.cols), dtype=np.uint16)
+            padded[: coeffs.rows] = coeffs.matrix
+            c = torch.from_numpy(padded).to(device)
+            t = torch.empty(n_rb * coeffs.cols * 512, dtype=torch.int32, device=device)
+            with self._launch_ctx(device):
+                blocks = min(4096, -(-t.numel() // THREADS))
+                self._build(
+                    (blocks,), (THREADS,),
+                    (c.data_ptr(), t.data_ptr(), np.int32(coeffs.cols), np.int32(n_rb)),
+                )
+            coeffs.derived[key] = t
+        return t
+
+    def _launch_ctx(self, device: torch.device):
+        cp = self._cupy
+        stream = torch.cuda.current_stream(device)
+
+        class _Ctx:
+            def __enter__(s):
+                s.dev = cp.cuda.Device(device.index)
+                s.dev.__enter__()
+                s.stream = cp.cuda.ExternalStream(stream.cuda_stream, device.index)
+                s.stream.__enter__()
+
+            def __exit__(s, *exc):
+                s.stream.__exit__(*exc)
+                s.dev.__exit__(*exc)
+
+        return _Ctx()
+
+    def matmul(
+        self,
+        coeffs: Coefficients,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        *,
+        col_offset: int = 0,
+        xor_with: Sequence[torch.Tensor] | None = None,
+        accumulate: bool = False,
+    ) -> None:
+        device = outputs[0].device
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        tables = self.tables(coeffs, device)
+        n_bytes = outputs[0].numel()
+        pages = list(inputs) + list(outputs) + (list(xor_with) if xor_with is not None else [])
+        vec = 8 if n_bytes % 16 == 0 and all(p.data_ptr() % 16 == 0 for p in pages) else 1
+        n_items = n_bytes // (2 * vec)
+        ptrs = [p.data_ptr() for p in inputs]
+        ptrs += [p.data_ptr() for p in outputs]
+        if xor_with is not None:
+            ptrs += [p.data_ptr() for p in xor_with]
+        # One small host->device copy carries every page address of the call.
+        table = torch.tensor(ptrs, dtype=torch.int64).to(device, non_blocking=False)
+        k, r = len(inputs), len(outputs)
+        in_ptr = table.data_ptr()
+        out_ptr = in_ptr + 8 * k
+        in2_ptr = out_ptr + 8 * r if xor_with is not None else 0
+        n_rb = -(-r // ROWS_PER_BLOCK)
+        grid = (-(-n_items // THREADS), n_rb)
+        with self._launch_ctx(device):
+            self._fn[vec](
+                grid, (THREADS,),
+                (
+                    np.uint64(in_ptr), np.uint64(in2_ptr), np.uint64(out_ptr), tables.data_ptr(),
+                    np.int32(k), np.int32(coeffs.cols), np.int32(col_offset),
+                    np.int64(n_items), np.int32(r), np.int32(1 if accumulate else 0),
+                ),
+            )
+        # The pointer table must live until the kernel has read it: tie its lifetime
+        # to the stream instead of synchronizing.
+        table.record_stream(torch.cuda.current_stream(device))

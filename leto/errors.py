@@ -1,0 +1,26 @@
+"""The one error hierarchy of Leto.
+
+Every error says what happened, what was kept and what to do. Two families matter to
+the runtime: a ``RecoverableFailure`` (hardware-operable, HOF-class) is handled in
+place; a ``FatalFailure`` means retained state cannot be trusted and the job must fall
+back to a checkpoint. Input errors (bad shapes, wrong dtypes, out-of-range pages) are
+neither: they are caller bugs and change no state.
+"""
+
+from __future__ import annotations
+
+
+class LetoError(Exception):
+    """Root of every error Leto raises on purpose."""
+
+
+class RecoverableFailure(LetoError):
+    """A hardware-operable failure (HOF): recover in place on the same hardware."""
+
+
+class FatalFailure(LetoError):
+    """Retained state is lost beyond repair: fall back to checkpoint recovery."""
+
+
+class InvalidInput(LetoError, ValueError):
+    """A caller passed something malformed; nothing was read or written."""
