@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|all]
+# Writes logs and JSON under $OUT (or ./out when run by hand).
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+what=${1:-all}
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+  python3 -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)'
+} 2>&1 | tee "$OUT/machine.txt"
+rc=0
+if [[ $what == codec || $what == all ]]; then
+  python3 -m pytest -p no:cacheprovider -q tests/test_codec_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" || rc=1
+  python3 -c 'from leto.erasure.kernels import by_name; print(by_name("cuda").kernel_info())' 2>&1 | tee "$OUT/kernel_info.txt"
+  python3 -m bench.codec --device cuda --json-out "$OUT/codec_cuda.json" 2>&1 | tee "$OUT/codec_cuda.txt" || rc=1
+fi
+exit $rc
