@@ -160,7 +160,7 @@ def test_pages_as_a_list_of_separate_tensors():
     pages[2].zero_()
     pages[4].zero_()
     rs.reconstruct(pages, parity, [2, 4])
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(pages, original))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(pages, original, strict=True))
 
 
 def test_generator_matrix_shape_and_first_row_is_xor():

@@ -7,8 +7,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from leto.erasure import FIELD_POLY
-from leto.erasure import field
+from leto.erasure import FIELD_POLY, field
 
 GF = galois.GF(2**16)
 sym = st.integers(0, 0xFFFF)

@@ -170,22 +170,28 @@ class ReedSolomon:
     # -- internals -----------------------------------------------------------------
 
     def _decode_data(self, kernel: GFKernel, d: PageList, p: PageList, lost: list[int], lost_parity: list[int]) -> None:
-        # Solve A · x = syndrome with A = G[P][:, lost] for e surviving parity rows P:
-        #   x = A⁻¹ · (parity_P ⊕ G[P][:, survivors] · survivors)
-        # folded into one matrix over the inputs [parity_P, survivors], so the decode is
-        # the same kernel as encode (e outputs instead of H).
+        # With the lost pages taken as zero, the generator gives syndromes
+        #   S = G · d'  so that  parity_P ⊕ S_P = G[P][:, lost] · x = A · x
+        # for any e surviving parity rows P, hence  x = A⁻¹ · (S_P ⊕ parity_P).
+        # Step 1 is an ordinary encode with the cached generator tables; step 2 reads
+        # only 2e pages. Only the e×e inverse is computed on the host.
         e = len(lost)
-        rows = [j for j in range(self.parity_pages) if j not in set(lost_parity)][:e]
-        survivors = [i for i in range(self.data_pages) if i not in set(lost)]
-        a_inv = field.mat_inv(self._g[np.ix_(rows, lost)])
-        m = np.concatenate([a_inv, field.matmul(a_inv, self._g[np.ix_(rows, survivors)])], axis=1)
+        gone = set(lost_parity)
+        rows = [j for j in range(self.parity_pages) if j not in gone][:e]
+        a_inv = Coefficients(field.mat_inv(self._g[np.ix_(rows, lost)]))
         data_in = padded(d)
-        inputs = [p.pages[j] for j in rows] + [data_in[i] for i in survivors]
+        for i in lost:  # erased contents are garbage and are about to be overwritten
+            data_in[i].zero_()
+        pbytes = data_in[0].numel()
+        syndromes = torch.empty((self.parity_pages, pbytes), dtype=torch.uint8, device=d.device)
+        kernel.matmul(self._coeffs, data_in, list(syndromes))
+        ins = [syndromes[j] for j in rows]
+        parity_rows = [p.pages[j] for j in rows]
         if d.page_bytes % 2 == 0:
-            kernel.matmul(Coefficients(m), inputs, [d.pages[i] for i in lost])
+            kernel.matmul(a_inv, ins, [d.pages[i] for i in lost], xor_with=parity_rows)
             return
-        tmp = torch.empty((e, d.page_bytes + 1), dtype=torch.uint8, device=d.device)
-        kernel.matmul(Coefficients(m), inputs, list(tmp))
+        tmp = torch.empty((e, pbytes), dtype=torch.uint8, device=d.device)
+        kernel.matmul(a_inv, ins, list(tmp), xor_with=parity_rows)
         for k, i in enumerate(lost):
             d.pages[i].copy_(tmp[k, :-1])
 

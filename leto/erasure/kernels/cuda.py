@@ -17,6 +17,8 @@ one call (the codec rejects them).
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from importlib import resources
 
@@ -27,6 +29,12 @@ from leto.erasure.kernels.api import Coefficients, GFKernel
 
 ROWS_PER_BLOCK = 16
 THREADS = 256
+# Threads per block of the 8-symbol kernel. Smaller blocks put more blocks on each SM
+# (more independent barriers) at the price of staging the tables more often;
+# bench/codec.py times the choices side by side.
+ENV_THREADS = "LETO_CODEC_CUDA_THREADS"
+DEFAULT_THREADS = 256
+_POINTER_CACHE = 256  # pointer tables kept per process (8 bytes a page each)
 
 
 def _load_module():
@@ -46,16 +54,17 @@ class CudaKernel(GFKernel):
 
     def __init__(self) -> None:
         self._cupy, self._module = _load_module()
-        self._fn = {
-            8: self._module.get_function("gf_matmul_v8"),
-            1: self._module.get_function("gf_matmul_v1"),
-        }
+        self._fn = {name: self._module.get_function(f"gf_matmul_{name}") for name in ("v8", "v1")}
         self._build = self._module.get_function("gf_build_tables")
+        self.threads = int(os.environ.get(ENV_THREADS, DEFAULT_THREADS))
+        if self.threads not in (64, 128, 256):
+            raise ValueError(f"{ENV_THREADS}={self.threads}: choose 64, 128 or 256")
+        self._pointers: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     def kernel_info(self) -> dict[str, dict[str, int]]:
         """Registers, spills and shared memory of the compiled kernels (for benchmarks)."""
         return {
-            f"gf_matmul_v{v}": {
+            f"gf_matmul_{v}": {
                 "registers": f.num_regs,
                 "local_bytes": f.local_size_bytes,
                 "shared_bytes": f.shared_size_bytes,
@@ -71,16 +80,38 @@ class CudaKernel(GFKernel):
             n_rb = -(-coeffs.rows // ROWS_PER_BLOCK)
             padded = np.zeros((n_rb * ROWS_PER_BLOCK, coeffs.cols), dtype=np.uint16)
             padded[: coeffs.rows] = coeffs.matrix
-            c = torch.from_numpy(padded).to(device)
+            c = torch.from_numpy(padded).pin_memory().to(device, non_blocking=True)
             t = torch.empty(n_rb * coeffs.cols * 512, dtype=torch.int32, device=device)
             with self._launch_ctx(device):
                 blocks = min(4096, -(-t.numel() // THREADS))
                 self._build(
                     (blocks,), (THREADS,),
-                    (c.data_ptr(), t.data_ptr(), np.int32(coeffs.cols), np.int32(n_rb)),
+                    (np.uint64(c.data_ptr()), np.uint64(t.data_ptr()), np.int32(coeffs.cols), np.int32(n_rb)),
                 )
+            c.record_stream(torch.cuda.current_stream(device))
             coeffs.derived[key] = t
         return t
+
+    def _pointer_table(self, device: torch.device, ptrs: list[int]) -> torch.Tensor:
+        """Page addresses on the device; cached, since groups are encoded again and again.
+
+        Copied from pinned memory without blocking the host, so the GPU never idles
+        while Python prepares the next call.
+        """
+        key = (device.index, tuple(ptrs))
+        table = self._pointers.get(key)
+        if table is None:
+            host = torch.tensor(ptrs, dtype=torch.int64).pin_memory()
+            table = host.to(device, non_blocking=True)
+            self._pointers[key] = table
+            if len(self._pointers) > _POINTER_CACHE:
+                self._pointers.popitem(last=False)
+        else:
+            self._pointers.move_to_end(key)
+        # The allocator must not hand this memory out again (after eviction) before
+        # every kernel that reads it on this stream has finished.
+        table.record_stream(torch.cuda.current_stream(device))
+        return table
 
     def _launch_ctx(self, device: torch.device):
         cp = self._cupy
@@ -90,7 +121,7 @@ class CudaKernel(GFKernel):
             def __enter__(s):
                 s.dev = cp.cuda.Device(device.index)
                 s.dev.__enter__()
-                s.stream = cp.cuda.ExternalStream(stream.cuda_stream, device.index)
+                s.stream = cp.cuda.Stream.from_external(stream)
                 s.stream.__enter__()
 
             def __exit__(s, *exc):
@@ -115,29 +146,23 @@ class CudaKernel(GFKernel):
         tables = self.tables(coeffs, device)
         n_bytes = outputs[0].numel()
         pages = list(inputs) + list(outputs) + (list(xor_with) if xor_with is not None else [])
-        vec = 8 if n_bytes % 16 == 0 and all(p.data_ptr() % 16 == 0 for p in pages) else 1
+        ptrs = [p.data_ptr() for p in pages]
+        vec = 8 if n_bytes % 16 == 0 and all(a % 16 == 0 for a in ptrs) else 1
         n_items = n_bytes // (2 * vec)
-        ptrs = [p.data_ptr() for p in inputs]
-        ptrs += [p.data_ptr() for p in outputs]
-        if xor_with is not None:
-            ptrs += [p.data_ptr() for p in xor_with]
-        # One small host->device copy carries every page address of the call.
-        table = torch.tensor(ptrs, dtype=torch.int64).to(device, non_blocking=False)
+        table = self._pointer_table(device, ptrs)
         k, r = len(inputs), len(outputs)
         in_ptr = table.data_ptr()
         out_ptr = in_ptr + 8 * k
         in2_ptr = out_ptr + 8 * r if xor_with is not None else 0
         n_rb = -(-r // ROWS_PER_BLOCK)
-        grid = (-(-n_items // THREADS), n_rb)
+        threads = self.threads if vec == 8 else THREADS
+        grid = (-(-n_items // threads), n_rb)
         with self._launch_ctx(device):
-            self._fn[vec](
-                grid, (THREADS,),
+            self._fn["v8" if vec == 8 else "v1"](
+                grid, (threads,),
                 (
-                    np.uint64(in_ptr), np.uint64(in2_ptr), np.uint64(out_ptr), tables.data_ptr(),
+                    np.uint64(in_ptr), np.uint64(in2_ptr), np.uint64(out_ptr), np.uint64(tables.data_ptr()),
                     np.int32(k), np.int32(coeffs.cols), np.int32(col_offset),
                     np.int64(n_items), np.int32(r), np.int32(1 if accumulate else 0),
                 ),
             )
-        # The pointer table must live until the kernel has read it: tie its lifetime
-        # to the stream instead of synchronizing.
-        table.record_stream(torch.cuda.current_stream(device))

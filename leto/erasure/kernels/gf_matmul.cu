@@ -120,6 +120,13 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
 #pragma unroll
     for (int p = 0; p < PAIRS; ++p) acc[s][p] = 0;
 
+  // Data for page k+1 is loaded while page k is multiplied, so the long run of
+  // shared-memory lookups hides the global-memory latency of the next page.
+  Vec<SYMS> cur, nxt;
+  if (active) {
+    cur.load(reinterpret_cast<const unsigned char*>(in_ptrs[0]), item);
+    if (in2_ptrs) cur.xor_load(reinterpret_cast<const unsigned char*>(in2_ptrs[0]), item);
+  }
   const int n_stages = (n_inputs + STAGE - 1) / STAGE;
   stage_tables(tab[0], T, min(STAGE, n_inputs));
   __syncthreads();
@@ -129,22 +136,29 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
     if (st + 1 < n_stages)
       stage_tables(tab[(st + 1) & 1], T + (long long)(base + STAGE) * WORDS_PER_PAGE,
                    min(STAGE, n_inputs - base - STAGE));
-    const unsigned int* cur = tab[st & 1];
+    const unsigned int* cur_tab = tab[st & 1];
     if (active) {
-      for (int j = 0; j < here; ++j) {
-        Vec<SYMS> d;
-        d.load(reinterpret_cast<const unsigned char*>(in_ptrs[base + j]), item);
-        if (in2_ptrs) d.xor_load(reinterpret_cast<const unsigned char*>(in2_ptrs[base + j]), item);
-        const unsigned int* t = cur + j * WORDS_PER_PAGE;
 #pragma unroll
-        for (int s = 0; s < SYMS; ++s) {
-          const unsigned int x = d.sym(s);
-#pragma unroll
-          for (int pos = 0; pos < 4; ++pos) {
-            const unsigned int* tp = t + pos * (PAIRS * 16) + ((x >> (4 * pos)) & 15u);
-#pragma unroll
-            for (int p = 0; p < PAIRS; ++p) acc[s][p] ^= tp[p * 16];
+      for (int j = 0; j < STAGE; ++j) {
+        if (j < here) {
+          const int k = base + j;
+          if (k + 1 < n_inputs) {
+            nxt.load(reinterpret_cast<const unsigned char*>(in_ptrs[k + 1]), item);
+            if (in2_ptrs)
+              nxt.xor_load(reinterpret_cast<const unsigned char*>(in2_ptrs[k + 1]), item);
           }
+          const unsigned int* t = cur_tab + j * WORDS_PER_PAGE;
+#pragma unroll
+          for (int s = 0; s < SYMS; ++s) {
+            const unsigned int x = cur.sym(s);
+#pragma unroll
+            for (int pos = 0; pos < 4; ++pos) {
+              const unsigned int* tp = t + pos * (PAIRS * 16) + ((x >> (4 * pos)) & 15u);
+#pragma unroll
+              for (int p = 0; p < PAIRS; ++p) acc[s][p] ^= tp[p * 16];
+            }
+          }
+          cur = nxt;
         }
       }
     }
