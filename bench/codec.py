@@ -65,7 +65,9 @@ def copy_bandwidth(device: torch.device, n_bytes: int, reps: int) -> float:
     return 2 * n_bytes / t
 
 
-def run(device: torch.device, D: int, H: int, S: int, reps: int, lost: int, chunks: list[int]) -> dict:
+def run(
+    device: torch.device, D: int, H: int, S: int, reps: int, lost: int, chunks: list[int]
+) -> dict:
     rs = ReedSolomon(D, H)
     g = torch.Generator(device=device).manual_seed(0)
     data = torch.randint(0, 256, (D, S), dtype=torch.uint8, device=device, generator=g)
@@ -109,7 +111,9 @@ def run(device: torch.device, D: int, H: int, S: int, reps: int, lost: int, chun
     t = timer(device, lambda: rs.reconstruct(data, parity, erased), reps)
     add(f"reconstruct {lost} of {D}", t, D * S, (D + lost) * S)
     return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
         "D": D,
@@ -132,11 +136,22 @@ def by_name_info(device: torch.device) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    ap.add_argument("--data-pages", type=int, default=1024, help="D, data pages per protection group")
+    ap.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda"
+    )
+    ap.add_argument(
+        "--data-pages", type=int, default=1024, help="D, data pages per protection group"
+    )
     ap.add_argument("--parity-pages", type=int, default=16, help="H1, tier-1 parity pages")
-    ap.add_argument("--page-bytes", type=int, default=None, help="page size (default 2 MiB on cuda, 4 KiB on cpu)")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 cuda, 2 cpu)")
+    ap.add_argument(
+        "--page-bytes",
+        type=int,
+        default=None,
+        help="page size (default 2 MiB on cuda, 4 KiB on cpu)",
+    )
+    ap.add_argument(
+        "--reps", type=int, default=None, help="timed repetitions (default 20 cuda, 2 cpu)"
+    )
     ap.add_argument("--lost", type=int, default=16, help="pages lost for the reconstruct figure")
     ap.add_argument("--chunks", default="1,4,16,64", help="update chunk sizes in pages")
     ap.add_argument("--json-out", default=None, help="write the results as JSON here")
@@ -144,13 +159,32 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     S = args.page_bytes or ((2 << 20) if device.type == "cuda" else 4096)
     reps = args.reps or (20 if device.type == "cuda" else 2)
-    res = run(device, args.data_pages, args.parity_pages, S, reps, args.lost, [int(c) for c in args.chunks.split(",")])
-    res["command"] = "python -m bench.codec " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-    table = Table(title=f"codec on {res['device']}  D={res['D']} H={res['H']} S={S} B  copy {res['copy_GBps']:.0f} GB/s")
+    res = run(
+        device,
+        args.data_pages,
+        args.parity_pages,
+        S,
+        reps,
+        args.lost,
+        [int(c) for c in args.chunks.split(",")],
+    )
+    res["command"] = "python -m bench.codec " + " ".join(
+        argv if argv is not None else __import__("sys").argv[1:]
+    )
+    table = Table(
+        title=f"codec on {res['device']}  D={res['D']} H={res['H']} S={S} B  copy {res['copy_GBps']:.0f} GB/s"
+    )
     for col in ("op", "ms", "host ms/call", "GB/s of data", "floor ms", "x floor"):
         table.add_column(col, justify="right")
     for r in res["results"]:
-        table.add_row(escape(r["op"]), f"{r['ms']:.3f}", f"{r['host_ms']:.3f}", f"{r['data_GBps']:.3g}", f"{r['floor_ms']:.3f}", f"{r['x_floor']:.1f}")
+        table.add_row(
+            escape(r["op"]),
+            f"{r['ms']:.3f}",
+            f"{r['host_ms']:.3f}",
+            f"{r['data_GBps']:.3g}",
+            f"{r['floor_ms']:.3f}",
+            f"{r['x_floor']:.1f}",
+        )
     Console().print(table)
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -124,7 +124,9 @@ def _special_floats() -> list[float]:
     return [0.0, -0.0, float("inf"), float("-inf"), nan_payload, 1e-45, -3.4e38]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
+)
 def test_any_dtype_round_trips_bit_exactly(dtype):
     D, H = 12, 4
     rs = ReedSolomon(D, H)
@@ -160,7 +162,10 @@ def test_pages_as_a_list_of_separate_tensors():
     pages[2].zero_()
     pages[4].zero_()
     rs.reconstruct(pages, parity, [2, 4])
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(pages, original, strict=True))
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(pages, original, strict=True)
+    )
 
 
 def test_generator_matrix_shape_and_first_row_is_xor():
@@ -179,7 +184,11 @@ def test_largest_group_is_accepted_and_one_more_is_refused():
 
 def test_mismatched_page_sizes_are_named():
     rs = ReedSolomon(3, 2)
-    pages = [torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8), torch.zeros(9, dtype=torch.uint8)]
+    pages = [
+        torch.zeros(8, dtype=torch.uint8),
+        torch.zeros(8, dtype=torch.uint8),
+        torch.zeros(9, dtype=torch.uint8),
+    ]
     with pytest.raises(PageShapeError, match="group 4: data page 2 has 9 bytes, page 0 has 8"):
         rs.encode(pages, group=4)
 
@@ -194,7 +203,10 @@ def test_mismatched_dtypes_are_named():
     with pytest.raises(PageDTypeError, match="page 1 has dtype torch.int32"):
         rs.encode([torch.zeros(2), torch.zeros(2, dtype=torch.int32)])
     parity = rs.encode(torch.zeros(2, 8))
-    with pytest.raises(PageShapeError, match="old pages are 32 bytes of torch.float32, new pages 32 bytes of torch.int32"):
+    with pytest.raises(
+        PageShapeError,
+        match="old pages are 32 bytes of torch.float32, new pages 32 bytes of torch.int32",
+    ):
         rs.update(parity, 0, torch.zeros(1, 8), torch.zeros(1, 8, dtype=torch.int32))
 
 

@@ -53,8 +53,12 @@ def test_cuda_kernel_equals_cpu_kernel_on_random_data(n_bytes, rows, misaligned)
         gbuf = torch.stack(start).cuda()
         got_outs = [gbuf[i] for i in range(rows)]
         by_name("cuda").matmul(
-            m, [p.cuda() for p in ins], got_outs, col_offset=offset,
-            xor_with=[p.cuda() for p in xs], accumulate=accumulate,
+            m,
+            [p.cuda() for p in ins],
+            got_outs,
+            col_offset=offset,
+            xor_with=[p.cuda() for p in xs],
+            accumulate=accumulate,
         )
         for r in range(rows):
             assert torch.equal(got_outs[r].cpu(), want[r]), f"row {r} (accumulate={accumulate})"
@@ -69,7 +73,9 @@ def test_gpu_encode_equals_cpu_encode_with_odd_pages():
 def test_full_group_of_2mib_pages_rebuilds_16_pages_and_updates_on_gpu():
     D, S = 1024, 2 << 20
     code = TwoTierCode(D, 16, 1)
-    data = torch.randint(-(2**31), 2**31 - 1, (D, S // 4), dtype=torch.int32, device="cuda").view(torch.float32)
+    data = torch.randint(-(2**31), 2**31 - 1, (D, S // 4), dtype=torch.int32, device="cuda").view(
+        torch.float32
+    )
     t1, t2 = code.encode(data)
     want = data.clone()
     # A chunk of 64 pages changes: the incremental update must equal re-encoding.

@@ -44,7 +44,9 @@ def test_cpu_kernel_equals_galois_for_every_multiplier_constant():
         got = out.numpy().view("<u2").astype(np.int64)
         expected = np.array(GF(consts)[:, None] * expected_d[None, :], dtype=np.int64)
         bad = np.argwhere(got != expected)
-        assert bad.size == 0, f"constant {consts[bad[0][0]]:#x} times {EVERY_BYTE[bad[0][1]]:#x} is wrong"
+        assert bad.size == 0, (
+            f"constant {consts[bad[0][0]]:#x} times {EVERY_BYTE[bad[0][1]]:#x} is wrong"
+        )
 
 
 def test_reference_kernel_equals_galois_on_sampled_constants():

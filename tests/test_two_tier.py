@@ -57,8 +57,12 @@ def test_rebuild_succeeds_exactly_when_decodable(lost_data, lost_t1, lost_t2, se
     if not decodable:
         before = (data.clone(), t1.clone(), t2.clone())
         with pytest.raises(TooManyErasures, match="protection group 3"):
-            code.reconstruct(data, t1, t2, lost_data=lost_data, lost_tier1=lost_t1, lost_tier2=lost_t2, group=3)
-        assert all(torch.equal(a, b) for a, b in zip((data, t1, t2), before, strict=True)), "a refused rebuild wrote pages"
+            code.reconstruct(
+                data, t1, t2, lost_data=lost_data, lost_tier1=lost_t1, lost_tier2=lost_t2, group=3
+            )
+        assert all(torch.equal(a, b) for a, b in zip((data, t1, t2), before, strict=True)), (
+            "a refused rebuild wrote pages"
+        )
         return
     code.reconstruct(data, t1, t2, lost_data=lost_data, lost_tier1=lost_t1, lost_tier2=lost_t2)
     assert torch.equal(data, want[0]) and torch.equal(t1, want[1]) and torch.equal(t2, want[2])

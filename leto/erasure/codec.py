@@ -40,7 +40,9 @@ class ReedSolomon:
     fast one for the pages' device is used.
     """
 
-    def __init__(self, data_pages: int = 1024, parity_pages: int = 16, *, kernel: str | None = None):
+    def __init__(
+        self, data_pages: int = 1024, parity_pages: int = 16, *, kernel: str | None = None
+    ):
         if not isinstance(data_pages, int) or not isinstance(parity_pages, int):
             raise TypeError("data_pages and parity_pages must be integers")
         self.data_pages = data_pages
@@ -155,7 +157,9 @@ class ReedSolomon:
         same_device(group, d, p)
         if len(lost) > H:
             n_data = sum(i < D for i in lost)
-            raise TooManyErasures(group, len(lost), H, f"{n_data} data and {len(lost) - n_data} parity pages")
+            raise TooManyErasures(
+                group, len(lost), H, f"{n_data} data and {len(lost) - n_data} parity pages"
+            )
         if not lost:
             return
         lost_data = [i for i in lost if i < D]
@@ -169,7 +173,9 @@ class ReedSolomon:
 
     # -- internals -----------------------------------------------------------------
 
-    def _decode_data(self, kernel: GFKernel, d: PageList, p: PageList, lost: list[int], lost_parity: list[int]) -> None:
+    def _decode_data(
+        self, kernel: GFKernel, d: PageList, p: PageList, lost: list[int], lost_parity: list[int]
+    ) -> None:
         # With the lost pages taken as zero, the generator gives syndromes
         #   S = G · d'  so that  parity_P ⊕ S_P = G[P][:, lost] · x = A · x
         # for any e surviving parity rows P, hence  x = A⁻¹ · (S_P ⊕ parity_P).

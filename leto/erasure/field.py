@@ -125,9 +125,13 @@ def cauchy_generator(data_pages: int, parity_pages: int) -> np.ndarray:
     Plain Vandermonde rows are avoided: 3 divides 65535, so some of their minors vanish.
     """
     if data_pages < 1 or parity_pages < 1:
-        raise ValueError(f"need at least one data and one parity page, got D={data_pages}, H={parity_pages}")
+        raise ValueError(
+            f"need at least one data and one parity page, got D={data_pages}, H={parity_pages}"
+        )
     if data_pages + parity_pages > ORDER:
-        raise ValueError(f"D + H = {data_pages + parity_pages} exceeds {ORDER}, the most GF(2^16) allows")
+        raise ValueError(
+            f"D + H = {data_pages + parity_pages} exceeds {ORDER}, the most GF(2^16) allows"
+        )
     x = np.arange(parity_pages, dtype=np.int64)[:, None]
     y = np.arange(parity_pages, parity_pages + data_pages, dtype=np.int64)[None, :]
     denom = x ^ y  # never 0: x < H <= y

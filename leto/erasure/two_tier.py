@@ -70,13 +70,26 @@ class TwoTierCode:
         """Re-encode tier 2 from tier 1 (after tier 1 changed): reads H1 pages only."""
         self.tier2.encode(tier1, out=tier2, group=group)
 
-    def update(self, tier1: PageInput, tier2: PageInput, first_page: int, old: PageInput, new: PageInput, *, group: object = None) -> None:
+    def update(
+        self,
+        tier1: PageInput,
+        tier2: PageInput,
+        first_page: int,
+        old: PageInput,
+        new: PageInput,
+        *,
+        group: object = None,
+    ) -> None:
         """Incremental update of both tiers for a run of changed data pages."""
         self.tier1.update(tier1, first_page, old, new, group=group)
         self.refresh_tier2(tier1, tier2, group=group)
 
-    def verify(self, data: PageInput, tier1: PageInput, tier2: PageInput, *, group: object = None) -> bool:
-        return self.tier1.verify(data, tier1, group=group) and self.tier2.verify(tier1, tier2, group=group)
+    def verify(
+        self, data: PageInput, tier1: PageInput, tier2: PageInput, *, group: object = None
+    ) -> bool:
+        return self.tier1.verify(data, tier1, group=group) and self.tier2.verify(
+            tier1, tier2, group=group
+        )
 
     def reconstruct(
         self,
@@ -129,5 +142,7 @@ class TwoTierCode:
                     f"protection group {group_name(group)}: lost {what} page {i} outside 0..{limit - 1}; nothing was rebuilt"
                 )
         if len(set(items)) != len(items):
-            raise PageRangeError(f"protection group {group_name(group)}: lost {what} pages {items} name a page twice")
+            raise PageRangeError(
+                f"protection group {group_name(group)}: lost {what} pages {items} name a page twice"
+            )
         return tuple(sorted(items))

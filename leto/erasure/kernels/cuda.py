@@ -85,8 +85,14 @@ class CudaKernel(GFKernel):
             with self._launch_ctx(device):
                 blocks = min(4096, -(-t.numel() // THREADS))
                 self._build(
-                    (blocks,), (THREADS,),
-                    (np.uint64(c.data_ptr()), np.uint64(t.data_ptr()), np.int32(coeffs.cols), np.int32(n_rb)),
+                    (blocks,),
+                    (THREADS,),
+                    (
+                        np.uint64(c.data_ptr()),
+                        np.uint64(t.data_ptr()),
+                        np.int32(coeffs.cols),
+                        np.int32(n_rb),
+                    ),
                 )
             c.record_stream(torch.cuda.current_stream(device))
             coeffs.derived[key] = t
@@ -159,10 +165,18 @@ class CudaKernel(GFKernel):
         grid = (-(-n_items // threads), n_rb)
         with self._launch_ctx(device):
             self._fn["v8" if vec == 8 else "v1"](
-                grid, (threads,),
+                grid,
+                (threads,),
                 (
-                    np.uint64(in_ptr), np.uint64(in2_ptr), np.uint64(out_ptr), np.uint64(tables.data_ptr()),
-                    np.int32(k), np.int32(coeffs.cols), np.int32(col_offset),
-                    np.int64(n_items), np.int32(r), np.int32(1 if accumulate else 0),
+                    np.uint64(in_ptr),
+                    np.uint64(in2_ptr),
+                    np.uint64(out_ptr),
+                    np.uint64(tables.data_ptr()),
+                    np.int32(k),
+                    np.int32(coeffs.cols),
+                    np.int32(col_offset),
+                    np.int64(n_items),
+                    np.int32(r),
+                    np.int32(1 if accumulate else 0),
                 ),
             )

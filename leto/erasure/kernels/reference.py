@@ -35,7 +35,10 @@ class ReferenceKernel(GFKernel):
     ) -> None:
         ins = [_symbols(p) for p in inputs]
         if xor_with is not None:
-            ins = [[a ^ b for a, b in zip(x, _symbols(y), strict=True)] for x, y in zip(ins, xor_with, strict=True)]
+            ins = [
+                [a ^ b for a, b in zip(x, _symbols(y), strict=True)]
+                for x, y in zip(ins, xor_with, strict=True)
+            ]
         for r, out in enumerate(outputs):
             acc = _symbols(out) if accumulate else [0] * (out.numel() // 2)
             for k, sym in enumerate(ins):
