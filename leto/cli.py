@@ -1,0 +1,82 @@
+"""The ``leto`` command. Subcommands are added as the runtime grows; each maps onto a
+frozen config or a module's public function, one flag to one field.
+
+    leto info            what this machine offers Leto: torch, devices, codec kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import leto
+from leto.erasure import FIELD_POLY
+
+
+def _codec_kernels() -> dict[str, str]:
+    found = {
+        "reference": "available (host, per-symbol Python)",
+        "cpu": "available (NumPy split tables)",
+    }
+    if not torch.cuda.is_available():
+        found["cuda"] = "unavailable: torch sees no CUDA device"
+        return found
+    try:
+        from leto.erasure.kernels import by_name
+
+        by_name("cuda")
+        found["cuda"] = f"available on {torch.cuda.get_device_name()}"
+    except Exception as e:  # report, don't crash: this command is for diagnosis
+        found["cuda"] = f"unavailable: {e}"
+    return found
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = {
+        "leto": leto.__version__,
+        "torch": torch.__version__,
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "field_poly": hex(FIELD_POLY),
+        "codec_kernels": _codec_kernels(),
+    }
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    table = Table(title="leto info")
+    table.add_column("item")
+    table.add_column("value")
+    for k, v in info.items():
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                table.add_row(f"{k}.{kk}", str(vv))
+        else:
+            table.add_row(k, str(v))
+    Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="leto", description="Leto: in-place recovery for PyTorch training"
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser(
+        "info", help="show what this machine offers Leto (torch, devices, codec kernels)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(fn=cmd_info)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The console scripts answer and tell the truth about the machine."""
+
+from __future__ import annotations
+
+import json
+
+from faultkit.cli import main as faultkit_main
+from faultkit.mechanisms import MEMFD_TRUNCATE, kernel_has_memory_failure
+from leto.cli import main as leto_main
+
+
+def test_leto_info_json(capsys):
+    assert leto_main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["field_poly"] == "0x1002d"
+    assert "cpu" in info["codec_kernels"]
+
+
+def test_faultkit_probe_reports_the_emulation_when_hwpoison_is_missing(capsys):
+    assert faultkit_main(["probe", "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    if not kernel_has_memory_failure():
+        assert m["host_poison"] == MEMFD_TRUNCATE
+        assert "CONFIG_MEMORY_FAILURE" in m["host_poison_why"]
