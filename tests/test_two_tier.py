@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from leto.erasure import PageRangeError, TooManyErasures, TwoTierCode
+from leto.erasure import PageRangeError, PageShapeError, TooManyErasures, TwoTierCode
 
 
 def setup(D=32, H1=4, H2=1, page_bytes=40, seed=0):
@@ -88,3 +88,10 @@ def test_bad_indices_are_refused_before_any_write():
     code, data, t1, t2 = setup()
     with pytest.raises(PageRangeError, match="lost tier-1 page 4 outside 0..3"):
         code.reconstruct(data, t1, t2, lost_tier1=[4])
+
+
+def test_wrong_tier_page_size_is_refused_before_any_write():
+    code, data, t1, t2 = setup()
+    short = t2[:, :-2].contiguous()
+    with pytest.raises(PageShapeError, match="tier-2 pages 38"):
+        code.reconstruct(data, t1, short, lost_data=[1])

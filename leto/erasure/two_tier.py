@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from leto.erasure.codec import ReedSolomon
-from leto.erasure.errors import PageRangeError, TooManyErasures
+from leto.erasure.errors import PageRangeError, PageShapeError, TooManyErasures
 from leto.erasure.pages import PageInput, as_pages, group_name, parity_page_bytes
 
 
@@ -109,10 +109,15 @@ class TwoTierCode:
         l2 = self._indices(lost_tier2, H2, "tier-2", group)
         # Validate every argument before the first write so a refusal changes nothing.
         d = as_pages(data, D, "data", group)
-        as_pages(tier1, H1, "tier-1", group)
-        as_pages(tier2, H2, "tier-2", group)
-        if parity_page_bytes(d.page_bytes) != as_pages(tier1, H1, "tier-1", group).page_bytes:
-            self.tier1.verify(data, tier1, group=group)  # raises the precise shape error
+        p1 = as_pages(tier1, H1, "tier-1", group)
+        p2 = as_pages(tier2, H2, "tier-2", group)
+        want = parity_page_bytes(d.page_bytes)
+        if p1.page_bytes != want or p2.page_bytes != want:
+            raise PageShapeError(
+                f"protection group {group_name(group)}: tier-1 pages are {p1.page_bytes} bytes and "
+                f"tier-2 pages {p2.page_bytes}, expected {want} for data pages of {d.page_bytes}; "
+                "nothing was rebuilt"
+            )
 
         # Tier 2 can rebuild lost tier-1 pages when tier 1 ∪ tier 2 has ≤ H2 erasures.
         via_t2 = len(l1) > 0 and len(l1) + len(l2) <= H2
