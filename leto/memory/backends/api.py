@@ -1,0 +1,92 @@
+"""Contracts of a page backend.
+
+A *page* is one physical allocation of ``page_bytes``: a memfd on the host, a
+``cuMemCreate`` handle on a GPU. The state manager *owns* pages (``PageOwner``): it
+creates them, keeps them alive across trainer deaths, exports a file descriptor per
+page for each attach, maps every allocation into its own address space to find lost
+pages, and replaces lost pages by fresh zeroed ones at the same addresses. A trainer
+*imports* pages (``PageImporter``): it maps the fds of one allocation contiguously and
+sees one flat uint8 tensor, without a copy.
+
+Not covered: protection (parity) and naming; those live in the state manager's table.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Mapping:
+    """One allocation mapped contiguously in this process.
+
+    ``tensor`` is a flat uint8 view of ``n_pages * page_bytes`` bytes starting at
+    ``address``. It is valid until ``unmap`` (``PageImporter.unmap`` /
+    ``PageOwner.unmap``); touching it afterwards is a use-after-free.
+    """
+
+    address: int
+    n_pages: int
+    page_bytes: int
+    tensor: torch.Tensor
+    extra: dict = field(default_factory=dict)  # backend bookkeeping (handles, buffers)
+
+    def page(self, i: int) -> torch.Tensor:
+        return self.tensor[i * self.page_bytes : (i + 1) * self.page_bytes]
+
+
+class PageOwner(abc.ABC):
+    """State-manager side. ``handle`` objects are backend-specific and never leave it."""
+
+    device: str
+    page_bytes: int
+    loss_mechanism: str  # what ``lose`` does, in words, for reports
+
+    @abc.abstractmethod
+    def create(self) -> object:
+        """A new zeroed physical page."""
+
+    @abc.abstractmethod
+    def export_fd(self, handle: object) -> int:
+        """A new file descriptor for the page; the caller closes it after sending."""
+
+    @abc.abstractmethod
+    def release(self, handle: object) -> None:
+        """Free the page (mappings elsewhere may keep the memory alive)."""
+
+    @abc.abstractmethod
+    def map(self, handles: list[object]) -> Mapping:
+        """Map pages contiguously in the owner (for localization and repair)."""
+
+    @abc.abstractmethod
+    def unmap(self, mapping: Mapping) -> None: ...
+
+    @abc.abstractmethod
+    def replace(self, mapping: Mapping, index: int, handle: object) -> None:
+        """Map a fresh page at page ``index`` of ``mapping`` (the lost one is gone)."""
+
+    @abc.abstractmethod
+    def failed_pages(self, mapping: Mapping) -> list[int]:
+        """Indices of pages of ``mapping`` that can no longer be read. Never touches
+        page contents in a way that could crash the owner."""
+
+    @abc.abstractmethod
+    def lose(self, mapping: Mapping, index: int, handle: object) -> None:
+        """Fault injection: make page ``index`` unreadable, as a memory error would."""
+
+
+class PageImporter(abc.ABC):
+    """Trainer side."""
+
+    device: str
+    page_bytes: int
+
+    @abc.abstractmethod
+    def map(self, fds: list[int]) -> Mapping:
+        """Import and map the pages contiguously; closes every fd it is given."""
+
+    @abc.abstractmethod
+    def unmap(self, mapping: Mapping) -> None: ...

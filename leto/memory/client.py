@@ -1,0 +1,234 @@
+"""Trainer side of the Resilient Memory Pool.
+
+Runs in the active (or promoted) trainer. ``PoolClient.connect`` says HELLO and, as a
+trainer, becomes the pool's owner under a new epoch (``takeover=True`` fences a live
+predecessor). ``attach`` maps an allocation by name and returns an ordinary tensor over
+the retained pages, with no copy; shapes come from the caller (e.g. a meta-device
+model), so nothing is allocated twice. Recovery order: ``localize`` (before anything
+is attached, so no lost page is ever touched), ``attach`` everything, ``reconstruct``
+(on the device where the pages live), which also tells the state manager the pages
+are rebuilt.
+
+Not covered: when parity is consistent with data (the updater's marker decides which
+parity is authoritative; ``reconstruct`` trusts the parity it finds).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from leto.erasure import TwoTierCode
+from leto.memory import protocol as P
+from leto.memory.backends import Mapping, importer_for
+from leto.memory.backends.host import HostPageImporter
+from leto.memory.config import AllocationKind, PoolConfig
+from leto.memory.errors import PoolError, PoolProtocolError, PoolTimeout
+
+
+@dataclass
+class GroupView:
+    """A protection group as the trainer sees it: page tensors, no copies."""
+
+    gid: int
+    kind: str
+    data: list[torch.Tensor]  # on the pool's device (host for records)
+    tier1: list[torch.Tensor]  # host memory
+    tier2: list[torch.Tensor]  # host memory
+
+
+class PoolClient:
+    def __init__(self, sock: socket.socket, welcome: P.Welcome, role: str):
+        self.sock = sock
+        self.role = role
+        self.epoch = welcome.epoch
+        self.server_pid = welcome.server_pid
+        self.config = PoolConfig.from_dict(welcome.config)
+        self._maps: dict[str, tuple[Mapping, object, P.Allocated]] = {}
+        self._parity: list[tuple[object, Mapping]] = []
+        self._codes: dict[tuple[int, int, int], TwoTierCode] = {}
+
+    @classmethod
+    def connect(
+        cls,
+        socket_path: str | Path,
+        token: str,
+        *,
+        role: str = "trainer",
+        takeover: bool = False,
+        timeout_s: float = 10.0,
+    ) -> PoolClient:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(str(socket_path))
+        except TimeoutError:
+            sock.close()
+            raise PoolTimeout(f"could not connect to the state manager at {socket_path} within {timeout_s} s") from None
+        except OSError as e:
+            sock.close()
+            raise PoolError(f"no state manager at {socket_path}: {e.strerror}") from None
+        try:
+            welcome, _ = P.request(sock, P.Hello(P.PROTOCOL_VERSION, token, role, takeover), P.Welcome)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, welcome, role)
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- allocations ----------------------------------------------------------------
+
+    def attach(
+        self,
+        name: str,
+        nbytes: int | None = None,
+        *,
+        shape: tuple[int, ...] | torch.Size | None = None,
+        dtype: torch.dtype = torch.uint8,
+        kind: AllocationKind = AllocationKind.PROTECTED,
+    ) -> torch.Tensor:
+        """The retained allocation ``name`` as a tensor (created zeroed on first use).
+
+        Give ``shape`` and ``dtype`` (or ``nbytes`` for a flat byte tensor). Attaching
+        again to an existing name with another size or kind raises AllocationMismatch.
+        """
+        if shape is not None:
+            numel = 1
+            for s in shape:
+                numel *= int(s)
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes is None:
+            raise ValueError(f"attach({name!r}) needs nbytes or shape and dtype")
+        if name not in self._maps:
+            reply, fds = P.request(self.sock, P.Alloc(self.epoch, name, kind.value, int(nbytes)), P.Allocated)
+            fds = P.recv_fds(self.sock, reply.n_fds, fds)
+            device = "cpu" if kind is AllocationKind.RECORD else self.config.device
+            importer = importer_for(device, reply.page_bytes)
+            mapping = importer.map(fds)
+            self._maps[name] = (mapping, importer, reply)
+        mapping, _, info = self._maps[name]
+        if info.nbytes != nbytes or info.kind != kind.value:
+            raise PoolProtocolError(f"{name!r} is attached as {info.kind} of {info.nbytes} bytes, asked {kind.value} of {nbytes}")
+        flat = mapping.tensor[:nbytes]
+        if shape is None:
+            return flat
+        return flat.view(dtype).view(tuple(shape))
+
+    def attach_like(self, name: str, like: torch.Tensor, kind: AllocationKind = AllocationKind.PROTECTED) -> torch.Tensor:
+        """Attach with the shape and dtype of ``like`` (a meta-device tensor is enough)."""
+        return self.attach(name, shape=like.shape, dtype=like.dtype, kind=kind)
+
+    # -- protection -----------------------------------------------------------------
+
+    def layout(self) -> list[GroupView]:
+        """Every protection group with its data and parity pages mapped here."""
+        reply, fds = P.request(self.sock, P.Layout(self.epoch), P.LayoutReply)
+        fds = P.recv_fds(self.sock, reply.n_fds, fds)
+        for importer, mapping in self._parity:
+            importer.unmap(mapping)
+        self._parity = []
+        views, pos = [], 0
+        for g in reply.groups:
+            n = g["tier1"] + g["tier2"]
+            importer = HostPageImporter(g["page_bytes"])
+            mapping = importer.map(fds[pos : pos + n])
+            pos += n
+            self._parity.append((importer, mapping))
+            pages = [mapping.page(i) for i in range(n)]
+            data = []
+            for name, first, count in g["members"]:
+                if name not in self._maps:
+                    raise PoolError(f"group {g['gid']} holds pages of {name!r}, which is not attached here; attach every protected allocation first")
+                m = self._maps[name][0]
+                data += [m.page(i) for i in range(first, first + count)]
+            views.append(GroupView(g["gid"], g["kind"], data, pages[: g["tier1"]], pages[g["tier1"] :]))
+        return views
+
+    def _code(self, g: GroupView) -> TwoTierCode:
+        key = (len(g.data), len(g.tier1), len(g.tier2))
+        if key not in self._codes:
+            self._codes[key] = TwoTierCode(*key)
+        return self._codes[key]
+
+    def encode_parity(self) -> None:
+        """Compute both parity tiers of every group from the data as it is now."""
+        for g in self.layout():
+            device = g.data[0].device
+            t1, t2 = self._code(g).encode(g.data)
+            for dst, src in zip(g.tier1 + g.tier2, list(t1) + list(t2), strict=True):
+                dst.copy_(src if device.type == "cpu" else src.cpu())
+
+    def localize(self) -> dict:
+        """Ask the state manager to find and replace lost pages; returns its report."""
+        if self._maps:
+            raise PoolError("localize before attaching: pages mapped here may be the lost ones")
+        reply, _ = P.request(self.sock, P.Localize(self.epoch), P.Localized)
+        return reply.report
+
+    def reconstruct(self, report: dict) -> dict:
+        """Rebuild every page the report marks, on the device where it lives.
+
+        Raises ``TooManyErasures`` (a FatalFailure naming the group and counts) when a
+        group lost more than its parity covers; nothing of that group is written then.
+        """
+        t0 = time.perf_counter()
+        marked = report.get("groups", {})
+        if not marked:
+            return {"groups": 0, "data_pages": 0, "tier1_pages": 0, "tier2_pages": 0, "seconds": 0.0}
+        views = {g.gid: g for g in self.layout()}
+        totals = {"data": 0, "tier1": 0, "tier2": 0}
+        for gid_text, lost in marked.items():
+            g = views[int(gid_text)]
+            device = g.data[0].device
+            t1 = torch.stack(g.tier1).to(device)  # host parity staged where the data lives
+            t2 = torch.stack(g.tier2).to(device)
+            self._code(g).reconstruct(
+                g.data, t1, t2, lost_data=lost["data"], lost_tier1=lost["tier1"], lost_tier2=lost["tier2"], group=g.gid
+            )
+            for tier, staged, host in (("tier1", t1, g.tier1), ("tier2", t2, g.tier2)):
+                for j in lost[tier]:
+                    host[j].copy_(staged[j])
+            for t in totals:
+                totals[t] += len(lost[t])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        P.request(self.sock, P.MarkRebuilt(self.epoch, [int(k) for k in marked]), P.Ok)
+        return {
+            "groups": len(marked),
+            "data_pages": totals["data"],
+            "tier1_pages": totals["tier1"],
+            "tier2_pages": totals["tier2"],
+            "seconds": time.perf_counter() - t0,
+        }
+
+    # -- other requests -------------------------------------------------------------
+
+    def status(self) -> dict:
+        reply, _ = P.request(self.sock, P.Status(), P.StatusReply)
+        return reply.status
+
+    def inject_loss(self, target: str, name: str | int, pages: list[int]) -> None:
+        """Fault injection (role faultkit, pool started with allow_fault_injection)."""
+        P.request(self.sock, P.InjectLoss(target, str(name), list(pages)), P.Ok)
+
+    def shutdown(self) -> None:
+        P.request(self.sock, P.Shutdown(), P.Ok)
+
+    def close(self) -> None:
+        """Unmap everything this trainer mapped; retained memory stays with the pool."""
+        for mapping, importer, _ in self._maps.values():
+            importer.unmap(mapping)
+        for importer, mapping in self._parity:
+            importer.unmap(mapping)
+        self._maps.clear()
+        self._parity = []
+        self.sock.close()

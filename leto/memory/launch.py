@@ -1,0 +1,87 @@
+"""Starting and stopping a state-manager process (used by the launcher and the tests).
+
+Runs in the parent (launcher/agent or test). The state manager is a separate process
+started with ``python -m leto.memory.state_manager``: it must outlive trainers, so it
+is never a child of one. Readiness is the line READY on its stdout, awaited with a
+timeout; the job token travels in the environment, not on the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import select
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from leto.memory.config import ENV_POOL_TOKEN, SOCKET_NAME, PoolConfig
+from leto.memory.errors import PoolTimeout
+
+
+@dataclass
+class StateManagerProcess:
+    proc: subprocess.Popen
+    socket_dir: Path
+    token: str
+    config: PoolConfig
+
+    @property
+    def socket_path(self) -> Path:
+        return self.socket_dir / SOCKET_NAME
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """Shut down cleanly (SHUTDOWN as admin), SIGKILL if it does not exit in time."""
+        if self.proc.poll() is None:
+            try:
+                from leto.memory.client import PoolClient
+
+                with PoolClient.connect(self.socket_path, self.token, role="admin", timeout_s=timeout_s) as c:
+                    c.shutdown()
+            except Exception:
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+        return self.proc.returncode
+
+
+def private_dir(prefix: str = "leto-pool-") -> Path:
+    """A fresh directory only this user can enter (mode 0700)."""
+    return Path(tempfile.mkdtemp(prefix=prefix))  # mkdtemp creates it 0700
+
+
+def start_state_manager(
+    config: PoolConfig,
+    socket_dir: Path | None = None,
+    token: str | None = None,
+    timeout_s: float = 30.0,
+) -> StateManagerProcess:
+    socket_dir = Path(socket_dir) if socket_dir else private_dir()
+    token = token or secrets.token_hex(16)
+    env = dict(os.environ, **{ENV_POOL_TOKEN: token})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "leto.memory.state_manager", "--socket-dir", str(socket_dir), "--config", json.dumps(config.as_dict())],
+        stdout=subprocess.PIPE,
+        env=env,
+        start_new_session=True,  # survives a signal sent to the trainer's process group
+    )
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline().strip() if ready else b""
+    if line != b"READY":
+        proc.kill()
+        proc.wait(5)
+        raise PoolTimeout(
+            f"state manager did not report READY within {timeout_s} s (exit code {proc.returncode}); "
+            "see its stderr above"
+        )
+    return StateManagerProcess(proc, socket_dir, token, config)

@@ -1,0 +1,316 @@
+"""Every message between a state manager and its peers: an enum plus dataclasses.
+
+Transport: a Unix SOCK_SEQPACKET socket, so each message is one datagram with its
+boundaries kept and its file descriptors (SCM_RIGHTS) attached to it. A message is
+UTF-8 JSON ``{"v": PROTOCOL_VERSION, "op": <Op name>, "body": {...}}`` of at most
+``MAX_MESSAGE_BYTES``; the body's keys and value types must match the op's dataclass
+exactly. A reply that carries more than ``FD_BATCH`` descriptors announces ``n_fds``
+and is followed by ``FDS`` messages of at most ``FD_BATCH`` each (the kernel caps one
+message at 253).
+
+Not covered: confidentiality (peers are on one host, same user, checked with
+SO_PEERCRED and a job token by the state manager).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import socket
+import typing
+from dataclasses import dataclass
+
+from leto.memory.errors import PoolProtocolError, PoolTimeout, remote_error
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 256 * 1024
+FD_BATCH = 250
+MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
+
+
+class Op(enum.Enum):
+    HELLO = "HELLO"
+    WELCOME = "WELCOME"
+    ALLOC = "ALLOC"
+    ALLOCATED = "ALLOCATED"
+    LAYOUT = "LAYOUT"
+    LAYOUT_REPLY = "LAYOUT_REPLY"
+    LOCALIZE = "LOCALIZE"
+    LOCALIZED = "LOCALIZED"
+    MARK_REBUILT = "MARK_REBUILT"
+    STATUS = "STATUS"
+    STATUS_REPLY = "STATUS_REPLY"
+    INJECT_LOSS = "INJECT_LOSS"
+    SHUTDOWN = "SHUTDOWN"
+    FDS = "FDS"
+    OK = "OK"
+    ERROR = "ERROR"
+
+
+class Role(enum.Enum):
+    TRAINER = "trainer"  # owns the pool under an epoch; one at a time
+    OBSERVER = "observer"  # status only (leto pool status)
+    FAULTKIT = "faultkit"  # may inject page loss when the pool allows it
+    ADMIN = "admin"  # the launcher: may shut the state manager down
+
+
+@dataclass(frozen=True)
+class Hello:
+    version: int
+    token: str
+    role: str
+    takeover: bool = False
+
+
+@dataclass(frozen=True)
+class Welcome:
+    epoch: int
+    server_pid: int
+    config: dict
+
+
+@dataclass(frozen=True)
+class Alloc:
+    epoch: int
+    name: str
+    kind: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Allocated:
+    name: str
+    kind: str
+    nbytes: int
+    n_pages: int
+    page_bytes: int
+    created: bool
+    n_fds: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    epoch: int
+
+
+@dataclass(frozen=True)
+class LayoutReply:
+    groups: list  # [{"gid", "kind", "members": [[name, page], ...], "tier1", "tier2", "page_bytes"}]
+    n_fds: int  # tier-1 then tier-2 page fds of every group, in group order
+
+
+@dataclass(frozen=True)
+class Localize:
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Localized:
+    report: dict
+
+
+@dataclass(frozen=True)
+class MarkRebuilt:
+    epoch: int
+    groups: list
+
+
+@dataclass(frozen=True)
+class Status:
+    pass
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    status: dict
+
+
+@dataclass(frozen=True)
+class InjectLoss:
+    target: str  # "data" (pages of an allocation) or "tier1"/"tier2" (pages of a group)
+    name: str  # allocation name for "data", group id as text for parity
+    pages: list
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class Fds:
+    count: int
+
+
+@dataclass(frozen=True)
+class Ok:
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Error:
+    code: str
+    message: str
+
+
+MESSAGES: dict[Op, type] = {
+    Op.HELLO: Hello,
+    Op.WELCOME: Welcome,
+    Op.ALLOC: Alloc,
+    Op.ALLOCATED: Allocated,
+    Op.LAYOUT: Layout,
+    Op.LAYOUT_REPLY: LayoutReply,
+    Op.LOCALIZE: Localize,
+    Op.LOCALIZED: Localized,
+    Op.MARK_REBUILT: MarkRebuilt,
+    Op.STATUS: Status,
+    Op.STATUS_REPLY: StatusReply,
+    Op.INJECT_LOSS: InjectLoss,
+    Op.SHUTDOWN: Shutdown,
+    Op.FDS: Fds,
+    Op.OK: Ok,
+    Op.ERROR: Error,
+}
+OPS: dict[type, Op] = {cls: op for op, cls in MESSAGES.items()}
+
+
+def encode(msg: object) -> bytes:
+    op = OPS[type(msg)]
+    data = json.dumps({"v": PROTOCOL_VERSION, "op": op.value, "body": dataclasses.asdict(msg)}).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise PoolProtocolError(f"{op.value} message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def _type_ok(value: object, tp: object) -> bool:
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    origin = typing.get_origin(tp) or tp
+    return isinstance(value, origin)
+
+
+def decode(data: bytes) -> object:
+    """Parse and validate one message; ``PoolProtocolError`` says what was wrong."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise PoolProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PoolProtocolError(f"message is not UTF-8 JSON: {e}") from None
+    if not isinstance(obj, dict) or set(obj) != {"v", "op", "body"}:
+        raise PoolProtocolError("message must be an object with exactly the keys v, op, body")
+    if obj["v"] != PROTOCOL_VERSION:
+        raise PoolProtocolError(f"protocol version {obj['v']!r} is not {PROTOCOL_VERSION}")
+    try:
+        op = Op(obj["op"])
+    except (ValueError, TypeError):
+        raise PoolProtocolError(f"unknown op {obj['op']!r}") from None
+    cls = MESSAGES[op]
+    body = obj["body"]
+    if not isinstance(body, dict):
+        raise PoolProtocolError(f"{op.value}: body must be an object")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(body) - set(fields)
+    if unknown:
+        raise PoolProtocolError(f"{op.value}: unknown fields {sorted(unknown)}")
+    for name, f in fields.items():
+        if name not in body:
+            if f.default is dataclasses.MISSING:
+                raise PoolProtocolError(f"{op.value}: missing field {name!r}")
+            continue
+        if not _type_ok(body[name], hints[name]):
+            raise PoolProtocolError(f"{op.value}: field {name!r} must be {getattr(hints[name], '__name__', hints[name])}")
+    return cls(**body)
+
+
+# -- socket I/O ---------------------------------------------------------------------
+
+
+def send(sock: socket.socket, msg: object, fds: list[int] = ()) -> None:
+    """Send one message; more than FD_BATCH fds follow in FDS messages."""
+    data = encode(msg)
+    fds = list(fds)
+    first, rest = fds[:FD_BATCH], fds[FD_BATCH:]
+    if not rest:
+        if first:
+            socket.send_fds(sock, [data], first)
+        else:
+            sock.sendall(data)
+        return
+    sock.sendall(data)
+    while fds:
+        batch, fds = fds[:FD_BATCH], fds[FD_BATCH:]
+        socket.send_fds(sock, [encode(Fds(len(batch)))], batch)
+
+
+def recv(sock: socket.socket) -> tuple[object, list[int]]:
+    """Receive one message and the fds attached to it. Raises on oversize/truncation."""
+    try:
+        data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES + 1, MAX_FDS_PER_MESSAGE)
+    except TimeoutError:
+        raise PoolTimeout(f"no message from the peer within {sock.gettimeout()} s") from None
+    if not data and not fds:
+        raise ConnectionResetError("peer closed the connection")
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        for fd in fds:
+            _close(fd)
+        raise PoolProtocolError("message or its descriptors were truncated")
+    try:
+        return decode(data), fds
+    except PoolProtocolError:
+        for fd in fds:
+            _close(fd)
+        raise
+
+
+def recv_fds(sock: socket.socket, n_fds: int, first: list[int]) -> list[int]:
+    """Collect ``n_fds`` descriptors: those attached to the reply, then FDS batches."""
+    fds = list(first)
+    try:
+        while len(fds) < n_fds:
+            msg, batch = recv(sock)
+            if not isinstance(msg, Fds) or msg.count != len(batch):
+                for fd in batch:
+                    _close(fd)
+                raise PoolProtocolError(f"expected an FDS batch, got {type(msg).__name__} with {len(batch)} fds")
+            fds.extend(batch)
+    except BaseException:
+        for fd in fds:
+            _close(fd)
+        raise
+    if len(fds) != n_fds:
+        for fd in fds:
+            _close(fd)
+        raise PoolProtocolError(f"expected {n_fds} descriptors, got {len(fds)}")
+    return fds
+
+
+def request(sock: socket.socket, msg: object, expect: type) -> tuple[object, list[int]]:
+    """Send ``msg`` and return the reply, raising ``RemoteError`` for an ERROR reply."""
+    send(sock, msg)
+    reply, fds = recv(sock)
+    if isinstance(reply, Error):
+        for fd in fds:
+            _close(fd)
+        raise remote_error(reply.code, reply.message)
+    if not isinstance(reply, expect):
+        for fd in fds:
+            _close(fd)
+        raise PoolProtocolError(f"expected {expect.__name__}, got {type(reply).__name__}")
+    return reply, fds
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+

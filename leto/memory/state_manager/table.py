@@ -1,0 +1,275 @@
+"""Allocations and protection groups, as the state manager keeps them.
+
+Runs in the state-manager process only. Pages of protected allocations are packed into
+protection groups of D data pages in allocation order (page p of the pool's protected
+space is page p % D of group p // D); each group owns H1 tier-1 and H2 tier-2 parity
+pages in host memory. A record (the progress marker) gets a group of its own with
+``record_parity_pages`` parity pages. Reusable buffers are in no group.
+
+Lost pages are replaced by fresh zeroed pages as soon as they are found and stay
+*pending* until a trainer reports them rebuilt, so a trainer that dies in the middle of
+a reconstruction leaves the marks for its successor.
+
+Not covered: socket handling and authentication (``server``), parity arithmetic (the
+trainer does it on the device where the pages live).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+from leto.memory.backends import Mapping, PageOwner
+from leto.memory.config import AllocationKind, PoolConfig
+from leto.memory.errors import AllocationMismatch, PoolProtocolError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-/\[\]]{1,200}$")
+TIERS = ("data", "tier1", "tier2")
+
+
+@dataclass
+class Allocation:
+    name: str
+    kind: AllocationKind
+    nbytes: int
+    owner: PageOwner
+    pages: list
+    mapping: Mapping
+    slots: list[tuple[int, int]] = field(default_factory=list)  # (group, index) per page
+
+
+@dataclass
+class Group:
+    gid: int
+    kind: str  # "state" or "record"
+    capacity: int
+    page_bytes: int
+    members: list[tuple[str, int]]
+    parity: dict[str, list]  # "tier1"/"tier2" -> host page handles
+    parity_maps: dict[str, Mapping]
+    pending: dict[str, set[int]] = field(default_factory=lambda: {t: set() for t in TIERS})
+    rebuilt: int = 0
+
+    def member_runs(self) -> list[list]:
+        """Members as [name, first_page, count] runs (compact on the wire)."""
+        runs: list[list] = []
+        for name, page in self.members:
+            if runs and runs[-1][0] == name and runs[-1][1] + runs[-1][2] == page:
+                runs[-1][2] += 1
+            else:
+                runs.append([name, page, 1])
+        return runs
+
+
+class Table:
+    def __init__(self, config: PoolConfig, device_owner: PageOwner, parity_owner: PageOwner, record_owner: PageOwner):
+        self.config = config
+        self.device_owner = device_owner
+        self.parity_owner = parity_owner
+        self.record_owner = record_owner
+        self.allocations: dict[str, Allocation] = {}
+        self.groups: list[Group] = []
+        self.failed_total = 0
+        self.reusable_replaced = 0
+
+    # -- allocation -----------------------------------------------------------------
+
+    def alloc(self, name: str, kind_name: str, nbytes: int) -> tuple[Allocation, bool]:
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise PoolProtocolError(f"allocation name {name!r} must match {NAME_RE.pattern}")
+        try:
+            kind = AllocationKind(kind_name)
+        except ValueError:
+            raise PoolProtocolError(f"allocation kind {kind_name!r}: use one of {[k.value for k in AllocationKind]}") from None
+        if nbytes <= 0 or nbytes > 1 << 46:
+            raise PoolProtocolError(f"allocation {name!r}: nbytes={nbytes} out of range")
+        existing = self.allocations.get(name)
+        if existing is not None:
+            if existing.kind != kind or existing.nbytes != nbytes:
+                raise AllocationMismatch(
+                    f"allocation {name!r} exists as {existing.kind.value} of {existing.nbytes} bytes; "
+                    f"asked {kind.value} of {nbytes}. It was kept unchanged; use another name or the same size"
+                )
+            return existing, False
+        owner = self.record_owner if kind is AllocationKind.RECORD else self.device_owner
+        n_pages = -(-nbytes // owner.page_bytes)
+        pages = []
+        try:
+            for _ in range(n_pages):
+                pages.append(owner.create())
+            mapping = owner.map(pages)
+        except BaseException:
+            for h in pages:
+                owner.release(h)
+            raise
+        a = Allocation(name, kind, nbytes, owner, pages, mapping)
+        if kind is AllocationKind.PROTECTED:
+            self._place_state_pages(a)
+        elif kind is AllocationKind.RECORD:
+            g = self._new_group("record", n_pages, owner.page_bytes, self.config.record_parity_pages, 1)
+            for i in range(n_pages):
+                a.slots.append((g.gid, len(g.members)))
+                g.members.append((name, i))
+        self.allocations[name] = a
+        return a, True
+
+    def _new_group(self, kind: str, capacity: int, page_bytes: int, h1: int, h2: int) -> Group:
+        parity, maps = {}, {}
+        for tier, count in (("tier1", h1), ("tier2", h2)):
+            owner = self.parity_owner if kind == "state" else self.record_owner
+            handles = [owner.create() for _ in range(count)]
+            parity[tier] = handles
+            maps[tier] = owner.map(handles)
+        g = Group(len(self.groups), kind, capacity, page_bytes, [], parity, maps)
+        self.groups.append(g)
+        return g
+
+    def _place_state_pages(self, a: Allocation) -> None:
+        # Fresh pages are zero, and a zero page adds nothing to parity, so appending
+        # pages to a partly filled group leaves its parity valid.
+        for i in range(len(a.pages)):
+            g = next((g for g in reversed(self.groups) if g.kind == "state"), None)
+            if g is None or len(g.members) >= g.capacity:
+                g = self._new_group("state", self.config.data_pages, self.config.page_bytes, self.config.tier1_pages, self.config.tier2_pages)
+            a.slots.append((g.gid, len(g.members)))
+            g.members.append((a.name, i))
+
+    def export(self, a: Allocation) -> list[int]:
+        return [a.owner.export_fd(h) for h in a.pages]
+
+    def layout(self) -> tuple[list[dict], list[int]]:
+        groups, fds = [], []
+        for g in self.groups:
+            groups.append(
+                {
+                    "gid": g.gid,
+                    "kind": g.kind,
+                    "members": g.member_runs(),
+                    "tier1": len(g.parity["tier1"]),
+                    "tier2": len(g.parity["tier2"]),
+                    "page_bytes": g.page_bytes,
+                }
+            )
+            owner = self.parity_owner if g.kind == "state" else self.record_owner
+            fds += [owner.export_fd(h) for h in g.parity["tier1"] + g.parity["tier2"]]
+        return groups, fds
+
+    # -- failures -------------------------------------------------------------------
+
+    def localize(self) -> dict:
+        """Find lost pages, replace them by fresh zeroed pages, report them by group."""
+        t0 = time.perf_counter()
+        scanned = 0
+        allocations: dict[str, dict] = {}
+        for a in self.allocations.values():
+            failed = a.owner.failed_pages(a.mapping)
+            scanned += len(a.pages)
+            if not failed:
+                continue
+            self._replace(a.owner, a.pages, a.mapping, failed)
+            allocations[a.name] = {"kind": a.kind.value, "failed_pages": failed}
+            if a.kind is AllocationKind.REUSABLE:
+                self.reusable_replaced += len(failed)  # contents need not survive
+                continue
+            for i in failed:
+                gid, idx = a.slots[i]
+                self.groups[gid].pending["data"].add(idx)
+        for g in self.groups:
+            owner = self.parity_owner if g.kind == "state" else self.record_owner
+            for tier in ("tier1", "tier2"):
+                failed = owner.failed_pages(g.parity_maps[tier])
+                scanned += len(g.parity[tier])
+                if failed:
+                    self._replace(owner, g.parity[tier], g.parity_maps[tier], failed)
+                    g.pending[tier].update(failed)
+        seconds = time.perf_counter() - t0
+        return {
+            "mechanism": {"device": self.device_owner.loss_mechanism, "host": self.parity_owner.loss_mechanism},
+            "seconds": seconds,
+            "pages_scanned": scanned,
+            "allocations": allocations,
+            "groups": {
+                str(g.gid): {t: sorted(g.pending[t]) for t in TIERS}
+                for g in self.groups
+                if any(g.pending[t] for t in TIERS)
+            },
+        }
+
+    def _replace(self, owner: PageOwner, handles: list, mapping: Mapping, failed: list[int]) -> None:
+        for i in failed:
+            fresh = owner.create()
+            owner.replace(mapping, i, fresh)
+            owner.release(handles[i])
+            handles[i] = fresh
+            self.failed_total += 1
+
+    def mark_rebuilt(self, gids: list) -> None:
+        for gid in gids:
+            if not isinstance(gid, int) or not 0 <= gid < len(self.groups):
+                raise PoolProtocolError(f"group {gid!r} does not exist (0..{len(self.groups) - 1})")
+        for gid in gids:
+            g = self.groups[gid]
+            g.rebuilt += sum(len(g.pending[t]) for t in TIERS)
+            g.pending = {t: set() for t in TIERS}
+
+    def inject(self, target: str, name: str, pages: list) -> None:
+        """Fault injection: lose pages as a memory error would (allowed by config only)."""
+        if target == "data":
+            a = self.allocations.get(name)
+            if a is None:
+                raise PoolProtocolError(f"no allocation named {name!r}")
+            owner, handles, mapping = a.owner, a.pages, a.mapping
+        elif target in ("tier1", "tier2"):
+            if not name.isdigit() or int(name) >= len(self.groups):
+                raise PoolProtocolError(f"no group {name!r}")
+            g = self.groups[int(name)]
+            owner = self.parity_owner if g.kind == "state" else self.record_owner
+            handles, mapping = g.parity[target], g.parity_maps[target]
+        else:
+            raise PoolProtocolError(f"inject target {target!r}: use data, tier1 or tier2")
+        bad = [p for p in pages if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < len(handles)]
+        if bad or len(set(pages)) != len(pages):
+            raise PoolProtocolError(f"pages {pages!r} must be distinct indices in 0..{len(handles) - 1}")
+        for p in pages:
+            owner.lose(mapping, p, handles[p])
+
+    # -- visibility and lifecycle ---------------------------------------------------
+
+    def status(self) -> dict:
+        return {
+            "allocations": [
+                {"name": a.name, "kind": a.kind.value, "nbytes": a.nbytes, "pages": len(a.pages), "page_bytes": a.owner.page_bytes}
+                for a in self.allocations.values()
+            ],
+            "groups": [
+                {
+                    "gid": g.gid,
+                    "kind": g.kind,
+                    "data_pages": len(g.members),
+                    "tier1": len(g.parity["tier1"]),
+                    "tier2": len(g.parity["tier2"]),
+                    "pending": {t: sorted(g.pending[t]) for t in TIERS},
+                    "rebuilt": g.rebuilt,
+                }
+                for g in self.groups
+            ],
+            "failed_pages_total": self.failed_total,
+            "rebuilt_pages_total": sum(g.rebuilt for g in self.groups),
+            "reusable_pages_replaced": self.reusable_replaced,
+            "mechanism": {"device": self.device_owner.loss_mechanism, "host": self.parity_owner.loss_mechanism},
+        }
+
+    def close(self) -> None:
+        for a in self.allocations.values():
+            a.owner.unmap(a.mapping)
+            for h in a.pages:
+                a.owner.release(h)
+        for g in self.groups:
+            owner = self.parity_owner if g.kind == "state" else self.record_owner
+            for tier in ("tier1", "tier2"):
+                owner.unmap(g.parity_maps[tier])
+                for h in g.parity[tier]:
+                    owner.release(h)
+        self.allocations.clear()
+        self.groups.clear()
