@@ -2,13 +2,16 @@
 frozen config or a module's public function, one flag to one field.
 
     leto info            what this machine offers Leto: torch, devices, codec kernels
+    leto pool status     allocations, pages, groups, failed and rebuilt pages of a pool
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -60,6 +63,67 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pool_status(args: argparse.Namespace) -> int:
+    from leto.memory.client import PoolClient
+    from leto.memory.config import ENV_POOL_DIR, ENV_POOL_TOKEN, SOCKET_NAME
+    from leto.memory.errors import PoolError
+
+    socket_dir = args.socket_dir or os.environ.get(ENV_POOL_DIR)
+    token = os.environ.get(ENV_POOL_TOKEN)
+    if not socket_dir or not token:
+        print(
+            f"leto pool status: need --socket-dir (or {ENV_POOL_DIR}) and the job token in {ENV_POOL_TOKEN}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        with PoolClient.connect(
+            Path(socket_dir) / SOCKET_NAME, token, role="observer", timeout_s=args.timeout_s
+        ) as c:
+            status = c.status()
+    except (PoolError, TimeoutError) as e:
+        print(f"leto pool status: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    console = Console()
+    cfg = status["config"]
+    console.print(
+        f"pool on [bold]{cfg['device']}[/]  state manager PID {status['server_pid']}  epoch {status['epoch']}  "
+        f"owner PID {status['owner_pid']}  page {cfg['page_bytes']} B  D={cfg['data_pages']} H1={cfg['tier1_pages']} H2={cfg['tier2_pages']}"
+    )
+    t = Table(title="allocations")
+    for col in ("name", "kind", "bytes", "pages", "page bytes"):
+        t.add_column(col)
+    for a in status["allocations"]:
+        t.add_row(a["name"], a["kind"], str(a["nbytes"]), str(a["pages"]), str(a["page_bytes"]))
+    console.print(t)
+    g = Table(title="protection groups")
+    for col in ("group", "kind", "data pages", "tier-1", "tier-2", "pending rebuild", "rebuilt"):
+        g.add_column(col)
+    for grp in status["groups"]:
+        pending = ", ".join(f"{k}:{v}" for k, v in grp["pending"].items() if v) or "-"
+        g.add_row(
+            str(grp["gid"]),
+            grp["kind"],
+            str(grp["data_pages"]),
+            str(grp["tier1"]),
+            str(grp["tier2"]),
+            pending,
+            str(grp["rebuilt"]),
+        )
+    console.print(g)
+    console.print(
+        f"failed pages found: {status['failed_pages_total']}  rebuilt: {status['rebuilt_pages_total']}  "
+        f"reusable pages replaced: {status['reusable_pages_replaced']}"
+    )
+    console.print(
+        f"page-loss mechanism: device {status['mechanism']['device']}; host {status['mechanism']['host']}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="leto", description="Leto: in-place recovery for PyTorch training"
@@ -70,6 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(fn=cmd_info)
+    pool = sub.add_parser("pool", help="inspect a Resilient Memory Pool").add_subparsers(
+        dest="pool_command", required=True
+    )
+    p = pool.add_parser("status", help="allocations, pages, groups, failed and rebuilt pages")
+    p.add_argument(
+        "--socket-dir",
+        default=None,
+        help="the pool's private socket directory (default: $LETO_POOL_DIR)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--timeout-s", type=float, default=10.0, help="give up after this many seconds")
+    p.set_defaults(fn=cmd_pool_status)
     return ap
 
 

@@ -68,12 +68,16 @@ class PoolClient:
             sock.connect(str(socket_path))
         except TimeoutError:
             sock.close()
-            raise PoolTimeout(f"could not connect to the state manager at {socket_path} within {timeout_s} s") from None
+            raise PoolTimeout(
+                f"could not connect to the state manager at {socket_path} within {timeout_s} s"
+            ) from None
         except OSError as e:
             sock.close()
             raise PoolError(f"no state manager at {socket_path}: {e.strerror}") from None
         try:
-            welcome, _ = P.request(sock, P.Hello(P.PROTOCOL_VERSION, token, role, takeover), P.Welcome)
+            welcome, _ = P.request(
+                sock, P.Hello(P.PROTOCOL_VERSION, token, role, takeover), P.Welcome
+            )
         except BaseException:
             sock.close()
             raise
@@ -109,7 +113,9 @@ class PoolClient:
         if nbytes is None:
             raise ValueError(f"attach({name!r}) needs nbytes or shape and dtype")
         if name not in self._maps:
-            reply, fds = P.request(self.sock, P.Alloc(self.epoch, name, kind.value, int(nbytes)), P.Allocated)
+            reply, fds = P.request(
+                self.sock, P.Alloc(self.epoch, name, kind.value, int(nbytes)), P.Allocated
+            )
             fds = P.recv_fds(self.sock, reply.n_fds, fds)
             device = "cpu" if kind is AllocationKind.RECORD else self.config.device
             importer = importer_for(device, reply.page_bytes)
@@ -117,13 +123,17 @@ class PoolClient:
             self._maps[name] = (mapping, importer, reply)
         mapping, _, info = self._maps[name]
         if info.nbytes != nbytes or info.kind != kind.value:
-            raise PoolProtocolError(f"{name!r} is attached as {info.kind} of {info.nbytes} bytes, asked {kind.value} of {nbytes}")
+            raise PoolProtocolError(
+                f"{name!r} is attached as {info.kind} of {info.nbytes} bytes, asked {kind.value} of {nbytes}"
+            )
         flat = mapping.tensor[:nbytes]
         if shape is None:
             return flat
         return flat.view(dtype).view(tuple(shape))
 
-    def attach_like(self, name: str, like: torch.Tensor, kind: AllocationKind = AllocationKind.PROTECTED) -> torch.Tensor:
+    def attach_like(
+        self, name: str, like: torch.Tensor, kind: AllocationKind = AllocationKind.PROTECTED
+    ) -> torch.Tensor:
         """Attach with the shape and dtype of ``like`` (a meta-device tensor is enough)."""
         return self.attach(name, shape=like.shape, dtype=like.dtype, kind=kind)
 
@@ -147,10 +157,14 @@ class PoolClient:
             data = []
             for name, first, count in g["members"]:
                 if name not in self._maps:
-                    raise PoolError(f"group {g['gid']} holds pages of {name!r}, which is not attached here; attach every protected allocation first")
+                    raise PoolError(
+                        f"group {g['gid']} holds pages of {name!r}, which is not attached here; attach every protected allocation first"
+                    )
                 m = self._maps[name][0]
                 data += [m.page(i) for i in range(first, first + count)]
-            views.append(GroupView(g["gid"], g["kind"], data, pages[: g["tier1"]], pages[g["tier1"] :]))
+            views.append(
+                GroupView(g["gid"], g["kind"], data, pages[: g["tier1"]], pages[g["tier1"] :])
+            )
         return views
 
     def _code(self, g: GroupView) -> TwoTierCode:
@@ -183,7 +197,13 @@ class PoolClient:
         t0 = time.perf_counter()
         marked = report.get("groups", {})
         if not marked:
-            return {"groups": 0, "data_pages": 0, "tier1_pages": 0, "tier2_pages": 0, "seconds": 0.0}
+            return {
+                "groups": 0,
+                "data_pages": 0,
+                "tier1_pages": 0,
+                "tier2_pages": 0,
+                "seconds": 0.0,
+            }
         views = {g.gid: g for g in self.layout()}
         totals = {"data": 0, "tier1": 0, "tier2": 0}
         for gid_text, lost in marked.items():
@@ -192,7 +212,13 @@ class PoolClient:
             t1 = torch.stack(g.tier1).to(device)  # host parity staged where the data lives
             t2 = torch.stack(g.tier2).to(device)
             self._code(g).reconstruct(
-                g.data, t1, t2, lost_data=lost["data"], lost_tier1=lost["tier1"], lost_tier2=lost["tier2"], group=g.gid
+                g.data,
+                t1,
+                t2,
+                lost_data=lost["data"],
+                lost_tier1=lost["tier1"],
+                lost_tier2=lost["tier2"],
+                group=g.gid,
             )
             for tier, staged, host in (("tier1", t1, g.tier1), ("tier2", t2, g.tier2)):
                 for j in lost[tier]:

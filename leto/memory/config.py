@@ -34,12 +34,22 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: use cpu or cuda[:N]")
-        for name in ("page_bytes", "data_pages", "tier1_pages", "tier2_pages", "record_page_bytes", "record_parity_pages"):
+        for name in (
+            "page_bytes",
+            "data_pages",
+            "tier1_pages",
+            "tier2_pages",
+            "record_page_bytes",
+            "record_parity_pages",
+        ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
         if self.page_bytes % 4096 or self.record_page_bytes % 4096:
             raise ValueError("page_bytes and record_page_bytes must be multiples of 4096")
-        if self.data_pages + self.tier1_pages > 65535 or self.tier1_pages + self.tier2_pages > 65535:
+        if (
+            self.data_pages + self.tier1_pages > 65535
+            or self.tier1_pages + self.tier2_pages > 65535
+        ):
             raise ValueError("a protection group needs D + H1 <= 65535 (GF(2^16))")
 
     @classmethod

@@ -16,11 +16,16 @@ import errno
 import mmap
 import os
 
-import torch
-
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
@@ -44,7 +49,9 @@ def _check(ret: int | None, what: str) -> int:
 def reserve(n_bytes: int) -> int:
     """Reserve (not commit) a contiguous range of address space."""
     return _check(
-        _libc.mmap(None, n_bytes, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0),
+        _libc.mmap(
+            None, n_bytes, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0
+        ),
         f"reserving {n_bytes} bytes of address space",
     )
 
@@ -52,7 +59,9 @@ def reserve(n_bytes: int) -> int:
 def map_fixed(address: int, fd: int, n_bytes: int) -> None:
     """Map ``fd`` (shared, read-write) exactly at ``address``, replacing what was there."""
     got = _check(
-        _libc.mmap(address, n_bytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, fd, 0),
+        _libc.mmap(
+            address, n_bytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, fd, 0
+        ),
         f"mapping fd {fd} at {address:#x}",
     )
     if got != address:
@@ -82,8 +91,10 @@ def hwpoison(address: int, n_bytes: int) -> int:
     return ctypes.get_errno()
 
 
-def tensor_at(address: int, n_bytes: int) -> torch.Tensor:
+def tensor_at(address: int, n_bytes: int):
     """A flat uint8 tensor over mapped memory, without a copy."""
+    import torch  # trainers only
+
     buf = (ctypes.c_uint8 * n_bytes).from_address(address)
     return torch.frombuffer(buf, dtype=torch.uint8)
 
@@ -101,4 +112,6 @@ def new_page(page_bytes: int, name: str = "leto-page") -> int:
 
 def check_page_bytes(page_bytes: int) -> None:
     if page_bytes <= 0 or page_bytes % OS_PAGE:
-        raise ValueError(f"page_bytes={page_bytes} must be a positive multiple of the OS page size {OS_PAGE}")
+        raise ValueError(
+            f"page_bytes={page_bytes} must be a positive multiple of the OS page size {OS_PAGE}"
+        )

@@ -43,7 +43,9 @@ class StateManagerProcess:
             try:
                 from leto.memory.client import PoolClient
 
-                with PoolClient.connect(self.socket_path, self.token, role="admin", timeout_s=timeout_s) as c:
+                with PoolClient.connect(
+                    self.socket_path, self.token, role="admin", timeout_s=timeout_s
+                ) as c:
                     c.shutdown()
             except Exception:
                 self.proc.terminate()
@@ -52,6 +54,8 @@ class StateManagerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout_s)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         return self.proc.returncode
 
 
@@ -70,7 +74,15 @@ def start_state_manager(
     token = token or secrets.token_hex(16)
     env = dict(os.environ, **{ENV_POOL_TOKEN: token})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "leto.memory.state_manager", "--socket-dir", str(socket_dir), "--config", json.dumps(config.as_dict())],
+        [
+            sys.executable,
+            "-m",
+            "leto.memory.state_manager",
+            "--socket-dir",
+            str(socket_dir),
+            "--config",
+            json.dumps(config.as_dict()),
+        ],
         stdout=subprocess.PIPE,
         env=env,
         start_new_session=True,  # survives a signal sent to the trainer's process group
@@ -80,6 +92,7 @@ def start_state_manager(
     if line != b"READY":
         proc.kill()
         proc.wait(5)
+        proc.stdout.close()
         raise PoolTimeout(
             f"state manager did not report READY within {timeout_s} s (exit code {proc.returncode}); "
             "see its stderr above"

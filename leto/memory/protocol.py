@@ -97,7 +97,9 @@ class Layout:
 
 @dataclass(frozen=True)
 class LayoutReply:
-    groups: list  # [{"gid", "kind", "members": [[name, page], ...], "tier1", "tier2", "page_bytes"}]
+    groups: (
+        list  # [{"gid", "kind", "members": [[name, page], ...], "tier1", "tier2", "page_bytes"}]
+    )
     n_fds: int  # tier-1 then tier-2 page fds of every group, in group order
 
 
@@ -178,9 +180,13 @@ OPS: dict[type, Op] = {cls: op for op, cls in MESSAGES.items()}
 
 def encode(msg: object) -> bytes:
     op = OPS[type(msg)]
-    data = json.dumps({"v": PROTOCOL_VERSION, "op": op.value, "body": dataclasses.asdict(msg)}).encode()
+    data = json.dumps(
+        {"v": PROTOCOL_VERSION, "op": op.value, "body": dataclasses.asdict(msg)}
+    ).encode()
     if len(data) > MAX_MESSAGE_BYTES:
-        raise PoolProtocolError(f"{op.value} message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        raise PoolProtocolError(
+            f"{op.value} message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}"
+        )
     return data
 
 
@@ -226,7 +232,9 @@ def decode(data: bytes) -> object:
                 raise PoolProtocolError(f"{op.value}: missing field {name!r}")
             continue
         if not _type_ok(body[name], hints[name]):
-            raise PoolProtocolError(f"{op.value}: field {name!r} must be {getattr(hints[name], '__name__', hints[name])}")
+            raise PoolProtocolError(
+                f"{op.value}: field {name!r} must be {getattr(hints[name], '__name__', hints[name])}"
+            )
     return cls(**body)
 
 
@@ -279,7 +287,9 @@ def recv_fds(sock: socket.socket, n_fds: int, first: list[int]) -> list[int]:
             if not isinstance(msg, Fds) or msg.count != len(batch):
                 for fd in batch:
                     _close(fd)
-                raise PoolProtocolError(f"expected an FDS batch, got {type(msg).__name__} with {len(batch)} fds")
+                raise PoolProtocolError(
+                    f"expected an FDS batch, got {type(msg).__name__} with {len(batch)} fds"
+                )
             fds.extend(batch)
     except BaseException:
         for fd in fds:
@@ -312,5 +322,3 @@ def _close(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
-
-

@@ -14,9 +14,13 @@ Not covered: protection (parity) and naming; those live in the state manager's t
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the state manager never imports torch: it stays small and starts fast
+    import torch
 
 
 @dataclass
@@ -24,15 +28,20 @@ class Mapping:
     """One allocation mapped contiguously in this process.
 
     ``tensor`` is a flat uint8 view of ``n_pages * page_bytes`` bytes starting at
-    ``address``. It is valid until ``unmap`` (``PageImporter.unmap`` /
+    ``address``, made on first use (trainers only; the state manager never touches
+    contents). It is valid until ``unmap`` (``PageImporter.unmap`` /
     ``PageOwner.unmap``); touching it afterwards is a use-after-free.
     """
 
     address: int
     n_pages: int
     page_bytes: int
-    tensor: torch.Tensor
+    make_tensor: Callable[[], torch.Tensor]
     extra: dict = field(default_factory=dict)  # backend bookkeeping (handles, buffers)
+
+    @cached_property
+    def tensor(self) -> torch.Tensor:
+        return self.make_tensor()
 
     def page(self, i: int) -> torch.Tensor:
         return self.tensor[i * self.page_bytes : (i + 1) * self.page_bytes]

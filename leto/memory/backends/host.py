@@ -38,7 +38,7 @@ def _map_fds(fds: list[int], page_bytes: int) -> Mapping:
     except OSError:
         hp.unmap(base, n * page_bytes)
         raise
-    return Mapping(base, n, page_bytes, hp.tensor_at(base, n * page_bytes))
+    return Mapping(base, n, page_bytes, lambda: hp.tensor_at(base, n * page_bytes))
 
 
 class HostPageOwner(PageOwner):
@@ -73,11 +73,15 @@ class HostPageOwner(PageOwner):
         failed: list[int] = []
 
         def scan(first: int, count: int) -> None:
-            err = hp.populate_read(mapping.address + first * self.page_bytes, count * self.page_bytes)
+            err = hp.populate_read(
+                mapping.address + first * self.page_bytes, count * self.page_bytes
+            )
             if err == 0:
                 return
             if err not in _LOST:
-                raise OSError(err, f"scanning pages {first}..{first + count - 1}: {os.strerror(err)}")
+                raise OSError(
+                    err, f"scanning pages {first}..{first + count - 1}: {os.strerror(err)}"
+                )
             if count == 1:
                 failed.append(first)
                 return

@@ -57,7 +57,11 @@ class Refused(Exception):
 
 def check_private_dir(path: Path) -> None:
     st = path.stat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+    if (
+        not stat.S_ISDIR(st.st_mode)
+        or st.st_uid != os.geteuid()
+        or stat.S_IMODE(st.st_mode) & 0o077
+    ):
         raise PermissionError(
             f"{path} must be a directory owned by uid {os.geteuid()} with mode 0700 "
             f"(found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); refusing to listen there"
@@ -137,7 +141,9 @@ class StateManager:
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        pid, uid, _gid = struct.unpack(
+            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        )
         if uid != os.geteuid():
             sock.close()  # another user: not even an error message
             return
@@ -163,7 +169,9 @@ class StateManager:
         if fds:  # no request carries descriptors: never keep what a peer pushed at us
             for fd in fds:
                 os.close(fd)
-            self._reply_error(peer, "protocol", f"{type(msg).__name__} must not carry file descriptors")
+            self._reply_error(
+                peer, "protocol", f"{type(msg).__name__} must not carry file descriptors"
+            )
             return
         try:
             self._dispatch(peer, msg)
@@ -204,16 +212,29 @@ class StateManager:
             if not self.config.allow_fault_injection:
                 raise Refused("forbidden", "this pool was started without allow_fault_injection")
             self.table.inject(msg.target, msg.name, msg.pages)
-            return P.send(peer.sock, P.Ok(f"lost {len(msg.pages)} {msg.target} pages of {msg.name}"))
+            return P.send(
+                peer.sock, P.Ok(f"lost {len(msg.pages)} {msg.target} pages of {msg.name}")
+            )
         if isinstance(msg, (P.Alloc, P.Layout, P.Localize, P.MarkRebuilt)):
             self._need(peer, P.Role.TRAINER)
             if msg.epoch != self.epoch or peer.epoch != self.epoch:
-                raise Refused("fenced", f"epoch {msg.epoch} is stale; the pool is owned under epoch {self.epoch}")
+                raise Refused(
+                    "fenced",
+                    f"epoch {msg.epoch} is stale; the pool is owned under epoch {self.epoch}",
+                )
             if isinstance(msg, P.Alloc):
                 a, created = self.table.alloc(msg.name, msg.kind, msg.nbytes)
                 fds = self.table.export(a)
                 try:
-                    reply = P.Allocated(a.name, a.kind.value, a.nbytes, len(a.pages), a.owner.page_bytes, created, len(fds))
+                    reply = P.Allocated(
+                        a.name,
+                        a.kind.value,
+                        a.nbytes,
+                        len(a.pages),
+                        a.owner.page_bytes,
+                        created,
+                        len(fds),
+                    )
                     P.send(peer.sock, reply, fds)
                 finally:
                     for fd in fds:
@@ -235,13 +256,18 @@ class StateManager:
 
     def _need(self, peer: Peer, role: P.Role) -> None:
         if peer.role is not role:
-            raise Refused("forbidden", f"{role.value} role required, this peer is {peer.role.value}")
+            raise Refused(
+                "forbidden", f"{role.value} role required, this peer is {peer.role.value}"
+            )
 
     def _hello(self, peer: Peer, msg: P.Hello) -> None:
         if peer.role is not None:
             raise Refused("order", "HELLO was already said on this connection")
         if msg.version != P.PROTOCOL_VERSION:
-            raise Refused("version", f"protocol {msg.version} unsupported; this state manager speaks {P.PROTOCOL_VERSION}")
+            raise Refused(
+                "version",
+                f"protocol {msg.version} unsupported; this state manager speaks {P.PROTOCOL_VERSION}",
+            )
         if not hmac.compare_digest(msg.token.encode(), self.token.encode()):
             raise Refused("auth", "wrong job token")
         try:
@@ -262,7 +288,10 @@ class StateManager:
         if old is None or old == peer.pid or not _process_alive(old):
             return
         if not takeover:
-            raise Refused("owned", f"trainer PID {old} owns the pool under epoch {self.epoch}; say takeover to fence it")
+            raise Refused(
+                "owned",
+                f"trainer PID {old} owns the pool under epoch {self.epoch}; say takeover to fence it",
+            )
         os.kill(old, signal.SIGKILL)
         deadline = time.monotonic() + self.config.fence_timeout_s
         try:
@@ -275,7 +304,10 @@ class StateManager:
             while _process_alive(old):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise Refused("fence-timeout", f"trainer PID {old} did not die within {self.config.fence_timeout_s} s of SIGKILL")
+                    raise Refused(
+                        "fence-timeout",
+                        f"trainer PID {old} did not die within {self.config.fence_timeout_s} s of SIGKILL",
+                    )
                 select.select([pidfd], [], [], min(left, 0.05))
         finally:
             os.close(pidfd)

@@ -63,7 +63,13 @@ class Group:
 
 
 class Table:
-    def __init__(self, config: PoolConfig, device_owner: PageOwner, parity_owner: PageOwner, record_owner: PageOwner):
+    def __init__(
+        self,
+        config: PoolConfig,
+        device_owner: PageOwner,
+        parity_owner: PageOwner,
+        record_owner: PageOwner,
+    ):
         self.config = config
         self.device_owner = device_owner
         self.parity_owner = parity_owner
@@ -81,7 +87,9 @@ class Table:
         try:
             kind = AllocationKind(kind_name)
         except ValueError:
-            raise PoolProtocolError(f"allocation kind {kind_name!r}: use one of {[k.value for k in AllocationKind]}") from None
+            raise PoolProtocolError(
+                f"allocation kind {kind_name!r}: use one of {[k.value for k in AllocationKind]}"
+            ) from None
         if nbytes <= 0 or nbytes > 1 << 46:
             raise PoolProtocolError(f"allocation {name!r}: nbytes={nbytes} out of range")
         existing = self.allocations.get(name)
@@ -107,7 +115,9 @@ class Table:
         if kind is AllocationKind.PROTECTED:
             self._place_state_pages(a)
         elif kind is AllocationKind.RECORD:
-            g = self._new_group("record", n_pages, owner.page_bytes, self.config.record_parity_pages, 1)
+            g = self._new_group(
+                "record", n_pages, owner.page_bytes, self.config.record_parity_pages, 1
+            )
             for i in range(n_pages):
                 a.slots.append((g.gid, len(g.members)))
                 g.members.append((name, i))
@@ -131,7 +141,13 @@ class Table:
         for i in range(len(a.pages)):
             g = next((g for g in reversed(self.groups) if g.kind == "state"), None)
             if g is None or len(g.members) >= g.capacity:
-                g = self._new_group("state", self.config.data_pages, self.config.page_bytes, self.config.tier1_pages, self.config.tier2_pages)
+                g = self._new_group(
+                    "state",
+                    self.config.data_pages,
+                    self.config.page_bytes,
+                    self.config.tier1_pages,
+                    self.config.tier2_pages,
+                )
             a.slots.append((g.gid, len(g.members)))
             g.members.append((a.name, i))
 
@@ -185,7 +201,10 @@ class Table:
                     g.pending[tier].update(failed)
         seconds = time.perf_counter() - t0
         return {
-            "mechanism": {"device": self.device_owner.loss_mechanism, "host": self.parity_owner.loss_mechanism},
+            "mechanism": {
+                "device": self.device_owner.loss_mechanism,
+                "host": self.parity_owner.loss_mechanism,
+            },
             "seconds": seconds,
             "pages_scanned": scanned,
             "allocations": allocations,
@@ -196,7 +215,9 @@ class Table:
             },
         }
 
-    def _replace(self, owner: PageOwner, handles: list, mapping: Mapping, failed: list[int]) -> None:
+    def _replace(
+        self, owner: PageOwner, handles: list, mapping: Mapping, failed: list[int]
+    ) -> None:
         for i in failed:
             fresh = owner.create()
             owner.replace(mapping, i, fresh)
@@ -228,9 +249,15 @@ class Table:
             handles, mapping = g.parity[target], g.parity_maps[target]
         else:
             raise PoolProtocolError(f"inject target {target!r}: use data, tier1 or tier2")
-        bad = [p for p in pages if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < len(handles)]
+        bad = [
+            p
+            for p in pages
+            if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < len(handles)
+        ]
         if bad or len(set(pages)) != len(pages):
-            raise PoolProtocolError(f"pages {pages!r} must be distinct indices in 0..{len(handles) - 1}")
+            raise PoolProtocolError(
+                f"pages {pages!r} must be distinct indices in 0..{len(handles) - 1}"
+            )
         for p in pages:
             owner.lose(mapping, p, handles[p])
 
@@ -239,7 +266,13 @@ class Table:
     def status(self) -> dict:
         return {
             "allocations": [
-                {"name": a.name, "kind": a.kind.value, "nbytes": a.nbytes, "pages": len(a.pages), "page_bytes": a.owner.page_bytes}
+                {
+                    "name": a.name,
+                    "kind": a.kind.value,
+                    "nbytes": a.nbytes,
+                    "pages": len(a.pages),
+                    "page_bytes": a.owner.page_bytes,
+                }
                 for a in self.allocations.values()
             ],
             "groups": [
@@ -257,7 +290,10 @@ class Table:
             "failed_pages_total": self.failed_total,
             "rebuilt_pages_total": sum(g.rebuilt for g in self.groups),
             "reusable_pages_replaced": self.reusable_replaced,
-            "mechanism": {"device": self.device_owner.loss_mechanism, "host": self.parity_owner.loss_mechanism},
+            "mechanism": {
+                "device": self.device_owner.loss_mechanism,
+                "host": self.parity_owner.loss_mechanism,
+            },
         }
 
     def close(self) -> None:

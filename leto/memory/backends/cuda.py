@@ -1,0 +1,277 @@
+"""CUDA backend: every page one ``cuMemCreate`` allocation of HBM, shared as a POSIX fd.
+
+``CudaPageOwner`` runs in the state-manager process: it creates the pages (so they
+outlive any trainer), exports one fd per page per attach, maps each allocation to find
+and repair lost pages, and injects page loss the way the paper emulates an HBM page
+failure (``cuMemUnmap`` + ``cuMemRelease`` of the page in the owner). ``CudaPageImporter``
+runs in a trainer: it imports the fds and maps them contiguously, so the trainer sees one
+flat uint8 tensor on ``cuda:N`` with no copy.
+
+Everything goes through the driver API (``cuda.bindings.driver``, from cuda-python),
+imported lazily so that CPU machines can import this module; torch is imported only when
+a trainer asks for ``Mapping.tensor``, so the state manager runs without it. All calls use
+the device's primary context, the one PyTorch uses, so torch kernels see the ranges.
+
+Not covered: real ECC errors (a page is "lost" only when its mapping is gone), access to
+a mapping from other GPUs (granted to this device only), and Windows handle types.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+from faultkit.mechanisms import CUDA_UNMAP
+from leto.memory.backends.api import Mapping, PageImporter, PageOwner
+
+
+class CudaError(RuntimeError):
+    """A driver call failed; ``result`` is its CUresult, the message names it."""
+
+    def __init__(self, result, what: str):
+        self.result = result
+        super().__init__(f"{what}: {_error_name(result)}")
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise ImportError(
+            "the CUDA page backend needs cuda-python (cuda.bindings.driver): "
+            "pip install -e '.[cuda]'"
+        ) from e
+    return driver
+
+
+def _error_name(result) -> str:
+    _, name = _driver().cuGetErrorName(result)
+    return name.decode() if name else f"CUresult {int(result)}"
+
+
+def _call(what: str, fn, *args):
+    """Run a driver call; raise with the error's name, else return its value(s)."""
+    err, *out = fn(*args)
+    if err != _driver().CUresult.CUDA_SUCCESS:
+        raise CudaError(err, what)
+    return out[0] if len(out) == 1 else tuple(out) if out else None
+
+
+class _Device:
+    """Driver state for one device: its primary context, allocation and access props."""
+
+    def __init__(self, index: int):
+        d = self.d = _driver()
+        self.index = index
+        _call("cuInit", d.cuInit, 0)
+        dev = _call(f"cuDeviceGet({index})", d.cuDeviceGet, index)
+        self.ctx = _call("cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain, dev)
+        self.make_current()
+        loc = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop = self.prop = d.CUmemAllocationProp()
+        prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type, prop.location.id = loc, index
+        self.fd_type = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        prop.requestedHandleTypes = self.fd_type
+        access = d.CUmemAccessDesc()
+        access.location.type, access.location.id = loc, index
+        access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self.access = [access]
+        self.mapped_attr = d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MAPPED
+        minimum = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        self.granularity = int(
+            _call("cuMemGetAllocationGranularity", d.cuMemGetAllocationGranularity, prop, minimum)
+        )
+
+    def use_pages_of(self, page_bytes: int) -> None:
+        # cuMemCreate and cuMemMap reject other sizes with a bare INVALID_VALUE.
+        if page_bytes <= 0 or page_bytes % self.granularity:
+            raise ValueError(
+                f"page_bytes {page_bytes} is not a positive multiple of cuda:{self.index}'s "
+                f"VMM allocation granularity {self.granularity} bytes"
+            )
+        self.page_bytes = page_bytes
+
+    def make_current(self) -> None:
+        # The current context is per thread; a caller on another thread needs it set again.
+        _call("cuCtxSetCurrent", self.d.cuCtxSetCurrent, self.ctx)
+
+    def map_pages(self, handles: list, what: str) -> Mapping:
+        """Reserve a range, map ``handles`` contiguously in it, read-write for this device."""
+        d, pb, n = self.d, self.page_bytes, len(handles)
+        self.make_current()
+        base = int(_call(f"{what}: reserving {n} pages", d.cuMemAddressReserve, n * pb, pb, 0, 0))
+        mapped = 0
+        try:
+            for i, h in enumerate(handles):
+                _call(f"{what}: mapping page {i}", d.cuMemMap, base + i * pb, pb, 0, h, 0)
+                mapped += 1
+            _call(f"{what}: cuMemSetAccess", d.cuMemSetAccess, base, n * pb, self.access, 1)
+        except BaseException:
+            for i in range(mapped):
+                d.cuMemUnmap(base + i * pb, pb)
+            d.cuMemAddressFree(base, n * pb)
+            raise
+        return Mapping(base, n, pb, lambda: _tensor_at(base, n * pb, self.index))
+
+    def is_mapped(self, address: int) -> bool:
+        """Asks the driver's page tables only: never reads the page, so a lost one is safe."""
+        d = self.d
+        err, mapped = d.cuPointerGetAttribute(self.mapped_attr, address)
+        # An address inside our reservation with nothing mapped answers INVALID_VALUE.
+        if err == d.CUresult.CUDA_ERROR_INVALID_VALUE:
+            return False
+        if err != d.CUresult.CUDA_SUCCESS:
+            raise CudaError(err, f"cuPointerGetAttribute(MAPPED, {address:#x})")
+        return bool(mapped)
+
+    def unmap_all(self, mapping: Mapping) -> None:
+        d, pb = self.d, mapping.page_bytes
+        self.make_current()
+        # Work still queued on the range would fault once its pages are gone.
+        _call("synchronizing before unmap", d.cuCtxSynchronize)
+        for i in range(mapping.n_pages):
+            addr = mapping.address + i * pb
+            if self.is_mapped(addr):  # a lost page is already unmapped
+                _call(f"unmapping page {i}", d.cuMemUnmap, addr, pb)
+        _call("cuMemAddressFree", d.cuMemAddressFree, mapping.address, mapping.n_pages * pb)
+        mapping.extra.clear()
+
+
+def _tensor_at(address: int, n_bytes: int, index: int):
+    import torch  # trainers only: the state manager never imports torch
+
+    # torch views (never copies) memory lent through __cuda_array_interface__; stream None:
+    # no producer work to wait for. The namespace owns nothing: unmap() ends the memory.
+    cai = dict(shape=(n_bytes,), typestr="|u1", data=(address, False), version=3, stream=None)
+    tensor = torch.as_tensor(SimpleNamespace(__cuda_array_interface__=cai), device=f"cuda:{index}")
+    if tensor.data_ptr() != address:
+        raise RuntimeError("torch copied the mapped range instead of viewing it")
+    return tensor
+
+
+def allocation_granularity(device_index: int = 0) -> int:
+    """Minimum size step of an fd-exportable VMM page on this device (2 MiB on an H200)."""
+    return _Device(device_index).granularity
+
+
+class CudaPage:
+    """One ``cuMemCreate`` allocation; ``handle`` is None once released."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+
+def _live(page: CudaPage):
+    if page.handle is None:
+        raise ValueError("page was already released (or lost)")
+    return page.handle
+
+
+class _OnDevice:
+    def __init__(self, page_bytes: int, device_index: int = 0):
+        self._dev = _Device(device_index)
+        self._dev.use_pages_of(page_bytes)
+        self.page_bytes = page_bytes
+        self.device = f"cuda:{device_index}"
+
+    def unmap(self, mapping: Mapping) -> None:
+        self._dev.unmap_all(mapping)
+
+
+class CudaPageOwner(_OnDevice, PageOwner):
+    loss_mechanism = CUDA_UNMAP
+
+    def __init__(self, page_bytes: int, device_index: int = 0):
+        super().__init__(page_bytes, device_index)
+        self._scratch: int | None = None  # one page of address space for zeroing new pages
+
+    def create(self) -> CudaPage:
+        d, pb = self._dev.d, self.page_bytes
+        self._dev.make_current()
+        handle = _call("cuMemCreate", d.cuMemCreate, pb, self._dev.prop, 0)
+        try:
+            self._zero(handle)
+        except BaseException:
+            d.cuMemRelease(handle)
+            raise
+        return CudaPage(handle)
+
+    def _zero(self, handle) -> None:
+        # cuMemCreate hands back whatever the HBM last held, and parity assumes zeroed pages.
+        d, pb = self._dev.d, self.page_bytes
+        if self._scratch is None:
+            self._scratch = int(_call("reserving scratch", d.cuMemAddressReserve, pb, pb, 0, 0))
+        s = self._scratch
+        _call("mapping a new page to zero it", d.cuMemMap, s, pb, 0, handle, 0)
+        try:
+            _call("cuMemSetAccess on a new page", d.cuMemSetAccess, s, pb, self._dev.access, 1)
+            _call("zeroing a new page", d.cuMemsetD8, s, 0, pb)
+            _call("waiting for the zeroing", d.cuCtxSynchronize)  # before the unmap below
+        finally:
+            _call("unmapping scratch", d.cuMemUnmap, s, pb)
+
+    def export_fd(self, handle: CudaPage) -> int:
+        self._dev.make_current()
+        export, what = self._dev.d.cuMemExportToShareableHandle, "exporting a page as an fd"
+        return int(_call(what, export, _live(handle), self._dev.fd_type, 0))
+
+    def release(self, handle: CudaPage) -> None:
+        if handle.handle is not None:
+            self._dev.make_current()
+            _call("cuMemRelease", self._dev.d.cuMemRelease, handle.handle)
+            handle.handle = None
+
+    def map(self, handles: list[CudaPage]) -> Mapping:
+        return self._dev.map_pages([_live(h) for h in handles], "owner map")
+
+    def replace(self, mapping: Mapping, index: int, handle: CudaPage) -> None:
+        d, pb = self._dev.d, self.page_bytes
+        addr = mapping.address + index * pb
+        self._dev.make_current()
+        if self._dev.is_mapped(addr):
+            raise ValueError(f"page {index} is still mapped; only a lost page can be replaced")
+        _call(f"mapping a fresh page at {index}", d.cuMemMap, addr, pb, 0, _live(handle), 0)
+        _call(f"cuMemSetAccess on page {index}", d.cuMemSetAccess, addr, pb, self._dev.access, 1)
+
+    def failed_pages(self, mapping: Mapping) -> list[int]:
+        self._dev.make_current()
+        base, pb = mapping.address, mapping.page_bytes
+        return [i for i in range(mapping.n_pages) if not self._dev.is_mapped(base + i * pb)]
+
+    def lose(self, mapping: Mapping, index: int, handle: CudaPage) -> None:
+        d, pb = self._dev.d, self.page_bytes
+        self._dev.make_current()
+        _call("synchronizing before a page loss", d.cuCtxSynchronize)
+        _call(f"unmapping page {index}", d.cuMemUnmap, mapping.address + index * pb, pb)
+        # Other processes' mappings keep the memory; the owner's copy of it is gone.
+        self.release(handle)
+
+
+class CudaPageImporter(_OnDevice, PageImporter):
+    def map(self, fds: list[int]) -> Mapping:
+        d = self._dev.d
+        self._dev.make_current()
+        handles, closed = [], 0
+        try:
+            for i, fd in enumerate(fds):
+                what = f"importing page {i} (fd {fd})"
+                handles.append(_call(what, d.cuMemImportFromShareableHandle, fd, self._dev.fd_type))
+                os.close(fd)  # the imported handle holds the memory; fds are scarce
+                closed += 1
+        except BaseException:
+            for h in handles:
+                d.cuMemRelease(h)
+            raise
+        finally:
+            for fd in fds[closed:]:
+                os.close(fd)
+        try:
+            return self._dev.map_pages(handles, "importer map")
+        finally:
+            # cuMemRelease frees only once every mapping of the memory is unmapped too, so
+            # the mapping alone keeps the pages; holding the handles would only leak them.
+            for i, h in enumerate(handles):
+                _call(f"releasing imported handle {i}", d.cuMemRelease, h)
