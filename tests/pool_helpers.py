@@ -6,8 +6,6 @@ picklable arguments only (they are real, separate trainers).
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import torch
@@ -50,7 +48,3 @@ def child_hold_pool(socket_path: str, token: str, ready) -> None:
     c.attach("held", PAGE)[:] = 1
     ready.set()
     time.sleep(600)
-
-
-def kill_and_wait(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
