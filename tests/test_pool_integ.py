@@ -312,3 +312,27 @@ def test_private_dir_helper_is_0700():
         assert stat.S_IMODE(d.stat().st_mode) == 0o700
     finally:
         d.rmdir()
+
+
+def test_model_parameters_attach_by_name_from_a_meta_device_model(pool):
+    def build():
+        with torch.device("meta"):
+            return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+
+    meta = build()
+    torch.manual_seed(0)
+    real = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    x = torch.randn(5, 64)
+    with PoolClient.connect(pool.socket_path, pool.token) as c:
+        for name, p in meta.named_parameters():
+            c.attach_like(f"param/{name}", p).copy_(dict(real.named_parameters())[name].detach())
+    # A new trainer rebuilds the module on the meta device and binds retained memory.
+    with PoolClient.connect(pool.socket_path, pool.token) as c:
+        model = build()
+        for name, p in list(model.named_parameters()):
+            module_name, _, attr = name.rpartition(".")
+            retained = c.attach_like(f"param/{name}", p)
+            assert retained.dtype == p.dtype and retained.shape == p.shape
+            setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(retained))
+        with torch.no_grad():
+            assert torch.equal(model(x), real(x))
