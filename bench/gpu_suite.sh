@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -16,5 +16,10 @@ if [[ $what == codec || $what == all ]]; then
   python3 -m pytest -p no:cacheprovider -q tests/test_codec_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" || rc=1
   python3 -c 'from leto.erasure.kernels import by_name; print(by_name("cuda").kernel_info())' 2>&1 | tee "$OUT/kernel_info.txt"
   python3 -m bench.codec --device cuda --json-out "$OUT/codec_cuda.json" 2>&1 | tee "$OUT/codec_cuda.txt" || rc=1
+fi
+if [[ $what == pool || $what == all ]]; then
+  python3 -m pytest -p no:cacheprovider -q tests/test_backend_cuda.py tests/test_pool_gpu.py 2>&1 | tee "$OUT/pool_gpu_tests.txt" || rc=1
+  python3 -m bench.pool --device cuda:0 --pages 7168 --json-out "$OUT/pool_cuda.json" 2>&1 | tee "$OUT/pool_cuda.txt" || rc=1
+  python3 -m bench.pool_cuda_backend --pages 7168 --json-out "$OUT/pool_backend_cuda.json" 2>&1 | tee "$OUT/pool_backend_cuda.txt" || rc=1
 fi
 exit $rc
