@@ -47,12 +47,16 @@ def run(device: str, pages: int, lost: int, page_bytes: int) -> dict:
         _sync(device)
         rows["first attach (create + map) ms"] = (time.perf_counter() - t0) * 1e3
         g = torch.Generator(device=state.device).manual_seed(0)
-        state.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=state.device, generator=g))
+        state.copy_(
+            torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=state.device, generator=g)
+        )
         t0 = time.perf_counter()
         c.encode_parity()
         _sync(device)
         rows["encode both tiers, all groups ms"] = (time.perf_counter() - t0) * 1e3
-        victims = list(range(0, min(pages, cfg.data_pages), max(1, min(pages, cfg.data_pages) // lost)))[:lost]
+        victims = list(
+            range(0, min(pages, cfg.data_pages), max(1, min(pages, cfg.data_pages) // lost))
+        )[:lost]
         saved = {i: state[i * page_bytes : (i + 1) * page_bytes].clone() for i in victims}
         c.close()
 
@@ -75,7 +79,9 @@ def run(device: str, pages: int, lost: int, page_bytes: int) -> dict:
         summary = c.reconstruct(report)
         _sync(device)
         rows[f"reconstruct {lost} pages ms"] = (time.perf_counter() - t0) * 1e3
-        exact = all(torch.equal(state[i * page_bytes : (i + 1) * page_bytes], saved[i]) for i in victims)
+        exact = all(
+            torch.equal(state[i * page_bytes : (i + 1) * page_bytes], saved[i]) for i in victims
+        )
         c.close()
     finally:
         sm.stop()
@@ -96,22 +102,45 @@ def run(device: str, pages: int, lost: int, page_bytes: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu", help="cpu or cuda:N")
-    ap.add_argument("--pages", type=int, default=None, help="pool size in pages (default 7168 on cuda = 14 GiB, 512 on cpu)")
-    ap.add_argument("--page-bytes", type=int, default=None, help="page size (default 2 MiB on cuda, 64 KiB on cpu)")
+    ap.add_argument(
+        "--device", default="cuda:0" if torch.cuda.is_available() else "cpu", help="cpu or cuda:N"
+    )
+    ap.add_argument(
+        "--pages",
+        type=int,
+        default=None,
+        help="pool size in pages (default 7168 on cuda = 14 GiB, 512 on cpu)",
+    )
+    ap.add_argument(
+        "--page-bytes",
+        type=int,
+        default=None,
+        help="page size (default 2 MiB on cuda, 64 KiB on cpu)",
+    )
     ap.add_argument("--lost", type=int, default=16, help="pages lost in protection group 0")
     ap.add_argument("--json-out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
-    res = run(args.device, args.pages or (7168 if cuda else 512), args.lost, args.page_bytes or ((2 << 20) if cuda else 64 << 10))
-    res["command"] = "python -m bench.pool " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-    t = Table(title=f"pool on {res['device']}: {res['pages']} pages of {res['page_bytes']} B ({res['pool_GiB']:.2f} GiB)")
+    res = run(
+        args.device,
+        args.pages or (7168 if cuda else 512),
+        args.lost,
+        args.page_bytes or ((2 << 20) if cuda else 64 << 10),
+    )
+    res["command"] = "python -m bench.pool " + " ".join(
+        argv if argv is not None else __import__("sys").argv[1:]
+    )
+    t = Table(
+        title=f"pool on {res['device']}: {res['pages']} pages of {res['page_bytes']} B ({res['pool_GiB']:.2f} GiB)"
+    )
     t.add_column("step")
     t.add_column("ms", justify="right")
     for k, v in res["ms"].items():
         t.add_row(k, f"{v:.1f}")
     Console().print(t)
-    Console().print(f"lost pages found: {res['found']}  rebuilt: {res['rebuilt']}  bit-exact: {res['exact']}  mechanism: {res['mechanism']['device']}")
+    Console().print(
+        f"lost pages found: {res['found']}  rebuilt: {res['rebuilt']}  bit-exact: {res['exact']}  mechanism: {res['mechanism']['device']}"
+    )
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(res, f, indent=2)

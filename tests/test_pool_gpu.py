@@ -55,7 +55,10 @@ def gpu_pool():
 def test_trainer_killed_mid_kernel_then_16_lost_pages_rebuilt_bit_exact(gpu_pool):
     n = PAGES * 2 * MiB
     ready = SPAWN.Event()
-    child = SPAWN.Process(target=child_fill_protect_then_scribble, args=(str(gpu_pool.socket_path), gpu_pool.token, n, ready))
+    child = SPAWN.Process(
+        target=child_fill_protect_then_scribble,
+        args=(str(gpu_pool.socket_path), gpu_pool.token, n, ready),
+    )
     child.start()
     assert ready.wait(120), "child trainer never finished filling"
     os.kill(child.pid, signal.SIGKILL)
@@ -72,7 +75,9 @@ def test_trainer_killed_mid_kernel_then_16_lost_pages_rebuilt_bit_exact(gpu_pool
         c.attach("scratch", 64 * MiB)
         summary = c.reconstruct(report)
         assert summary["data_pages"] == 16 and summary["tier1_pages"] == 1
-        assert torch.equal(state, gpu_pattern(n, 7)), "rebuilt pool differs from what the dead trainer wrote"
+        assert torch.equal(state, gpu_pattern(n, 7)), (
+            "rebuilt pool differs from what the dead trainer wrote"
+        )
 
 
 def test_17_lost_pages_in_a_group_is_fatal(gpu_pool):

@@ -21,7 +21,7 @@ class AllocationKind(enum.Enum):
 @dataclass(frozen=True)
 class PoolConfig:
     device: str = "cpu"  # "cpu" (memfd pages stand in for HBM) or "cuda:N" (CUDA VMM)
-    page_bytes: int = 64 * 1024  # 2 MiB on CUDA (the VMM granularity); small on CPU
+    page_bytes: int | None = None  # default: 2 MiB on CUDA (the VMM granularity), 64 KiB on CPU
     data_pages: int = 1024  # D: data pages per protection group
     tier1_pages: int = 16  # H1: tier-1 parity pages per group (host memory)
     tier2_pages: int = 1  # H2: tier-2 parity pages over the tier-1 pages (host memory)
@@ -34,6 +34,9 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r}: use cpu or cuda[:N]")
+        if self.page_bytes is None:
+            default = 2 * MiB if self.device.startswith("cuda") else 64 * 1024
+            object.__setattr__(self, "page_bytes", default)
         for name in (
             "page_bytes",
             "data_pages",
@@ -54,7 +57,7 @@ class PoolConfig:
 
     @classmethod
     def for_cuda(cls, index: int = 0, **kw) -> PoolConfig:
-        return cls(device=f"cuda:{index}", page_bytes=2 * MiB, **kw)
+        return cls(device=f"cuda:{index}", **kw)
 
     def as_dict(self) -> dict:
         return asdict(self)
