@@ -336,3 +336,26 @@ def test_model_parameters_attach_by_name_from_a_meta_device_model(pool):
             setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(retained))
         with torch.no_grad():
             assert torch.equal(model(x), real(x))
+
+
+def test_allocation_sets_keep_each_unit_inside_one_group(pool):
+    # D = 16 and units of 1 + 2 + 2 pages: 3 units per group (15 pages), 7 units.
+    names, nbytes, unit = ["p", "m", "v"], [7 * PAGE, 14 * PAGE - 5, 13 * PAGE], [1, 2, 2]
+    with PoolClient.connect(pool.socket_path, pool.token) as c:
+        c.attach("before", PAGE)  # an ordinary allocation: its group is not shared
+        reply = c.attach_set(names, nbytes, unit)
+        assert (reply.units, reply.units_per_group, reply.first_group) == (7, 3, 1)
+        groups = {g.gid: g for g in c.layout()}
+        assert [len(groups[g].data) for g in (1, 2, 3)] == [15, 15, 5]
+        for n, b in zip(names, nbytes, strict=True):
+            c.attach(n, b).fill_(ord(n[0]))
+        g1 = groups[1].data
+        # unit 1 of group 1 = p page 1, m pages 2..3, v pages 2..3: consecutive in the group
+        assert [int(x[0]) for x in g1[5:10]] == [ord("p"), ord("m"), ord("m"), ord("v"), ord("v")]
+        c.attach("after", PAGE)
+        assert [g.gid for g in c.layout()][-1] == 4, "a later allocation must open a new group"
+    with PoolClient.connect(pool.socket_path, pool.token) as c:
+        with pytest.raises(AllocationMismatch, match="differs from what exists"):
+            c.attach_set(names, [7 * PAGE, 14 * PAGE, 13 * PAGE], unit)
+        again = c.attach_set(names, nbytes, unit)
+        assert again.first_group == 1 and int(c.attach("m", nbytes[1])[0]) == ord("m")

@@ -51,6 +51,7 @@ class PoolClient:
         self._maps: dict[str, tuple[Mapping, object, P.Allocated]] = {}
         self._parity: list[tuple[object, Mapping]] = []
         self._codes: dict[tuple[int, int, int], TwoTierCode] = {}
+        self._sets: dict[tuple[str, ...], P.AllocatedSet] = {}
 
     @classmethod
     def connect(
@@ -131,6 +132,41 @@ class PoolClient:
             return flat
         return flat.view(dtype).view(tuple(shape))
 
+    def attach_set(
+        self, names: list[str], nbytes: list[int], unit_pages: list[int]
+    ) -> P.AllocatedSet:
+        """Attach protected allocations placed unit by unit (see ``protocol.AllocSet``).
+
+        Afterwards each is available through ``attach(name, nbytes)``; the reply says how
+        many units there are, how many fit a group, and the set's first group.
+        """
+        if all(n in self._maps for n in names):
+            return self._sets[tuple(names)]
+        reply, fds = P.request(
+            self.sock,
+            P.AllocSet(self.epoch, list(names), [int(b) for b in nbytes], list(unit_pages)),
+            P.AllocatedSet,
+        )
+        fds = P.recv_fds(self.sock, reply.n_fds, fds)
+        pos = 0
+        for info in reply.allocations:
+            n = info["n_pages"]
+            importer = importer_for(self.config.device, info["page_bytes"])
+            mapping = importer.map(fds[pos : pos + n])
+            pos += n
+            meta = P.Allocated(
+                info["name"],
+                AllocationKind.PROTECTED.value,
+                info["nbytes"],
+                n,
+                info["page_bytes"],
+                False,
+                n,
+            )
+            self._maps[info["name"]] = (mapping, importer, meta)
+        self._sets[tuple(names)] = reply
+        return reply
+
     def attach_like(
         self, name: str, like: torch.Tensor, kind: AllocationKind = AllocationKind.PROTECTED
     ) -> torch.Tensor:
@@ -154,7 +190,7 @@ class PoolClient:
             pos += n
             self._parity.append((importer, mapping))
             pages = [mapping.page(i) for i in range(n)]
-            data = []
+            data: list[torch.Tensor] = []
             for name, first, count in g["members"]:
                 if name not in self._maps:
                     raise PoolError(

@@ -35,6 +35,8 @@ class Op(enum.Enum):
     WELCOME = "WELCOME"
     ALLOC = "ALLOC"
     ALLOCATED = "ALLOCATED"
+    ALLOC_SET = "ALLOC_SET"
+    ALLOCATED_SET = "ALLOCATED_SET"
     LAYOUT = "LAYOUT"
     LAYOUT_REPLY = "LAYOUT_REPLY"
     LOCALIZE = "LOCALIZE"
@@ -88,6 +90,28 @@ class Allocated:
     page_bytes: int
     created: bool
     n_fds: int
+
+
+@dataclass(frozen=True)
+class AllocSet:
+    """Protected allocations placed together: unit u of the set is ``unit_pages[k]``
+    pages of allocation k, for every k, and a protection group holds whole units only.
+    So an element range aligned to units lies in one group for every allocation (the
+    updater's chunks: parameters and their optimizer state commit together)."""
+
+    epoch: int
+    names: list
+    nbytes: list
+    unit_pages: list
+
+
+@dataclass(frozen=True)
+class AllocatedSet:
+    allocations: list  # one Allocated-like dict per name, in order
+    units: int
+    units_per_group: int
+    first_group: int
+    n_fds: int  # every page of every allocation, allocation by allocation
 
 
 @dataclass(frozen=True)
@@ -162,6 +186,8 @@ MESSAGES: dict[Op, type] = {
     Op.WELCOME: Welcome,
     Op.ALLOC: Alloc,
     Op.ALLOCATED: Allocated,
+    Op.ALLOC_SET: AllocSet,
+    Op.ALLOCATED_SET: AllocatedSet,
     Op.LAYOUT: Layout,
     Op.LAYOUT_REPLY: LayoutReply,
     Op.LOCALIZE: Localize,

@@ -215,7 +215,7 @@ class StateManager:
             return P.send(
                 peer.sock, P.Ok(f"lost {len(msg.pages)} {msg.target} pages of {msg.name}")
             )
-        if isinstance(msg, (P.Alloc, P.Layout, P.Localize, P.MarkRebuilt)):
+        if isinstance(msg, (P.Alloc, P.AllocSet, P.Layout, P.Localize, P.MarkRebuilt)):
             self._need(peer, P.Role.TRAINER)
             if msg.epoch != self.epoch or peer.epoch != self.epoch:
                 raise Refused(
@@ -236,6 +236,26 @@ class StateManager:
                         len(fds),
                     )
                     P.send(peer.sock, reply, fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                return None
+            if isinstance(msg, P.AllocSet):
+                allocs, units, per_group, first = self.table.alloc_set(
+                    msg.names, msg.nbytes, msg.unit_pages
+                )
+                fds = [fd for a in allocs for fd in self.table.export(a)]
+                infos = [
+                    {
+                        "name": a.name,
+                        "nbytes": a.nbytes,
+                        "n_pages": len(a.pages),
+                        "page_bytes": a.owner.page_bytes,
+                    }
+                    for a in allocs
+                ]
+                try:
+                    P.send(peer.sock, P.AllocatedSet(infos, units, per_group, first, len(fds)), fds)
                 finally:
                     for fd in fds:
                         os.close(fd)

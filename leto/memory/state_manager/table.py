@@ -42,7 +42,7 @@ class Allocation:
 @dataclass
 class Group:
     gid: int
-    kind: str  # "state" or "record"
+    kind: str  # "state", "set" (closed to other allocations) or "record"
     capacity: int
     page_bytes: int
     members: list[tuple[str, int]]
@@ -127,7 +127,7 @@ class Table:
     def _new_group(self, kind: str, capacity: int, page_bytes: int, h1: int, h2: int) -> Group:
         parity, maps = {}, {}
         for tier, count in (("tier1", h1), ("tier2", h2)):
-            owner = self.parity_owner if kind == "state" else self.record_owner
+            owner = self.parity_owner if kind != "record" else self.record_owner
             handles = [owner.create() for _ in range(count)]
             parity[tier] = handles
             maps[tier] = owner.map(handles)
@@ -139,7 +139,9 @@ class Table:
         # Fresh pages are zero, and a zero page adds nothing to parity, so appending
         # pages to a partly filled group leaves its parity valid.
         for i in range(len(a.pages)):
-            g = next((g for g in reversed(self.groups) if g.kind == "state"), None)
+            g = next((g for g in reversed(self.groups) if g.kind in ("state", "set")), None)
+            if g is not None and g.kind == "set":
+                g = None  # groups of an allocation set take no other pages
             if g is None or len(g.members) >= g.capacity:
                 g = self._new_group(
                     "state",
@@ -150,6 +152,87 @@ class Table:
                 )
             a.slots.append((g.gid, len(g.members)))
             g.members.append((a.name, i))
+
+    def alloc_set(
+        self, names: list, nbytes: list, unit_pages: list
+    ) -> tuple[list[Allocation], int, int, int]:
+        """Allocate protected allocations together, unit by unit (see protocol.AllocSet).
+
+        Returns (allocations, units, units_per_group, first_group). Re-attaching the
+        same set returns the existing allocations; a partial or different set is refused.
+        """
+        if not (isinstance(names, list) and len(names) == len(nbytes) == len(unit_pages) and names):
+            raise PoolProtocolError(
+                "ALLOC_SET needs equally long, non-empty names, nbytes and unit_pages"
+            )
+        for n, b, u in zip(names, nbytes, unit_pages, strict=True):
+            if not isinstance(n, str) or not NAME_RE.match(n):
+                raise PoolProtocolError(f"allocation name {n!r} must match {NAME_RE.pattern}")
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 < b <= 1 << 46:
+                raise PoolProtocolError(f"allocation {n!r}: nbytes={b!r} out of range")
+            if not isinstance(u, int) or isinstance(u, bool) or u < 1:
+                raise PoolProtocolError(
+                    f"allocation {n!r}: unit_pages={u!r} must be a positive integer"
+                )
+        if len(set(names)) != len(names):
+            raise PoolProtocolError(f"ALLOC_SET names {names} repeat a name")
+        pb = self.device_owner.page_bytes
+        unit = sum(unit_pages)
+        per_group = self.config.data_pages // unit
+        if per_group < 1:
+            raise PoolProtocolError(
+                f"a unit of {unit} pages does not fit a protection group of {self.config.data_pages}"
+            )
+        units = max(-(-b // (u * pb)) for b, u in zip(nbytes, unit_pages, strict=True))
+        existing = [self.allocations.get(n) for n in names]
+        if any(existing):
+            ok = all(
+                a is not None
+                and a.kind is AllocationKind.PROTECTED
+                and a.nbytes == b
+                and len(a.pages) == units * u
+                for a, b, u in zip(existing, nbytes, unit_pages, strict=True)
+            )
+            if not ok:
+                raise AllocationMismatch(
+                    f"allocation set {names} differs from what exists under those names; it was kept "
+                    "unchanged: attach the same set with the same sizes"
+                )
+            first = existing[0].slots[0][0]
+            return existing, units, per_group, first
+        created: list[Allocation] = []
+        try:
+            for n, b, u in zip(names, nbytes, unit_pages, strict=True):
+                pages = [self.device_owner.create() for _ in range(units * u)]
+                created.append(
+                    Allocation(
+                        n,
+                        AllocationKind.PROTECTED,
+                        b,
+                        self.device_owner,
+                        pages,
+                        self.device_owner.map(pages),
+                    )
+                )
+        except BaseException:
+            for a in created:
+                a.owner.unmap(a.mapping)
+                for h in a.pages:
+                    a.owner.release(h)
+            raise
+        first_group = len(self.groups)
+        for u_index in range(units):
+            if u_index % per_group == 0:
+                g = self._new_group(
+                    "set", per_group * unit, pb, self.config.tier1_pages, self.config.tier2_pages
+                )
+            for a, u in zip(created, unit_pages, strict=True):
+                for i in range(u_index * u, (u_index + 1) * u):
+                    a.slots.append((g.gid, len(g.members)))
+                    g.members.append((a.name, i))
+        for a in created:
+            self.allocations[a.name] = a
+        return created, units, per_group, first_group
 
     def export(self, a: Allocation) -> list[int]:
         return [a.owner.export_fd(h) for h in a.pages]
@@ -167,7 +250,7 @@ class Table:
                     "page_bytes": g.page_bytes,
                 }
             )
-            owner = self.parity_owner if g.kind == "state" else self.record_owner
+            owner = self.parity_owner if g.kind != "record" else self.record_owner
             fds += [owner.export_fd(h) for h in g.parity["tier1"] + g.parity["tier2"]]
         return groups, fds
 
@@ -192,7 +275,7 @@ class Table:
                 gid, idx = a.slots[i]
                 self.groups[gid].pending["data"].add(idx)
         for g in self.groups:
-            owner = self.parity_owner if g.kind == "state" else self.record_owner
+            owner = self.parity_owner if g.kind != "record" else self.record_owner
             for tier in ("tier1", "tier2"):
                 failed = owner.failed_pages(g.parity_maps[tier])
                 scanned += len(g.parity[tier])
@@ -245,7 +328,7 @@ class Table:
             if not name.isdigit() or int(name) >= len(self.groups):
                 raise PoolProtocolError(f"no group {name!r}")
             g = self.groups[int(name)]
-            owner = self.parity_owner if g.kind == "state" else self.record_owner
+            owner = self.parity_owner if g.kind != "record" else self.record_owner
             handles, mapping = g.parity[target], g.parity_maps[target]
         else:
             raise PoolProtocolError(f"inject target {target!r}: use data, tier1 or tier2")
@@ -302,7 +385,7 @@ class Table:
             for h in a.pages:
                 a.owner.release(h)
         for g in self.groups:
-            owner = self.parity_owner if g.kind == "state" else self.record_owner
+            owner = self.parity_owner if g.kind != "record" else self.record_owner
             for tier in ("tier1", "tier2"):
                 owner.unmap(g.parity_maps[tier])
                 for h in g.parity[tier]:
