@@ -36,6 +36,7 @@ class GroupView:
 
     gid: int
     kind: str
+    members: list  # [allocation name, first page, count] runs, in group order
     data: list[torch.Tensor]  # on the pool's device (host for records)
     tier1: list[torch.Tensor]  # host memory
     tier2: list[torch.Tensor]  # host memory
@@ -199,7 +200,14 @@ class PoolClient:
                 m = self._maps[name][0]
                 data += [m.page(i) for i in range(first, first + count)]
             views.append(
-                GroupView(g["gid"], g["kind"], data, pages[: g["tier1"]], pages[g["tier1"] :])
+                GroupView(
+                    g["gid"],
+                    g["kind"],
+                    g["members"],
+                    data,
+                    pages[: g["tier1"]],
+                    pages[g["tier1"] :],
+                )
             )
         return views
 
@@ -224,14 +232,16 @@ class PoolClient:
         reply, _ = P.request(self.sock, P.Localize(self.epoch), P.Localized)
         return reply.report
 
-    def reconstruct(self, report: dict) -> dict:
+    def reconstruct(self, report: dict, only: set[int] | None = None) -> dict:
         """Rebuild every page the report marks, on the device where it lives.
 
         Raises ``TooManyErasures`` (a FatalFailure naming the group and counts) when a
         group lost more than its parity covers; nothing of that group is written then.
         """
         t0 = time.perf_counter()
-        marked = report.get("groups", {})
+        marked = {
+            k: v for k, v in report.get("groups", {}).items() if only is None or int(k) in only
+        }
         if not marked:
             return {
                 "groups": 0,
@@ -263,7 +273,7 @@ class PoolClient:
                 totals[t] += len(lost[t])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        P.request(self.sock, P.MarkRebuilt(self.epoch, [int(k) for k in marked]), P.Ok)
+        self.mark_rebuilt([int(k) for k in marked])
         return {
             "groups": len(marked),
             "data_pages": totals["data"],
@@ -271,6 +281,10 @@ class PoolClient:
             "tier2_pages": totals["tier2"],
             "seconds": time.perf_counter() - t0,
         }
+
+    def mark_rebuilt(self, gids: list[int]) -> None:
+        """Tell the state manager these groups' pending pages are rebuilt."""
+        P.request(self.sock, P.MarkRebuilt(self.epoch, list(gids)), P.Ok)
 
     # -- other requests -------------------------------------------------------------
 

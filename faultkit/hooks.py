@@ -1,0 +1,83 @@
+"""Injection points: named places in the trainer where faultkit can stop a process.
+
+Runs in the trainer. ``point(name, iteration)`` costs one global lookup when nothing is
+armed. A fault is armed by the environment variable ``LETO_FAULT_AT`` (set by faultkit
+or a test for the process it starts) as ``NAME@ITERATION`` or ``NAME@ITERATION#N`` (the
+N-th time that point is reached in that iteration, from 1), or in-process by ``arm``.
+Mode ``kill`` (the default from the environment) is SIGKILL of this process, the most
+faithful crash: nothing runs after it. Mode ``raise`` throws ``InjectedCrash`` (for
+in-process state-machine tests that then discard every non-retained object).
+
+Not covered: crashes in the middle of a GPU kernel (that is ``nvbit_tools``), hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV_FAULT_AT = "LETO_FAULT_AT"
+
+
+class InjectedCrash(Exception):
+    """Raised at an armed point in ``raise`` mode."""
+
+
+_armed: tuple[str, int, int, str] | None = None
+_hits: dict[tuple[str, int], int] = {}
+_seen: list[str] = []  # every point name reached, when recording (for coverage tests)
+_recording = False
+
+
+def parse(spec: str) -> tuple[str, int, int]:
+    try:
+        name, rest = spec.split("@", 1)
+        it, _, nth = rest.partition("#")
+        return name, int(it), int(nth or 1)
+    except ValueError:
+        raise ValueError(
+            f"{ENV_FAULT_AT}={spec!r}: expected NAME@ITERATION or NAME@ITERATION#N"
+        ) from None
+
+
+def arm(name: str, iteration: int, nth: int = 1, mode: str = "raise") -> None:
+    global _armed
+    if mode not in ("raise", "kill"):
+        raise ValueError(f"mode {mode!r}: use raise or kill")
+    _armed = (name, iteration, nth, mode)
+    _hits.clear()
+
+
+def disarm() -> None:
+    global _armed
+    _armed = None
+    _hits.clear()
+
+
+def record(on: bool = True) -> list[str]:
+    """Start (or stop) recording reached point names; returns the list being filled."""
+    global _recording
+    _recording = on
+    _seen.clear()
+    return _seen
+
+
+def point(name: str, iteration: int) -> None:
+    if _recording:
+        _seen.append(name)
+    if _armed is None:
+        return
+    want, it, nth, mode = _armed
+    if name != want or iteration != it:
+        return
+    key = (name, iteration)
+    _hits[key] = _hits.get(key, 0) + 1
+    if _hits[key] != nth:
+        return
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise InjectedCrash(f"injected crash at {name}@{iteration}#{nth}")
+
+
+if os.environ.get(ENV_FAULT_AT):
+    arm(*parse(os.environ[ENV_FAULT_AT]), mode="kill")

@@ -1,0 +1,129 @@
+"""How a model's training state maps onto retained pool memory.
+
+Runs in the trainer. Parameters (and, for bf16 parameters, fp32 master weights) and the
+AdamW moments form one pool *allocation set*: unit u holds the same element range of
+every tensor, so the pages of one element range — parameter, master, moments — are
+consecutive pages of one protection group, and a *chunk* (a few units) commits all of
+its state together. Gradients are a separate protected allocation (their own groups,
+re-encoded every iteration). Every tensor is flat; each model parameter is a view into
+it at a fixed offset, so model code is unchanged.
+
+Not covered: tensor/pipeline parallelism, parameters of mixed dtypes (one dtype per
+model; bf16 gets fp32 master weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from leto.memory.client import GroupView, PoolClient
+
+SET_NAMES = ("param", "master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str
+    shape: torch.Size
+    offset: int  # in elements of the flat tensors
+    numel: int
+
+
+class RetainedModel:
+    def __init__(self, client: PoolClient, model: torch.nn.Module, chunk_units: int = 2):
+        params = list(model.named_parameters())
+        if not params:
+            raise ValueError("the model has no parameters")
+        dtypes = {p.dtype for _, p in params}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"parameters must all be float32 or all bfloat16, found {sorted(map(str, dtypes))}"
+            )
+        self.client = client
+        self.dtype = next(iter(dtypes))
+        self.master = self.dtype != torch.float32
+        self.page_bytes = client.config.page_bytes
+        psize = torch.empty((), dtype=self.dtype).element_size()
+        self.unit_elems = self.page_bytes // psize  # one parameter page per unit
+        self.slots: list[ParamSlot] = []
+        off = 0
+        for name, p in params:
+            self.slots.append(ParamSlot(name, p.shape, off, p.numel()))
+            off += p.numel()
+        self.numel = off
+        names = [n for n in SET_NAMES if n != "master" or self.master]
+        sizes = {"param": psize, "master": 4, "exp_avg": 4, "exp_avg_sq": 4}
+        self.set_names = names
+        self.unit_pages = [self.unit_elems * sizes[n] // self.page_bytes for n in names]
+        self.unit = sum(self.unit_pages)
+        reply = client.attach_set(names, [self.numel * sizes[n] for n in names], self.unit_pages)
+        self.units, self.units_per_group, self.first_group = (
+            reply.units,
+            reply.units_per_group,
+            reply.first_group,
+        )
+        self.chunk_units = max(1, min(chunk_units, self.units_per_group))
+        self.flat = {
+            n: client.attach(n, self.numel * sizes[n]).view(
+                self.dtype if n == "param" else torch.float32
+            )
+            for n in names
+        }
+        self.grad = client.attach("grad", shape=(self.numel,), dtype=self.dtype)
+        self.n_groups = -(-self.units // self.units_per_group)
+
+    # -- model binding --------------------------------------------------------------
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Make every parameter (and its .grad) a view of retained memory."""
+        for slot in self.slots:
+            module_name, _, attr = slot.name.rpartition(".")
+            module = model.get_submodule(module_name)
+            view = self.flat["param"][slot.offset : slot.offset + slot.numel].view(slot.shape)
+            param = torch.nn.Parameter(view)
+            param.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            setattr(module, attr, param)
+
+    # -- groups and chunks ----------------------------------------------------------
+
+    def set_groups(self, views: list[GroupView]) -> list[GroupView]:
+        """The allocation set's groups, in update order."""
+        by_gid = {g.gid: g for g in views}
+        return [by_gid[self.first_group + i] for i in range(self.n_groups)]
+
+    @staticmethod
+    def groups_of(views: list[GroupView], name: str) -> list[GroupView]:
+        return [g for g in views if any(m[0] == name for m in g.members)]
+
+    def chunks(self, group_index: int) -> list[tuple[int, int]]:
+        """Unit ranges [u0, u1) of the chunks of a group (global unit numbers)."""
+        first = group_index * self.units_per_group
+        last = min(self.units, first + self.units_per_group)
+        return [(u, min(u + self.chunk_units, last)) for u in range(first, last, self.chunk_units)]
+
+    def chunk_pages(self, group_index: int, units: tuple[int, int]) -> tuple[int, int]:
+        """(first page in the group, page count) of a chunk: consecutive by construction."""
+        u0, u1 = units
+        return (u0 - group_index * self.units_per_group) * self.unit, (u1 - u0) * self.unit
+
+    def chunk_runs(self, units: tuple[int, int]) -> list[tuple[str, int, int]]:
+        """Per allocation, the contiguous element range (in that tensor) of a chunk."""
+        u0, u1 = units
+        return [
+            (n, u0 * self.unit_elems, min(u1 * self.unit_elems, self.numel)) for n in self.set_names
+        ]
+
+    def element_range(self, units: tuple[int, int]) -> tuple[int, int]:
+        return units[0] * self.unit_elems, min(units[1] * self.unit_elems, self.numel)
+
+    def pieces(self, e0: int, e1: int) -> list[tuple[int, int]]:
+        """[a, b) element ranges of a chunk cut at parameter boundaries (the optimizer
+        runs per parameter, as torch.optim does, so results match it bit for bit)."""
+        out = []
+        for s in self.slots:
+            a, b = max(e0, s.offset), min(e1, s.offset + s.numel)
+            if a < b:
+                out.append((a, b))
+        return out

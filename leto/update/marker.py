@@ -1,0 +1,128 @@
+"""The progress marker: which step of an iteration a rank has completed.
+
+Runs in the trainer; lives in a pool *record* (host memory, parity-protected: its
+protection group has one data page and XOR parity, so the parity pages are byte copies
+of the record and every write goes to the record and then to each parity page).
+
+Two slots, each ``seq | fields | crc32``; a write goes to slot ``seq % 2``, so a write
+torn by a crash leaves the other slot, one step older, as the newest valid one. The
+updater is built so that resuming from one step older is always correct (every step
+is idempotent given the state the previous marker names).
+
+Not covered: stream ordering on a GPU — the caller passes ``before_write`` (a stream
+synchronization) so that a marker never runs ahead of the device work it describes.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+MAGIC = 0x4C45544F  # "LETO"
+_FMT = struct.Struct("<IQqBBBxiid")  # magic, seq, iteration, phase, step, auth, group, chunk, clip
+SLOT_BYTES = 64
+RECORD_BYTES = 2 * SLOT_BYTES
+
+
+class Phase(enum.IntEnum):
+    COMPUTE = 0  # forward/backward/all-reduce of `iteration`; model state untouched
+    GRADS_PROTECTED = 1  # gradients of `iteration` have parity in host memory
+    SYNCED = 2  # global sync done; `clip` holds the clipping coefficient
+    UPDATE = 3  # updating: `group`, `chunk`, `step`, `auth` say where
+    DONE = 4  # `iteration` complete; the next one starts from scratch
+
+
+class Step(enum.IntEnum):
+    LOAD = 0  # group's host tier-1 parity authoritative; loading it to the device
+    START = 1  # chunk `chunk` not begun; parity in buffer `auth` covers chunks < chunk
+    UNDO_DONE = 2  # undo buffer holds chunk's old contents
+    UPDATE_DONE = 3  # chunk updated; scratch parity being computed
+    PARITY_DONE = 4  # scratch parity complete (commit pending)
+    STORE = 5  # all chunks committed; copying parity buffer `auth` to host
+    TIER2 = 6  # host tier 1 authoritative; refreshing tier 2
+
+
+class Auth(enum.IntEnum):
+    HOST = 0
+    A = 1
+    B = 2
+
+
+@dataclass(frozen=True)
+class MarkerState:
+    iteration: int
+    phase: Phase
+    step: Step = Step.LOAD
+    auth: Auth = Auth.HOST
+    group: int = 0  # index into the updater's group order
+    chunk: int = 0
+    clip: float = 1.0
+    seq: int = 0
+
+    def but(self, **kw) -> MarkerState:
+        return replace(self, **kw)
+
+    def next_iteration(self) -> int:
+        """The first iteration this rank has not completed."""
+        return self.iteration + 1 if self.phase is Phase.DONE else self.iteration
+
+
+def _pack(s: MarkerState) -> bytes:
+    body = _FMT.pack(
+        MAGIC, s.seq, s.iteration, int(s.phase), int(s.step), int(s.auth), s.group, s.chunk, s.clip
+    )
+    return (body + struct.pack("<I", zlib.crc32(body))).ljust(SLOT_BYTES, b"\0")
+
+
+def _unpack(raw: bytes) -> MarkerState | None:
+    body, crc = raw[: _FMT.size], raw[_FMT.size : _FMT.size + 4]
+    if struct.unpack("<I", crc)[0] != zlib.crc32(body):
+        return None
+    magic, seq, it, phase, step, auth, group, chunk, clip = _FMT.unpack(body)
+    if magic != MAGIC:
+        return None
+    try:
+        return MarkerState(it, Phase(phase), Step(step), Auth(auth), group, chunk, clip, seq)
+    except ValueError:
+        return None
+
+
+class Marker:
+    def __init__(
+        self,
+        record: torch.Tensor,
+        mirrors: list[torch.Tensor],
+        before_write: Callable[[], None] | None = None,
+    ):
+        if record.numel() < RECORD_BYTES or any(m.numel() < RECORD_BYTES for m in mirrors):
+            raise ValueError(f"marker needs {RECORD_BYTES} bytes in its record and every mirror")
+        self.record = record
+        self.mirrors = mirrors
+        self.before_write = before_write
+        self.state = self.read()
+
+    def read(self) -> MarkerState | None:
+        """The newest valid slot, or None on a fresh record."""
+        raw = bytes(self.record[:RECORD_BYTES].numpy())
+        slots = [_unpack(raw[i * SLOT_BYTES : (i + 1) * SLOT_BYTES]) for i in range(2)]
+        valid = [s for s in slots if s is not None]
+        return max(valid, key=lambda s: s.seq) if valid else None
+
+    def write(self, state: MarkerState) -> MarkerState:
+        if self.before_write is not None:
+            self.before_write()
+        seq = (self.state.seq + 1) if self.state is not None else 1
+        state = state.but(seq=seq)
+        data = torch.frombuffer(bytearray(_pack(state)), dtype=torch.uint8)
+        off = (seq % 2) * SLOT_BYTES
+        # Record first, then its parity copies: a crash in between leaves parity one
+        # write behind, which is as safe as a torn record slot.
+        for target in [self.record, *self.mirrors]:
+            target[off : off + SLOT_BYTES].copy_(data)
+        self.state = state
+        return state

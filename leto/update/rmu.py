@@ -1,0 +1,400 @@
+"""The Resumable Model Updater: Pseudocode 1 of the paper, plus its recovery.
+
+Runs in the trainer. One iteration, after forward/backward and the gradient all-reduce:
+
+1. ``protect_grads``: parity of every gradient group, written to host memory
+   (marker GRADS_PROTECTED) — before the global sync, so every rank's gradients are
+   recoverable before any model state changes.
+2. ``sync``: the global norm for clipping (marker SYNCED with the coefficient).
+3. ``update``: per protection group of the allocation set: load tier-1 parity into
+   device buffer A (LOAD); per chunk: copy the chunk to the undo buffer (UNDO_DONE),
+   recompute the chunk from the undo copy with AdamW in place (UPDATE_DONE), scratch
+   parity = authoritative parity ⊕ G·(old ⊕ new) (PARITY_DONE), commit = the marker
+   names the scratch buffer authoritative (START of the next chunk); then copy the
+   parity to host (STORE) and refresh tier 2 (TIER2). Marker DONE ends the iteration.
+
+Every step reads only state the previous marker vouches for and writes state no
+earlier marker relies on, so redoing a step is harmless: a crash anywhere — or a
+marker write torn by the crash, which leaves the previous marker — resumes correctly.
+
+``recover`` runs after a crash, once the pool is localized and everything attached:
+it rebuilds the marker's record, reverts an in-flight chunk from the undo buffer,
+rebuilds lost pages from whichever parity the marker names authoritative, and returns
+the marker so the job-wide rule can decide (``decide``).
+
+``transactions=False`` is the ablation of the paper's Fig. 12: chunks updated in place
+without undo or incremental parity, parity re-encoded after each group. It exists to
+show that the transactions are necessary; never train with it.
+
+Not covered: sharded optimizer state (ZeRO-1), layer-wise optimizers, lending the RMU
+buffers to activations, and overlapping transfers with compute (see docs/update.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from faultkit.hooks import point
+from leto.erasure import TwoTierCode
+from leto.errors import FatalFailure
+from leto.memory.client import GroupView, PoolClient
+from leto.memory.config import AllocationKind
+from leto.update.layout import RetainedModel
+from leto.update.marker import Auth, Marker, MarkerState, Phase, Step
+from leto.update.optim import AdamWConfig, adamw_piece, clip_coefficient
+from leto.update.schedule import WarmupCosine
+
+MARKER_NAME = "rmu.marker"
+
+
+class RetainedStateLost(FatalFailure):
+    """Retained state of this rank cannot be restored exactly: use a checkpoint."""
+
+
+@dataclass(frozen=True)
+class UpdaterConfig:
+    chunk_units: int = 2  # units (one parameter page each, plus its state) per chunk
+    adamw: AdamWConfig = AdamWConfig()
+    transactions: bool = True  # False only for the Fig. 12 ablation
+
+
+class Updater:
+    def __init__(
+        self,
+        client: PoolClient,
+        model: torch.nn.Module,
+        schedule: WarmupCosine,
+        cfg: UpdaterConfig = UpdaterConfig(),
+    ):
+        self.client = client
+        self.cfg = cfg
+        self.schedule = schedule
+        self.state = RetainedModel(client, model, cfg.chunk_units)
+        self.state.bind(model)
+        self.device = self.state.grad.device
+        pb = self.state.page_bytes
+        h1, h2 = client.config.tier1_pages, client.config.tier2_pages
+        self.h1, self.h2 = h1, h2
+        max_chunk_pages = self.state.chunk_units * self.state.unit
+        reusable = AllocationKind.REUSABLE
+        undo = client.attach("rmu.undo", max_chunk_pages * pb, kind=reusable)
+        self.undo = [undo[i * pb : (i + 1) * pb] for i in range(max_chunk_pages)]
+        par = client.attach("rmu.parity", 2 * h1 * pb, kind=reusable)
+        self.buf = {
+            Auth.A: [par[i * pb : (i + 1) * pb] for i in range(h1)],
+            Auth.B: [par[(h1 + i) * pb : (h1 + i + 1) * pb] for i in range(h1)],
+        }
+        gp = client.attach("rmu.gradparity", (h1 + h2) * pb, kind=reusable)
+        self.gradparity = [gp[i * pb : (i + 1) * pb] for i in range(h1 + h2)]
+        record = client.attach(MARKER_NAME, 128, kind=AllocationKind.RECORD)
+        self.views = client.layout()
+        self.groups = self.state.set_groups(self.views)
+        self.grad_groups = RetainedModel.groups_of(self.views, "grad")
+        self.record_group = RetainedModel.groups_of(self.views, MARKER_NAME)[0]
+        if len(self.record_group.tier1) != 1:
+            # The marker mirrors its bytes into the parity pages, valid for XOR parity only.
+            raise ValueError(
+                "the marker needs record_parity_pages=1 (XOR parity) in the pool config"
+            )
+        sync = (
+            torch.cuda.current_stream(self.device).synchronize
+            if self.device.type == "cuda"
+            else None
+        )
+        self.marker = Marker(
+            record, [*self.record_group.tier1, *self.record_group.tier2], before_write=sync
+        )
+        self._codes: dict[int, TwoTierCode] = {}
+        # Undo-buffer pages in the group order of a chunk's pages (allocation-major
+        # in the buffer, so each allocation's run is one contiguous copy).
+        self._undo_order = self._undo_page_order()
+
+    # -- helpers --------------------------------------------------------------------
+
+    def code(self, g: GroupView) -> TwoTierCode:
+        n = len(g.data)
+        if n not in self._codes:
+            self._codes[n] = TwoTierCode(n, self.h1, self.h2)
+        return self._codes[n]
+
+    def _undo_page_order(self) -> list[int]:
+        order, base = [], []
+        acc = 0
+        for up in self.state.unit_pages:
+            base.append(acc)
+            acc += up * self.state.chunk_units
+        for u in range(self.state.chunk_units):
+            for k, up in enumerate(self.state.unit_pages):
+                order += [base[k] + u * up + i for i in range(up)]
+        return order
+
+    def _chunk(
+        self, gi: int, j: int
+    ) -> tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]]:
+        units = self.state.chunks(gi)[j]
+        first, count = self.state.chunk_pages(gi, units)
+        pages = self.groups[gi].data[first : first + count]
+        n_units = units[1] - units[0]
+        undo = [self.undo[i] for i in self._undo_page_order_for(n_units)]
+        return units, pages, undo
+
+    def _undo_page_order_for(self, n_units: int) -> list[int]:
+        # A short last chunk uses the same layout, cut to its units.
+        return self._undo_order[: n_units * self.state.unit]
+
+    def _write(self, state: MarkerState) -> MarkerState:
+        return self.marker.write(state)
+
+    @staticmethod
+    def _copy_pages(
+        dst: list[torch.Tensor], src: list[torch.Tensor], hook: str | None = None, it: int = 0
+    ) -> None:
+        half = len(dst) // 2
+        for i, (d, s) in enumerate(zip(dst, src, strict=True)):
+            if hook is not None and i == half:
+                point(hook, it)  # a crash here leaves the copy half done
+            d.copy_(s)
+
+    # -- the iteration --------------------------------------------------------------
+
+    def begin(self, iteration: int) -> None:
+        self._write(MarkerState(iteration, Phase.COMPUTE))
+        self.state.grad.zero_()
+
+    def protect_grads(self, iteration: int) -> None:
+        for g in self.grad_groups:
+            code = self.code(g)
+            t1 = self.gradparity[: self.h1]
+            t2 = self.gradparity[self.h1 :]
+            code.tier1.encode(g.data, out=t1, group=g.gid)
+            code.tier2.encode(t1, out=t2, group=g.gid)
+            point("grad_parity", iteration)
+            self._copy_pages(g.tier1 + g.tier2, t1 + t2)
+        self._write(MarkerState(iteration, Phase.GRADS_PROTECTED))
+
+    def clip(self) -> torch.Tensor:
+        """The clipping coefficient, computed per parameter as clip_grad_norm_ does."""
+        grads = [
+            self.state.grad[s.offset : s.offset + s.numel].view(s.shape) for s in self.state.slots
+        ]
+        return clip_coefficient(grads, self.cfg.adamw.max_grad_norm)
+
+    def sync(self, iteration: int, group=None) -> float:
+        """Global norm at the global synchronization; returns the clipping coefficient."""
+        coef = self.clip()
+        if group is not None:
+            import torch.distributed as dist
+
+            # Replicated gradients give every rank the same coefficient; the collective
+            # is the barrier after which no rank is still computing this iteration.
+            dist.all_reduce(coef, op=dist.ReduceOp.MAX, group=group)
+        point("sync", iteration)
+        self._write(MarkerState(iteration, Phase.SYNCED, clip=float(coef)))
+        return float(coef)
+
+    def update(self, iteration: int, resume: MarkerState | None = None) -> None:
+        m = resume if resume is not None else self.marker.state
+        if m.phase is not Phase.UPDATE:
+            m = MarkerState(iteration, Phase.UPDATE, Step.LOAD, Auth.HOST, 0, 0, m.clip)
+        # The coefficient as clip_grad_norm_ holds it: a float32 tensor (stored exactly
+        # in the marker's float64).
+        clip = torch.tensor(m.clip, dtype=torch.float32, device=self.device)
+        for gi in range(m.group, len(self.groups)):
+            start = (
+                m
+                if gi == m.group
+                else MarkerState(iteration, Phase.UPDATE, Step.LOAD, Auth.HOST, gi, 0, m.clip)
+            )
+            if self.cfg.transactions:
+                self._update_group(iteration, gi, start, clip)
+            else:
+                self._update_group_in_place(iteration, gi, start, clip)
+        self._write(MarkerState(iteration, Phase.DONE, clip=m.clip))
+
+    def _update_group(self, it: int, gi: int, m: MarkerState, clip: torch.Tensor) -> None:
+        g = self.groups[gi]
+        code = self.code(g)
+        base = MarkerState(it, Phase.UPDATE, Step.LOAD, Auth.HOST, gi, 0, m.clip)
+        if m.step is Step.LOAD:
+            self._copy_pages(self.buf[Auth.A], g.tier1, "update.load", it)
+            m = self._write(base.but(step=Step.START, auth=Auth.A, chunk=0))
+        n_chunks = len(self.state.chunks(gi))
+        while (
+            m.step in (Step.START, Step.UNDO_DONE, Step.UPDATE_DONE, Step.PARITY_DONE)
+            and m.chunk < n_chunks
+        ):
+            j, x = m.chunk, m.auth
+            y = Auth.B if x is Auth.A else Auth.A
+            units, pages, undo = self._chunk(gi, j)
+            if m.step is Step.START:
+                self._copy_pages(undo, pages, "update.undo", it)
+                m = self._write(m.but(step=Step.UNDO_DONE))
+            if m.step is Step.UNDO_DONE:
+                # Recompute from the undo copy: redoing this after a crash mid-update
+                # starts again from the same old values.
+                self._copy_pages(pages, undo)
+                self._optimizer(it, units, clip)
+                m = self._write(m.but(step=Step.UPDATE_DONE))
+            if m.step is Step.UPDATE_DONE:
+                self._copy_pages(self.buf[y], self.buf[x])
+                point("update.parity", it)
+                first, _ = self.state.chunk_pages(gi, units)
+                code.tier1.update(self.buf[y], first, undo, pages, group=g.gid)
+                m = self._write(m.but(step=Step.PARITY_DONE))
+            point("update.commit", it)
+            m = self._write(m.but(step=Step.START, chunk=j + 1, auth=y))
+        if m.step in (Step.START, Step.STORE):
+            x = m.auth
+            if m.step is Step.START:
+                m = self._write(m.but(step=Step.STORE))
+            self._copy_pages(g.tier1, self.buf[x], "update.store", it)
+            m = self._write(m.but(step=Step.TIER2, auth=Auth.HOST))
+        if m.step is Step.TIER2:
+            point("update.tier2", it)
+            code.refresh_tier2(g.tier1, g.tier2, group=g.gid)
+
+    def _optimizer(self, it: int, units: tuple[int, int], clip: torch.Tensor) -> None:
+        e0, e1 = self.state.element_range(units)
+        f = self.state.flat
+        lr = self.schedule(it)
+        pieces = self.state.pieces(e0, e1)
+        if len(pieces) == 1 and pieces[0][1] - pieces[0][0] > 1:
+            # Element-wise: cutting a piece changes no bit, and gives the crash point
+            # below a half-updated chunk to interrupt.
+            a, b = pieces[0]
+            pieces = [(a, (a + b) // 2), ((a + b) // 2, b)]
+        for k, (a, b) in enumerate(pieces):
+            if k == 1:
+                point("update.optimizer", it)  # a crash here leaves the chunk half updated
+            adamw_piece(
+                self.cfg.adamw,
+                lr=lr,
+                step=it + 1,
+                param=f["param"][a:b],
+                grad=self.state.grad[a:b],
+                exp_avg=f["exp_avg"][a:b],
+                exp_avg_sq=f["exp_avg_sq"][a:b],
+                clip=clip,
+                master=f["master"][a:b] if self.state.master else None,
+            )
+
+    def _update_group_in_place(self, it: int, gi: int, m: MarkerState, clip: torch.Tensor) -> None:
+        """Ablation: no undo, no incremental parity (Fig. 12's 'pool and parity only')."""
+        g = self.groups[gi]
+        n_chunks = len(self.state.chunks(gi))
+        j = m.chunk if m.step is Step.START else 0
+        for jj in range(j, n_chunks):
+            self._write(MarkerState(it, Phase.UPDATE, Step.START, Auth.HOST, gi, jj, m.clip))
+            units, _, _ = self._chunk(gi, jj)
+            self._optimizer(it, units, clip)
+        point("update.store", it)
+        code = self.code(g)
+        code.tier1.encode(g.data, out=g.tier1, group=g.gid)
+        code.refresh_tier2(g.tier1, g.tier2, group=g.gid)
+
+    # -- recovery -------------------------------------------------------------------
+
+    def initialize(self, init_fn) -> None:
+        """First start of a fresh pool: initialize parameters, protect everything."""
+        with torch.no_grad():
+            init_fn()
+            if self.state.master:
+                self.state.flat["master"].copy_(self.state.flat["param"].float())
+        self.client.encode_parity()
+        self._write(MarkerState(-1, Phase.DONE))
+
+    def recover(self, report: dict) -> MarkerState | None:
+        """Rebuild this rank's retained state to the state its marker names."""
+        lost = {int(k): v for k, v in report.get("groups", {}).items()}
+        failed_allocs = report.get("allocations", {})
+        done: set[int] = set()
+        if self.record_group.gid in lost:
+            self.client.reconstruct(report, only={self.record_group.gid})
+            done.add(self.record_group.gid)
+        m = self.marker.read()
+        self.marker.state = m
+        if m is None:
+            if any(lost):
+                raise RetainedStateLost("the pool holds state but no readable progress marker")
+            return None
+        grad_gids = {g.gid for g in self.grad_groups}
+        grads_needed = m.phase in (Phase.GRADS_PROTECTED, Phase.SYNCED, Phase.UPDATE)
+        for gid in grad_gids & set(lost):
+            if grads_needed:
+                self.client.reconstruct(report, only={gid})
+            done.add(gid)  # otherwise the gradients are recomputed: contents do not matter
+        in_flight = m.phase is Phase.UPDATE and self.cfg.transactions
+        for gi, g in enumerate(self.groups):
+            if in_flight and gi == m.group and m.step is not Step.LOAD:
+                m = self._recover_in_flight(m, g, lost.get(g.gid), failed_allocs)
+                done.add(g.gid)
+            elif g.gid in lost:
+                self.client.reconstruct(report, only={g.gid})
+                done.add(g.gid)
+        rest = set(lost) - done
+        if rest:
+            self.client.reconstruct(report, only=rest)
+        done_marks = sorted(done & set(lost))
+        if done_marks:
+            self.client.mark_rebuilt(done_marks)
+        return m
+
+    def _recover_in_flight(
+        self, m: MarkerState, g: GroupView, lost: dict | None, failed: dict
+    ) -> MarkerState:
+        gi = m.group
+        lost_data = set(lost["data"]) if lost else set()
+        undo_lost = bool(failed.get("rmu.undo"))
+        par_lost = set(failed.get("rmu.parity", {}).get("failed_pages", []))
+        buf_lost = {
+            Auth.A: any(p < self.h1 for p in par_lost),
+            Auth.B: any(p >= self.h1 for p in par_lost),
+        }
+        code = self.code(g)
+        if m.step in (Step.UNDO_DONE, Step.UPDATE_DONE, Step.PARITY_DONE):
+            if undo_lost:
+                raise RetainedStateLost(
+                    f"undo buffer lost while chunk {m.chunk} of group {g.gid} was in flight"
+                )
+            units, pages, undo = self._chunk(gi, m.chunk)
+            self._copy_pages(pages, undo)  # back to the state the authoritative parity covers
+            first, count = self.state.chunk_pages(gi, units)
+            lost_data -= set(range(first, first + count))
+            m = m.but(step=Step.UNDO_DONE)
+        if m.step is Step.TIER2:
+            t1 = torch.stack(g.tier1).to(self.device)
+            lost_t1 = lost["tier1"] if lost else []
+            if lost_data or lost_t1:
+                code.tier1.reconstruct(
+                    g.data, t1, sorted(lost_data) + [len(g.data) + j for j in lost_t1], group=g.gid
+                )
+                for j in lost_t1:
+                    g.tier1[j].copy_(t1[j])
+            return m
+        parity = self.buf[m.auth]
+        if buf_lost[m.auth]:
+            if lost_data:
+                raise RetainedStateLost(
+                    f"group {g.gid}: data pages and the authoritative parity buffer were both lost"
+                )
+            code.tier1.encode(g.data, out=parity, group=g.gid)
+        elif lost_data:
+            code.tier1.reconstruct(g.data, parity, sorted(lost_data), group=g.gid)
+        return m
+
+
+def decide(markers: list[MarkerState]) -> tuple[str, int]:
+    """The job-wide rule. Returns ("finish", t) — every rank still in iteration t has
+    protected gradients, so each finishes update t from its marker — or ("redo", t):
+    some rank had not protected its gradients, so every rank redoes t from its start."""
+    t = min(m.next_iteration() for m in markers)
+    behind = [m for m in markers if m.next_iteration() == t]
+    if all(m.phase in (Phase.GRADS_PROTECTED, Phase.SYNCED, Phase.UPDATE) for m in behind):
+        return "finish", t
+    if any(m.phase is Phase.UPDATE and m.iteration == t for m in markers):
+        raise RetainedStateLost(
+            f"a rank is updating iteration {t} while another has not protected its gradients"
+        )
+    return "redo", t

@@ -1,0 +1,159 @@
+"""An in-process driver of the updater for tests: one rank, gradients from a seeded
+generator (no model forward), every retained byte compared with torch.optim.AdamW.
+
+A "crash" is faultkit's raise mode: the exception unwinds, every non-retained object
+(the client, the updater, the model) is dropped and the pool is unmapped, exactly what
+a dead process leaves behind; the next "process" reconnects and recovers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from faultkit import hooks
+from leto.memory.client import PoolClient
+from leto.update.marker import Phase
+from leto.update.optim import AdamWConfig
+from leto.update.rmu import Updater, UpdaterConfig, decide
+from leto.update.schedule import WarmupCosine
+
+SCHEDULE = WarmupCosine(peak_lr=1e-2, total_iters=8)
+ADAMW = AdamWConfig(max_grad_norm=0.5)
+
+
+def build_model(dtype=torch.float32) -> torch.nn.Module:
+    with torch.device("meta"):
+        m = torch.nn.Sequential(
+            torch.nn.Linear(50, 90), torch.nn.Linear(90, 40), torch.nn.Linear(40, 7)
+        )
+    return m.to(dtype)
+
+
+def init_params(model: torch.nn.Module) -> None:
+    g = torch.Generator().manual_seed(1234)
+    for p in model.parameters():
+        p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.1)
+
+
+def grads_for(model: torch.nn.Module, iteration: int) -> None:
+    g = torch.Generator().manual_seed(10_000 + iteration)
+    for p in model.parameters():
+        p.grad.copy_((torch.randn(p.shape, generator=g) * (1 + iteration)).to(p.dtype))
+
+
+def reference(iterations: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """torch.optim.AdamW(foreach=False) with clip_grad_norm_(foreach=False)."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(50, 90), torch.nn.Linear(90, 40), torch.nn.Linear(40, 7)
+    ).to(dtype)
+    with torch.no_grad():
+        init_params(model)
+    params = list(model.parameters())
+    master = (
+        [p.detach().float().clone().requires_grad_() for p in params]
+        if dtype != torch.float32
+        else params
+    )
+    opt = torch.optim.AdamW(
+        master,
+        lr=1.0,
+        betas=(ADAMW.beta1, ADAMW.beta2),
+        eps=ADAMW.eps,
+        weight_decay=ADAMW.weight_decay,
+        foreach=False,
+    )
+    for t in range(iterations):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        grads_for(model, t)
+        torch.nn.utils.clip_grad_norm_(params, ADAMW.max_grad_norm, foreach=False)
+        if master is not params:
+            for mp, p in zip(master, params, strict=True):
+                mp.grad = p.grad.float()
+        for group in opt.param_groups:
+            group["lr"] = SCHEDULE(t)
+        opt.step()
+        if master is not params:
+            with torch.no_grad():
+                for mp, p in zip(master, params, strict=True):
+                    p.copy_(mp)
+    out = {"param": torch.cat([p.detach().reshape(-1) for p in params])}
+    if master is not params:
+        out["master"] = torch.cat([p.detach().reshape(-1) for p in master])
+    out["exp_avg"] = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in master])
+    out["exp_avg_sq"] = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in master])
+    return out
+
+
+def one_iteration(up: Updater, model: torch.nn.Module, t: int) -> None:
+    up.begin(t)
+    hooks.point("compute.backward", t)
+    grads_for(model, t)
+    up.protect_grads(t)
+    up.sync(t)
+    up.update(t)
+
+
+def start(
+    pool, cfg: UpdaterConfig, dtype=torch.float32
+) -> tuple[PoolClient, Updater, torch.nn.Module, int]:
+    """Connect as a new trainer: localize, attach, recover; returns the next iteration."""
+    client = PoolClient.connect(pool.socket_path, pool.token, takeover=True)
+    try:
+        return _resume(client, cfg, dtype)
+    except BaseException:
+        client.close()
+        raise
+
+
+def _resume(
+    client: PoolClient, cfg: UpdaterConfig, dtype
+) -> tuple[PoolClient, Updater, torch.nn.Module, int]:
+    report = client.localize()
+    model = build_model(dtype)
+    up = Updater(client, model, SCHEDULE, cfg)
+    m = up.recover(report)
+    if m is None:
+        up.initialize(lambda: init_params(model))
+        return client, up, model, 0
+    action, t = decide([m])
+    if action == "finish" and m.next_iteration() == t:
+        if m.phase is not Phase.UPDATE and m.phase is not Phase.SYNCED:
+            up.sync(t)
+        up.update(t, resume=m if m.phase is Phase.UPDATE else None)
+        return client, up, model, t + 1
+    return client, up, model, t
+
+
+def run(
+    pool, iterations: int, cfg: UpdaterConfig, dtype=torch.float32, crash=None, lose=None
+) -> dict[str, torch.Tensor]:
+    """Train to ``iterations``; ``crash`` = (point, iteration, nth) once, then ``lose``
+    (a callable taking a faultkit client) runs while no trainer is attached."""
+    cfg = dataclasses.replace(cfg, adamw=ADAMW)  # the reference's hyperparameters
+    if crash is not None:
+        hooks.arm(*crash, mode="raise")
+    try:
+        client, up, model, t = start(pool, cfg, dtype)
+        try:
+            while t < iterations:
+                one_iteration(up, model, t)
+                t += 1
+        except hooks.InjectedCrash:
+            client.close()
+            del client, up, model
+            hooks.disarm()
+            if lose is not None:
+                with PoolClient.connect(pool.socket_path, pool.token, role="faultkit") as f:
+                    lose(f)
+            client, up, model, t = start(pool, cfg, dtype)
+            while t < iterations:
+                one_iteration(up, model, t)
+                t += 1
+        out = {k: v.clone() for k, v in up.state.flat.items()}
+        client.close()
+        return out
+    finally:
+        hooks.disarm()
