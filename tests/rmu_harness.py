@@ -82,8 +82,13 @@ def reference(iterations: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
     out = {"param": torch.cat([p.detach().reshape(-1) for p in params])}
     if master is not params:
         out["master"] = torch.cat([p.detach().reshape(-1) for p in master])
-    out["exp_avg"] = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in master])
-    out["exp_avg_sq"] = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in master])
+    for k in ("exp_avg", "exp_avg_sq"):  # before the first step there is no state: zeros
+        out[k] = torch.cat(
+            [
+                opt.state[p][k].reshape(-1) if p in opt.state else torch.zeros(p.numel())
+                for p in master
+            ]
+        )
     return out
 
 
