@@ -14,7 +14,6 @@ import torch
 
 from faultkit import hooks
 from leto.memory.client import PoolClient
-from leto.update.marker import Phase
 from leto.update.optim import AdamWConfig
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
@@ -125,9 +124,7 @@ def _resume(
         return client, up, model, 0
     action, t = decide([m])
     if action == "finish" and m.next_iteration() == t:
-        if m.phase is not Phase.UPDATE and m.phase is not Phase.SYNCED:
-            up.sync(t)
-        up.update(t, resume=m if m.phase is Phase.UPDATE else None)
+        up.finish(m)
         return client, up, model, t + 1
     return client, up, model, t
 

@@ -24,7 +24,9 @@ from dataclasses import dataclass, replace
 import torch
 
 MAGIC = 0x4C45544F  # "LETO"
-_FMT = struct.Struct("<IQqBBBxiid")  # magic, seq, iteration, phase, step, auth, group, chunk, clip
+_FMT = struct.Struct(
+    "<IQqBBBxiidd"
+)  # magic, seq, iteration, phase, step, auth, group, chunk, clip, loss
 SLOT_BYTES = 64
 RECORD_BYTES = 2 * SLOT_BYTES
 
@@ -62,6 +64,7 @@ class MarkerState:
     group: int = 0  # index into the updater's group order
     chunk: int = 0
     clip: float = 1.0
+    loss: float = float("nan")  # the iteration's loss, kept so a finished update can report it
     seq: int = 0
 
     def but(self, **kw) -> MarkerState:
@@ -74,7 +77,16 @@ class MarkerState:
 
 def _pack(s: MarkerState) -> bytes:
     body = _FMT.pack(
-        MAGIC, s.seq, s.iteration, int(s.phase), int(s.step), int(s.auth), s.group, s.chunk, s.clip
+        MAGIC,
+        s.seq,
+        s.iteration,
+        int(s.phase),
+        int(s.step),
+        int(s.auth),
+        s.group,
+        s.chunk,
+        s.clip,
+        s.loss,
     )
     return (body + struct.pack("<I", zlib.crc32(body))).ljust(SLOT_BYTES, b"\0")
 
@@ -83,11 +95,11 @@ def _unpack(raw: bytes) -> MarkerState | None:
     body, crc = raw[: _FMT.size], raw[_FMT.size : _FMT.size + 4]
     if struct.unpack("<I", crc)[0] != zlib.crc32(body):
         return None
-    magic, seq, it, phase, step, auth, group, chunk, clip = _FMT.unpack(body)
+    magic, seq, it, phase, step, auth, group, chunk, clip, loss = _FMT.unpack(body)
     if magic != MAGIC:
         return None
     try:
-        return MarkerState(it, Phase(phase), Step(step), Auth(auth), group, chunk, clip, seq)
+        return MarkerState(it, Phase(phase), Step(step), Auth(auth), group, chunk, clip, loss, seq)
     except ValueError:
         return None
 

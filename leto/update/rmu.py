@@ -163,7 +163,7 @@ class Updater:
         self._write(MarkerState(iteration, Phase.COMPUTE))
         self.state.grad.zero_()
 
-    def protect_grads(self, iteration: int) -> None:
+    def protect_grads(self, iteration: int, loss: float = float("nan")) -> None:
         for g in self.grad_groups:
             code = self.code(g)
             t1 = self.gradparity[: self.h1]
@@ -172,7 +172,7 @@ class Updater:
             code.tier2.encode(t1, out=t2, group=g.gid)
             point("grad_parity", iteration)
             self._copy_pages(g.tier1 + g.tier2, t1 + t2)
-        self._write(MarkerState(iteration, Phase.GRADS_PROTECTED))
+        self._write(MarkerState(iteration, Phase.GRADS_PROTECTED, loss=loss))
 
     def clip(self) -> torch.Tensor:
         """The clipping coefficient, computed per parameter as clip_grad_norm_ does."""
@@ -191,32 +191,46 @@ class Updater:
             # is the barrier after which no rank is still computing this iteration.
             dist.all_reduce(coef, op=dist.ReduceOp.MAX, group=group)
         point("sync", iteration)
-        self._write(MarkerState(iteration, Phase.SYNCED, clip=float(coef)))
+        self._write(self.marker.state.but(phase=Phase.SYNCED, clip=float(coef)))
         return float(coef)
+
+    def finish(self, m: MarkerState) -> None:
+        """Finish the update of ``m.iteration`` after a crash (job-wide rule "finish").
+
+        A rank that had only protected its gradients computes the clipping coefficient
+        locally: gradients are replicated, so the local norm is the global one, and the
+        other ranks need not join a collective they may already be past.
+        """
+        if m.phase is Phase.GRADS_PROTECTED:
+            m = self._write(m.but(phase=Phase.SYNCED, clip=float(self.clip())))
+        self.update(m.iteration, resume=m if m.phase is Phase.UPDATE else None)
 
     def update(self, iteration: int, resume: MarkerState | None = None) -> None:
         m = resume if resume is not None else self.marker.state
         if m.phase is not Phase.UPDATE:
-            m = MarkerState(iteration, Phase.UPDATE, Step.LOAD, Auth.HOST, 0, 0, m.clip)
+            m = m.but(
+                iteration=iteration,
+                phase=Phase.UPDATE,
+                step=Step.LOAD,
+                auth=Auth.HOST,
+                group=0,
+                chunk=0,
+            )
         # The coefficient as clip_grad_norm_ holds it: a float32 tensor (stored exactly
         # in the marker's float64).
         clip = torch.tensor(m.clip, dtype=torch.float32, device=self.device)
         for gi in range(m.group, len(self.groups)):
-            start = (
-                m
-                if gi == m.group
-                else MarkerState(iteration, Phase.UPDATE, Step.LOAD, Auth.HOST, gi, 0, m.clip)
-            )
+            start = m if gi == m.group else m.but(step=Step.LOAD, auth=Auth.HOST, group=gi, chunk=0)
             if self.cfg.transactions:
                 self._update_group(iteration, gi, start, clip)
             else:
                 self._update_group_in_place(iteration, gi, start, clip)
-        self._write(MarkerState(iteration, Phase.DONE, clip=m.clip))
+        self._write(m.but(phase=Phase.DONE))
 
     def _update_group(self, it: int, gi: int, m: MarkerState, clip: torch.Tensor) -> None:
         g = self.groups[gi]
         code = self.code(g)
-        base = MarkerState(it, Phase.UPDATE, Step.LOAD, Auth.HOST, gi, 0, m.clip)
+        base = m.but(step=Step.LOAD, auth=Auth.HOST, group=gi, chunk=0)
         if m.step is Step.LOAD:
             self._copy_pages(self.buf[Auth.A], g.tier1, "update.load", it)
             m = self._write(base.but(step=Step.START, auth=Auth.A, chunk=0))
@@ -286,7 +300,7 @@ class Updater:
         n_chunks = len(self.state.chunks(gi))
         j = m.chunk if m.step is Step.START else 0
         for jj in range(j, n_chunks):
-            self._write(MarkerState(it, Phase.UPDATE, Step.START, Auth.HOST, gi, jj, m.clip))
+            self._write(m.but(step=Step.START, auth=Auth.HOST, group=gi, chunk=jj))
             units, _, _ = self._chunk(gi, jj)
             self._optimizer(it, units, clip)
         point("update.store", it)

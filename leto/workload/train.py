@@ -1,0 +1,179 @@
+"""The example job's per-rank training loop: deterministic data parallelism with the RMU.
+
+Runs in a trainer process (one per rank), started by a launcher (``leto run`` once it
+exists; until then the tests' harness) with the process group address and the rank's
+pool socket. On start it re-attaches to its pool, localizes and rebuilds lost pages,
+reads its marker, agrees with the other ranks on the job-wide rule (finish the
+interrupted update, or redo the interrupted iteration), and trains on. Everything a
+rank computes is a function of (seed, iteration, rank): data, dropout, and the
+gradient all-reduce (gloo/NCCL with a fixed world size), with deterministic algorithms
+on, so a recovered run equals a fault-free one bit for bit.
+
+Outputs (``--out``): ``rank{r}.losses.jsonl`` (iteration, loss as float.hex, one line
+per completed iteration, rewritten identically if an iteration completes twice) and,
+at the end, ``rank{r}.state.pt`` (every retained tensor).
+
+    LETO_POOL_TOKEN=... python -m leto.workload.train --rank 0 --world-size 2 \
+        --pg tcp://127.0.0.1:29500 --pool-socket /tmp/leto-pool-x/pool.sock --out out/
+
+Not covered: sharded optimizer state, tensor/pipeline parallelism, shadows (cold start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from faultkit.hooks import point
+from leto.memory.client import PoolClient
+from leto.memory.config import ENV_POOL_TOKEN
+from leto.update.marker import MarkerState, Phase
+from leto.update.rmu import Updater, UpdaterConfig, decide
+from leto.update.schedule import WarmupCosine
+from leto.workload.corpus import batch
+from leto.workload.gpt import GPT, GPTConfig, init_weights
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    iterations: int = 6
+    batch_size: int = 4  # per rank
+    seq_len: int = 64
+    seed: int = 0
+    dtype: str = "float32"  # or "bfloat16" (fp32 master weights and moments)
+    peak_lr: float = 1e-3
+    chunk_units: int = 2
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 2
+    dropout: float = 0.1
+    timeout_s: float = 120.0  # process group formation and every collective
+
+    def gpt(self) -> GPTConfig:
+        return GPTConfig(
+            block=self.seq_len,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            dropout=self.dropout,
+        )
+
+
+class RankTrainer:
+    def __init__(self, rank: int, world: int, cfg: TrainConfig, client: PoolClient, out: Path):
+        self.rank, self.world, self.cfg, self.out = rank, world, cfg, out
+        torch.use_deterministic_algorithms(True)
+        with torch.device("meta"):
+            model = GPT(cfg.gpt()).to(getattr(torch, cfg.dtype))
+        self.model = model
+        schedule = WarmupCosine(peak_lr=cfg.peak_lr, total_iters=cfg.iterations)
+        self.up = Updater(client, model, schedule, UpdaterConfig(chunk_units=cfg.chunk_units))
+        self.client = client
+        self.device = self.up.device
+        self._grad_ptr = next(model.parameters()).grad.data_ptr()
+
+    def resume(self, report: dict) -> int:
+        """Recover this rank, apply the job-wide rule; returns the next iteration."""
+        m = self.up.recover(report)
+        if m is None:
+            self.up.initialize(lambda: init_weights(self.model, self.cfg.seed))
+            m = self.up.marker.state
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, m)
+        action, t = decide(gathered)
+        if action == "finish" and m.next_iteration() == t:
+            self.up.finish(m)
+            self._log(t, self.up.marker.state)
+        elif m.phase is Phase.DONE and m.iteration >= 0:
+            self._log(m.iteration, m)  # a crash between the marker and the log line
+        return t + 1 if action == "finish" else t
+
+    def iteration(self, t: int) -> None:
+        up, cfg = self.up, self.cfg
+        up.begin(t)
+        torch.manual_seed(((cfg.seed * 7_919) + t) * 104_729 + self.rank)  # dropout
+        x, y = batch(cfg.seed, t, self.rank, cfg.batch_size, cfg.seq_len)
+        x, y = x.to(self.device), y.to(self.device)
+        point("compute.forward", t)
+        loss = self.model(x, y)
+        point("compute.backward", t)
+        loss.backward()
+        if next(self.model.parameters()).grad.data_ptr() != self._grad_ptr:
+            raise RuntimeError(
+                "autograd replaced the retained gradient buffer; gradients would not be retained"
+            )
+        point("allreduce", t)
+        dist.all_reduce(up.state.grad)
+        up.state.grad.div_(self.world)
+        up.protect_grads(t, loss=float(loss.detach()))
+        up.sync(t, group=dist.group.WORLD)
+        up.update(t)
+        self._log(t, up.marker.state)
+
+    def _log(self, t: int, m: MarkerState) -> None:
+        with open(self.out / f"rank{self.rank}.losses.jsonl", "a") as f:
+            f.write(json.dumps({"iteration": t, "loss": m.loss.hex()}) + "\n")
+
+    def save_state(self) -> None:
+        state = {k: v.clone().cpu() for k, v in self.up.state.flat.items()}
+        torch.save(state, self.out / f"rank{self.rank}.state.pt")
+
+
+def run(
+    rank: int, world: int, cfg: TrainConfig, pg: str, pool_socket: str, token: str, out: Path
+) -> None:
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    dist.init_process_group(
+        "gloo",
+        init_method=pg,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=cfg.timeout_s),
+    )
+    client = PoolClient.connect(pool_socket, token, takeover=True, timeout_s=cfg.timeout_s)
+    try:
+        report = client.localize()
+        trainer = RankTrainer(rank, world, cfg, client, out)
+        t = trainer.resume(report)
+        while t < cfg.iterations:
+            trainer.iteration(t)
+            t += 1
+        dist.barrier()
+        trainer.save_state()
+    finally:
+        client.close()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m leto.workload.train", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument("--rank", type=int, required=True, help="this process's rank")
+    ap.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    ap.add_argument(
+        "--pg", required=True, help="process group init method, e.g. tcp://127.0.0.1:29500"
+    )
+    ap.add_argument("--pool-socket", required=True, help="this rank's state-manager socket")
+    ap.add_argument("--out", required=True, help="directory for loss logs and final state")
+    ap.add_argument("--config", default="{}", help="TrainConfig fields as JSON")
+    args = ap.parse_args(argv)
+    token = os.environ.get(ENV_POOL_TOKEN)
+    if not token:
+        print(f"{ENV_POOL_TOKEN} is not set", file=sys.stderr)
+        return 2
+    cfg = TrainConfig(**json.loads(args.config))
+    run(args.rank, args.world_size, cfg, args.pg, args.pool_socket, token, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
