@@ -22,11 +22,18 @@ SCHEDULE = WarmupCosine(peak_lr=1e-2, total_iters=8)
 ADAMW = AdamWConfig(max_grad_norm=0.5)
 
 
-def build_model(dtype=torch.float32) -> torch.nn.Module:
+DIMS = (50, 90, 40, 7)
+
+
+def mlp(dims) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        *(torch.nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=False))
+    )
+
+
+def build_model(dtype=torch.float32, dims=DIMS) -> torch.nn.Module:
     with torch.device("meta"):
-        m = torch.nn.Sequential(
-            torch.nn.Linear(50, 90), torch.nn.Linear(90, 40), torch.nn.Linear(40, 7)
-        )
+        m = mlp(dims)
     return m.to(dtype)
 
 
@@ -42,13 +49,14 @@ def grads_for(model: torch.nn.Module, iteration: int) -> None:
         p.grad.copy_((torch.randn(p.shape, generator=g) * (1 + iteration)).to(p.dtype))
 
 
-def reference(iterations: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """torch.optim.AdamW(foreach=False) with clip_grad_norm_(foreach=False)."""
-    model = torch.nn.Sequential(
-        torch.nn.Linear(50, 90), torch.nn.Linear(90, 40), torch.nn.Linear(40, 7)
-    ).to(dtype)
+def reference(
+    iterations: int, dtype=torch.float32, device="cpu", dims=DIMS
+) -> dict[str, torch.Tensor]:
+    """torch.optim.AdamW(foreach=False) with clip_grad_norm_(foreach=False), on ``device``."""
+    model = mlp(dims).to(dtype)
     with torch.no_grad():
         init_params(model)
+    model = model.to(device)
     params = list(model.parameters())
     master = (
         [p.detach().float().clone().requires_grad_() for p in params]
@@ -84,10 +92,13 @@ def reference(iterations: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
     for k in ("exp_avg", "exp_avg_sq"):  # before the first step there is no state: zeros
         out[k] = torch.cat(
             [
-                opt.state[p][k].reshape(-1) if p in opt.state else torch.zeros(p.numel())
+                opt.state[p][k].reshape(-1)
+                if p in opt.state
+                else torch.zeros(p.numel(), device=device)
                 for p in master
             ]
         )
+    out = {k: v.cpu() for k, v in out.items()}
     return out
 
 
@@ -101,22 +112,22 @@ def one_iteration(up: Updater, model: torch.nn.Module, t: int) -> None:
 
 
 def start(
-    pool, cfg: UpdaterConfig, dtype=torch.float32
+    pool, cfg: UpdaterConfig, dtype=torch.float32, dims=DIMS
 ) -> tuple[PoolClient, Updater, torch.nn.Module, int]:
     """Connect as a new trainer: localize, attach, recover; returns the next iteration."""
     client = PoolClient.connect(pool.socket_path, pool.token, takeover=True)
     try:
-        return _resume(client, cfg, dtype)
+        return _resume(client, cfg, dtype, dims)
     except BaseException:
         client.close()
         raise
 
 
 def _resume(
-    client: PoolClient, cfg: UpdaterConfig, dtype
+    client: PoolClient, cfg: UpdaterConfig, dtype, dims
 ) -> tuple[PoolClient, Updater, torch.nn.Module, int]:
     report = client.localize()
-    model = build_model(dtype)
+    model = build_model(dtype, dims)
     up = Updater(client, model, SCHEDULE, cfg)
     m = up.recover(report)
     if m is None:
@@ -130,7 +141,7 @@ def _resume(
 
 
 def run(
-    pool, iterations: int, cfg: UpdaterConfig, dtype=torch.float32, crash=None, lose=None
+    pool, iterations: int, cfg: UpdaterConfig, dtype=torch.float32, crash=None, lose=None, dims=DIMS
 ) -> dict[str, torch.Tensor]:
     """Train to ``iterations``; ``crash`` = (point, iteration, nth) once, then ``lose``
     (a callable taking a faultkit client) runs while no trainer is attached."""
@@ -138,7 +149,7 @@ def run(
     if crash is not None:
         hooks.arm(*crash, mode="raise")
     try:
-        client, up, model, t = start(pool, cfg, dtype)
+        client, up, model, t = start(pool, cfg, dtype, dims)
         try:
             while t < iterations:
                 one_iteration(up, model, t)
@@ -150,11 +161,11 @@ def run(
             if lose is not None:
                 with PoolClient.connect(pool.socket_path, pool.token, role="faultkit") as f:
                     lose(f)
-            client, up, model, t = start(pool, cfg, dtype)
+            client, up, model, t = start(pool, cfg, dtype, dims)
             while t < iterations:
                 one_iteration(up, model, t)
                 t += 1
-        out = {k: v.clone() for k, v in up.state.flat.items()}
+        out = {k: v.to("cpu", copy=True) for k, v in up.state.flat.items()}  # before unmapping
         client.close()
         return out
     finally:

@@ -46,7 +46,7 @@ class Step(enum.IntEnum):
     UPDATE_DONE = 3  # chunk updated; scratch parity being computed
     PARITY_DONE = 4  # scratch parity complete (commit pending)
     STORE = 5  # all chunks committed; copying parity buffer `auth` to host
-    TIER2 = 6  # host tier 1 authoritative; refreshing tier 2
+    TIER2 = 6  # host tier 1 authoritative (buffer `auth` holds the same bytes); refreshing tier 2
 
 
 class Auth(enum.IntEnum):

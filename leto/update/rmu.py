@@ -32,6 +32,9 @@ buffers to activations, and overlapping transfers with compute (see docs/update.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +110,8 @@ class Updater:
             record, [*self.record_group.tier1, *self.record_group.tier2], before_write=sync
         )
         self._codes: dict[int, TwoTierCode] = {}
+        self._stale: set[Auth] = set()  # parity buffers whose pages were lost (recovery)
+        self.profile: defaultdict[str, float] | None = None  # seconds per step kind, if set
         # Undo-buffer pages in the group order of a chunk's pages (allocation-major
         # in the buffer, so each allocation's run is one contiguous copy).
         self._undo_order = self._undo_page_order()
@@ -145,7 +150,22 @@ class Updater:
         return self._undo_order[: n_units * self.state.unit]
 
     def _write(self, state: MarkerState) -> MarkerState:
-        return self.marker.write(state)
+        with self._span("marker"):
+            return self.marker.write(state)
+
+    @contextlib.contextmanager
+    def _span(self, name: str):
+        """Time a step when profiling (benchmarks): device work is waited for."""
+        if self.profile is None:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.profile[name] += time.perf_counter() - t0
 
     @staticmethod
     def _copy_pages(
@@ -168,10 +188,12 @@ class Updater:
             code = self.code(g)
             t1 = self.gradparity[: self.h1]
             t2 = self.gradparity[self.h1 :]
-            code.tier1.encode(g.data, out=t1, group=g.gid)
-            code.tier2.encode(t1, out=t2, group=g.gid)
+            with self._span("grad parity encode"):
+                code.tier1.encode(g.data, out=t1, group=g.gid)
+                code.tier2.encode(t1, out=t2, group=g.gid)
             point("grad_parity", iteration)
-            self._copy_pages(g.tier1 + g.tier2, t1 + t2)
+            with self._span("grad parity to host"):
+                self._copy_pages(g.tier1 + g.tier2, t1 + t2)
         self._write(MarkerState(iteration, Phase.GRADS_PROTECTED, loss=loss))
 
     def clip(self) -> torch.Tensor:
@@ -232,7 +254,8 @@ class Updater:
         code = self.code(g)
         base = m.but(step=Step.LOAD, auth=Auth.HOST, group=gi, chunk=0)
         if m.step is Step.LOAD:
-            self._copy_pages(self.buf[Auth.A], g.tier1, "update.load", it)
+            with self._span("parity to device"):
+                self._copy_pages(self.buf[Auth.A], g.tier1, "update.load", it)
             m = self._write(base.but(step=Step.START, auth=Auth.A, chunk=0))
         n_chunks = len(self.state.chunks(gi))
         while (
@@ -243,31 +266,46 @@ class Updater:
             y = Auth.B if x is Auth.A else Auth.A
             units, pages, undo = self._chunk(gi, j)
             if m.step is Step.START:
-                self._copy_pages(undo, pages, "update.undo", it)
+                with self._span("undo copy"):
+                    self._copy_pages(undo, pages, "update.undo", it)
                 m = self._write(m.but(step=Step.UNDO_DONE))
             if m.step is Step.UNDO_DONE:
                 # Recompute from the undo copy: redoing this after a crash mid-update
                 # starts again from the same old values.
-                self._copy_pages(pages, undo)
-                self._optimizer(it, units, clip)
+                with self._span("optimizer"):
+                    self._copy_pages(pages, undo)
+                    self._optimizer(it, units, clip)
                 m = self._write(m.but(step=Step.UPDATE_DONE))
             if m.step is Step.UPDATE_DONE:
-                self._copy_pages(self.buf[y], self.buf[x])
-                point("update.parity", it)
-                first, _ = self.state.chunk_pages(gi, units)
-                code.tier1.update(self.buf[y], first, undo, pages, group=g.gid)
+                with self._span("parity update"):
+                    self._copy_pages(self.buf[y], self.buf[x])
+                    point("update.parity", it)
+                    first, _ = self.state.chunk_pages(gi, units)
+                    code.tier1.update(self.buf[y], first, undo, pages, group=g.gid)
                 m = self._write(m.but(step=Step.PARITY_DONE))
             point("update.commit", it)
             m = self._write(m.but(step=Step.START, chunk=j + 1, auth=y))
         if m.step in (Step.START, Step.STORE):
-            x = m.auth
             if m.step is Step.START:
                 m = self._write(m.but(step=Step.STORE))
-            self._copy_pages(g.tier1, self.buf[x], "update.store", it)
-            m = self._write(m.but(step=Step.TIER2, auth=Auth.HOST))
+            with self._span("parity to host"):
+                self._copy_pages(g.tier1, self.buf[m.auth], "update.store", it)
+            # Host tier 1 is now authoritative; the buffer still holds the same bytes.
+            m = self._write(m.but(step=Step.TIER2))
         if m.step is Step.TIER2:
             point("update.tier2", it)
-            code.refresh_tier2(g.tier1, g.tier2, group=g.gid)
+            with self._span("tier-2 refresh"):
+                self._refresh_tier2(g, m.auth)
+
+    def _refresh_tier2(self, g: GroupView, x: Auth) -> None:
+        """Tier 2 from the tier-1 bytes, computed on the device, then copied to host."""
+        if x in self._stale:  # the buffer was lost: stage host tier 1 instead
+            src = list(torch.stack(g.tier1).to(self.device))
+        else:
+            src = self.buf[x]
+        t2 = self.gradparity[self.h1 :]  # idle during the update phase
+        self.code(g).tier2.encode(src, out=t2, group=g.gid)
+        self._copy_pages(g.tier2, t2)
 
     def _optimizer(self, it: int, units: tuple[int, int], clip: torch.Tensor) -> None:
         e0, e1 = self.state.element_range(units)
@@ -304,9 +342,9 @@ class Updater:
             units, _, _ = self._chunk(gi, jj)
             self._optimizer(it, units, clip)
         point("update.store", it)
-        code = self.code(g)
-        code.tier1.encode(g.data, out=g.tier1, group=g.gid)
-        code.refresh_tier2(g.tier1, g.tier2, group=g.gid)
+        self.code(g).tier1.encode(g.data, out=self.buf[Auth.A], group=g.gid)
+        self._copy_pages(g.tier1, self.buf[Auth.A])
+        self._refresh_tier2(g, Auth.A)
 
     # -- recovery -------------------------------------------------------------------
 
