@@ -77,7 +77,6 @@ def plain(args, gcfg: GPTConfig, device: torch.device, schedule, adamw: AdamWCon
         opt.step()
 
     seconds = time_loop(step, args.iters, args.warmup, device)
-    del model, opt
     return seconds
 
 
