@@ -15,6 +15,7 @@ parity is authoritative; ``reconstruct`` trusts the parity it finds).
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -133,6 +134,13 @@ class PoolClient:
             return flat
         return flat.view(dtype).view(tuple(shape))
 
+    def pages_of(self, name: str) -> torch.Tensor:
+        """Every page of an attached allocation as one flat uint8 tensor, including the
+        slack after ``nbytes`` in its last page (no copy)."""
+        if name not in self._maps:
+            raise PoolError(f"{name!r} is not attached here")
+        return self._maps[name][0].tensor
+
     def attach_set(
         self, names: list[str], nbytes: list[int], unit_pages: list[int]
     ) -> P.AllocatedSet:
@@ -177,25 +185,32 @@ class PoolClient:
     # -- protection -----------------------------------------------------------------
 
     def layout(self) -> list[GroupView]:
-        """Every protection group with its data and parity pages mapped here."""
+        """Every protection group with its data and parity pages mapped here.
+
+        A group's parity is mapped once per client and reused by later calls, so views
+        handed out earlier stay valid (groups are only ever appended; pages replaced
+        by localization are picked up by a new client, which localizes before mapping).
+        """
         reply, fds = P.request(self.sock, P.Layout(self.epoch), P.LayoutReply)
         fds = P.recv_fds(self.sock, reply.n_fds, fds)
-        for importer, mapping in self._parity:
-            importer.unmap(mapping)
-        self._parity = []
         views, pos = [], 0
         for g in reply.groups:
             n = g["tier1"] + g["tier2"]
-            importer = HostPageImporter(g["page_bytes"])
-            mapping = importer.map(fds[pos : pos + n])
-            pos += n
-            self._parity.append((importer, mapping))
+            group_fds, pos = fds[pos : pos + n], pos + n
+            if g["gid"] < len(self._parity):
+                for fd in group_fds:
+                    os.close(fd)
+            else:
+                importer = HostPageImporter(g["page_bytes"])
+                self._parity.append((importer, importer.map(group_fds)))
+            mapping = self._parity[g["gid"]][1]
             pages = [mapping.page(i) for i in range(n)]
             data: list[torch.Tensor] = []
             for name, first, count in g["members"]:
                 if name not in self._maps:
                     raise PoolError(
-                        f"group {g['gid']} holds pages of {name!r}, which is not attached here; attach every protected allocation first"
+                        f"group {g['gid']} holds pages of {name!r}, which is not attached here; "
+                        "attach every protected allocation first"
                     )
                 m = self._maps[name][0]
                 data += [m.page(i) for i in range(first, first + count)]

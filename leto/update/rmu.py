@@ -84,6 +84,8 @@ class Updater:
         reusable = AllocationKind.REUSABLE
         undo = client.attach("rmu.undo", max_chunk_pages * pb, kind=reusable)
         self.undo = [undo[i * pb : (i + 1) * pb] for i in range(max_chunk_pages)]
+        self._undo_flat = undo
+        self._alloc_pages = {n: client.pages_of(n) for n in self.state.set_names}
         par = client.attach("rmu.parity", 2 * h1 * pb, kind=reusable)
         self.buf = {
             Auth.A: [par[i * pb : (i + 1) * pb] for i in range(h1)],
@@ -144,6 +146,23 @@ class Updater:
         n_units = units[1] - units[0]
         undo = [self.undo[i] for i in self._undo_page_order_for(n_units)]
         return units, pages, undo
+
+    def _runs_copy(self, units: tuple[int, int], to_undo: bool, hook_it: int | None = None) -> None:
+        """Copy a chunk between its pages and the undo buffer: one contiguous copy per
+        allocation (the chunk's pages of one allocation are adjacent in its mapping)."""
+        pb = self.state.page_bytes
+        u0, u1 = units
+        base = 0
+        for k, (name, up) in enumerate(
+            zip(self.state.set_names, self.state.unit_pages, strict=True)
+        ):
+            if hook_it is not None and k == 1:
+                point("update.undo", hook_it)  # a crash here leaves the undo copy half done
+            n = (u1 - u0) * up * pb
+            live = self._alloc_pages[name][u0 * up * pb : u0 * up * pb + n]
+            saved = self._undo_flat[base * pb : base * pb + n]
+            (saved if to_undo else live).copy_(live if to_undo else saved)
+            base += up * self.state.chunk_units
 
     def _undo_page_order_for(self, n_units: int) -> list[int]:
         # A short last chunk uses the same layout, cut to its units.
@@ -265,15 +284,18 @@ class Updater:
             j, x = m.chunk, m.auth
             y = Auth.B if x is Auth.A else Auth.A
             units, pages, undo = self._chunk(gi, j)
+            fresh_undo = False
             if m.step is Step.START:
                 with self._span("undo copy"):
-                    self._copy_pages(undo, pages, "update.undo", it)
+                    self._runs_copy(units, to_undo=True, hook_it=it)
+                fresh_undo = True
                 m = self._write(m.but(step=Step.UNDO_DONE))
             if m.step is Step.UNDO_DONE:
-                # Recompute from the undo copy: redoing this after a crash mid-update
-                # starts again from the same old values.
                 with self._span("optimizer"):
-                    self._copy_pages(pages, undo)
+                    if not fresh_undo:
+                        # Resuming after a crash: the chunk may be half updated, so start
+                        # again from the old values in the undo buffer.
+                        self._runs_copy(units, to_undo=False)
                     self._optimizer(it, units, clip)
                 m = self._write(m.but(step=Step.UPDATE_DONE))
             if m.step is Step.UPDATE_DONE:
@@ -411,7 +433,9 @@ class Updater:
                     f"undo buffer lost while chunk {m.chunk} of group {g.gid} was in flight"
                 )
             units, pages, undo = self._chunk(gi, m.chunk)
-            self._copy_pages(pages, undo)  # back to the state the authoritative parity covers
+            self._runs_copy(
+                units, to_undo=False
+            )  # back to the state the authoritative parity covers
             first, count = self.state.chunk_pages(gi, units)
             lost_data -= set(range(first, first + count))
             m = m.but(step=Step.UNDO_DONE)
