@@ -54,6 +54,7 @@ class PoolClient:
         self._parity: list[tuple[object, Mapping]] = []
         self._codes: dict[tuple[int, int, int], TwoTierCode] = {}
         self._sets: dict[tuple[str, ...], P.AllocatedSet] = {}
+        self._registered: list[int] = []  # host ranges page-locked for the GPU (cudaHostRegister)
 
     @classmethod
     def connect(
@@ -183,6 +184,10 @@ class PoolClient:
         return self.attach(name, shape=like.shape, dtype=like.dtype, kind=kind)
 
     # -- protection -----------------------------------------------------------------
+
+    def parity_mapping(self, gid: int) -> torch.Tensor:
+        """A group's tier-1 and tier-2 pages as one host tensor (mapped by ``layout``)."""
+        return self._parity[gid][1].tensor
 
     def layout(self) -> list[GroupView]:
         """Every protection group with its data and parity pages mapped here.
@@ -314,8 +319,24 @@ class PoolClient:
     def shutdown(self) -> None:
         P.request(self.sock, P.Shutdown(), P.Ok)
 
+    def register_host(self, t: torch.Tensor) -> None:
+        """Page-lock host memory of this pool (parity, records) for asynchronous,
+        stream-ordered copies to and from the GPU. Undone by ``close`` before unmapping,
+        so no registration outlives the mapping it pins."""
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise PoolError(
+                f"cudaHostRegister of {t.numel() * t.element_size()} bytes at {t.data_ptr():#x} failed: error {int(err)}"
+            )
+        self._registered.append(t.data_ptr())
+
     def close(self) -> None:
         """Unmap everything this trainer mapped; retained memory stays with the pool."""
+        if self._registered:
+            torch.cuda.synchronize()  # no copy may still target memory about to be unmapped
+            for ptr in self._registered:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            self._registered = []
         for mapping, importer, _ in self._maps.values():
             importer.unmap(mapping)
         for importer, mapping in self._parity:

@@ -9,8 +9,11 @@ torn by a crash leaves the other slot, one step older, as the newest valid one. 
 updater is built so that resuming from one step older is always correct (every step
 is idempotent given the state the previous marker names).
 
-Not covered: stream ordering on a GPU — the caller passes ``before_write`` (a stream
-synchronization) so that a marker never runs ahead of the device work it describes.
+On a GPU the marker must not run ahead of the device work it describes, yet the host
+must not wait for the GPU at every step. ``StreamOrderedWrites`` makes each write two
+asynchronous copies on the current stream (pinned staging → device staging → the
+page-locked record and its parity), so the bytes land exactly when the preceding
+kernels have finished; a crash drops the copies not yet run, leaving an older marker.
 """
 
 from __future__ import annotations
@@ -104,22 +107,50 @@ def _unpack(raw: bytes) -> MarkerState | None:
         return None
 
 
+class StreamOrderedWrites:
+    """Marker writes in CUDA stream order (targets must be page-locked host memory)."""
+
+    SLOTS = 1024
+
+    def __init__(self, device: torch.device):
+        self.host = torch.empty((self.SLOTS, SLOT_BYTES), dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty((self.SLOTS, SLOT_BYTES), dtype=torch.uint8, device=device)
+        self.events: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self.k = 0
+
+    def __call__(self, data: bytes, targets: list[torch.Tensor]) -> None:
+        k = self.k % self.SLOTS
+        self.k += 1
+        if self.events[k] is not None:
+            self.events[k].synchronize()  # that slot's copies were queued SLOTS writes ago
+        self.host[k].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.dev[k].copy_(self.host[k], non_blocking=True)
+        for t in targets:
+            t.copy_(self.dev[k], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events[k] = ev
+
+
 class Marker:
     def __init__(
         self,
         record: torch.Tensor,
         mirrors: list[torch.Tensor],
         before_write: Callable[[], None] | None = None,
+        stream_writes: StreamOrderedWrites | None = None,
     ):
         if record.numel() < RECORD_BYTES or any(m.numel() < RECORD_BYTES for m in mirrors):
             raise ValueError(f"marker needs {RECORD_BYTES} bytes in its record and every mirror")
         self.record = record
         self.mirrors = mirrors
         self.before_write = before_write
+        self.stream_writes = stream_writes
         self.state = self.read()
 
     def read(self) -> MarkerState | None:
-        """The newest valid slot, or None on a fresh record."""
+        """The newest valid slot, or None on a fresh record (host memory, read now:
+        call it when no stream-ordered write is pending, as at recovery)."""
         raw = bytes(self.record[:RECORD_BYTES].numpy())
         slots = [_unpack(raw[i * SLOT_BYTES : (i + 1) * SLOT_BYTES]) for i in range(2)]
         valid = [s for s in slots if s is not None]
@@ -130,11 +161,16 @@ class Marker:
             self.before_write()
         seq = (self.state.seq + 1) if self.state is not None else 1
         state = state.but(seq=seq)
-        data = torch.frombuffer(bytearray(_pack(state)), dtype=torch.uint8)
+        raw = _pack(state)
         off = (seq % 2) * SLOT_BYTES
         # Record first, then its parity copies: a crash in between leaves parity one
         # write behind, which is as safe as a torn record slot.
-        for target in [self.record, *self.mirrors]:
-            target[off : off + SLOT_BYTES].copy_(data)
+        targets = [t[off : off + SLOT_BYTES] for t in [self.record, *self.mirrors]]
+        if self.stream_writes is not None:
+            self.stream_writes(raw, targets)
+        else:
+            data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            for t in targets:
+                t.copy_(data)
         self.state = state
         return state

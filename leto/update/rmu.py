@@ -45,7 +45,7 @@ from leto.errors import FatalFailure
 from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.update.layout import RetainedModel
-from leto.update.marker import Auth, Marker, MarkerState, Phase, Step
+from leto.update.marker import Auth, Marker, MarkerState, Phase, Step, StreamOrderedWrites
 from leto.update.optim import AdamWConfig, adamw_piece, clip_coefficient
 from leto.update.schedule import WarmupCosine
 
@@ -103,14 +103,16 @@ class Updater:
             raise ValueError(
                 "the marker needs record_parity_pages=1 (XOR parity) in the pool config"
             )
-        sync = (
-            torch.cuda.current_stream(self.device).synchronize
-            if self.device.type == "cuda"
-            else None
-        )
-        self.marker = Marker(
-            record, [*self.record_group.tier1, *self.record_group.tier2], before_write=sync
-        )
+        writes = None
+        if self.device.type == "cuda":
+            # Page-lock host parity and the marker: parity moves by async DMA and the
+            # marker is written in stream order, with no host synchronization per step.
+            client.register_host(record)
+            for g in self.views:
+                client.register_host(client.parity_mapping(g.gid))
+            writes = StreamOrderedWrites(self.device)
+        mirrors = [*self.record_group.tier1, *self.record_group.tier2]
+        self.marker = Marker(record, mirrors, stream_writes=writes)
         self._codes: dict[int, TwoTierCode] = {}
         self._stale: set[Auth] = set()  # parity buffers whose pages were lost (recovery)
         self.profile: defaultdict[str, float] | None = None  # seconds per step kind, if set
@@ -194,7 +196,7 @@ class Updater:
         for i, (d, s) in enumerate(zip(dst, src, strict=True)):
             if hook is not None and i == half:
                 point(hook, it)  # a crash here leaves the copy half done
-            d.copy_(s)
+            d.copy_(s, non_blocking=True)  # async only between the GPU and page-locked memory
 
     # -- the iteration --------------------------------------------------------------
 
