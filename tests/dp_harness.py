@@ -136,6 +136,8 @@ def first_difference(a: dict, b: dict) -> str | None:
                 return f"rank {r} loss at iteration {it}: {la.get(it)} vs {lb.get(it)}"
     for r, (sa, sb) in enumerate(zip(a["states"], b["states"], strict=True)):
         for k in sorted(sa):
+            if sa[k].shape != sb[k].shape:
+                return f"rank {r} tensor {k} has shape {tuple(sa[k].shape)} vs {tuple(sb[k].shape)}"
             d = (sa[k].view(torch.uint8) != sb[k].view(torch.uint8)).nonzero()
             if d.numel():
                 return f"rank {r} tensor {k} differs first at byte {int(d[0])}"

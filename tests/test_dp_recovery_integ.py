@@ -8,11 +8,13 @@ cold. Losses and every retained tensor must equal the fault-free run byte for by
 from __future__ import annotations
 
 import pytest
+import torch
 
 from leto.workload.train import TrainConfig
 from tests.dp_harness import first_difference, run_job
 
 CFG = TrainConfig(iterations=4)
+ZERO1 = TrainConfig(iterations=4, zero1=True)
 POINTS = [
     "compute.forward",
     "compute.backward",
@@ -33,7 +35,9 @@ ONCE_PER_ITERATION = {"compute.forward", "compute.backward", "allreduce", "sync"
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return {w: run_job(w, CFG, tmp_path_factory.mktemp(f"ref{w}")) for w in (2, 4)}
+    runs = {w: run_job(w, CFG, tmp_path_factory.mktemp(f"ref{w}")) for w in (2, 4)}
+    runs["zero1"] = run_job(2, ZERO1, tmp_path_factory.mktemp("refz1"))
+    return runs
 
 
 def lose_h1_pages_and_a_parity_page(rank, f):
@@ -71,3 +75,29 @@ def test_fault_free_runs_are_reproducible(reference, tmp_path):
     again = run_job(2, CFG, tmp_path)
     assert first_difference(reference[2], again) is None
     assert len(reference[2]["losses"][0]) == CFG.iterations
+
+
+def test_zero1_equals_replicated_bit_for_bit(reference, tmp_path):
+    """Sharding optimizer state changes no bit: same losses, same parameters, and each
+    rank's moments equal the replicated run's slice of them."""
+    z = reference["zero1"]
+    rep = reference[2]
+    assert z["losses"] == rep["losses"]
+    for r in range(2):
+        assert torch.equal(
+            z["states"][r]["param"].view(torch.uint8), rep["states"][0]["param"].view(torch.uint8)
+        )
+        lo = int(z["states"][r]["shard_start"])
+        for k in ("exp_avg", "exp_avg_sq"):
+            mine = z["states"][r][k]
+            assert torch.equal(mine, rep["states"][0][k][lo : lo + mine.numel()]), f"rank {r} {k}"
+
+
+@pytest.mark.parametrize("point", ["gather", "update.optimizer", "update.store", "sync"])
+def test_zero1_kill_anywhere_with_lost_pages(reference, tmp_path, point):
+    got = run_job(
+        2, ZERO1, tmp_path, fault=(1, f"{point}@2#1"), lose=lose_h1_pages_and_a_parity_page
+    )
+    assert first_difference(reference["zero1"], got) is None, first_difference(
+        reference["zero1"], got
+    )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from leto.memory.client import GroupView, PoolClient
+from leto.memory.config import AllocationKind
 
 SET_NAMES = ("param", "master", "exp_avg", "exp_avg_sq")
 
@@ -32,7 +33,13 @@ class ParamSlot:
 
 
 class RetainedModel:
-    def __init__(self, client: PoolClient, model: torch.nn.Module, chunk_units: int = 2):
+    def __init__(
+        self,
+        client: PoolClient,
+        model: torch.nn.Module,
+        chunk_units: int = 2,
+        shard: tuple[int, int] | None = None,
+    ):
         params = list(model.named_parameters())
         if not params:
             raise ValueError("the model has no parameters")
@@ -53,12 +60,33 @@ class RetainedModel:
             self.slots.append(ParamSlot(name, p.shape, off, p.numel()))
             off += p.numel()
         self.numel = off
+        # ZeRO-1: this rank updates (and retains optimizer state for) one shard of
+        # whole units; every shard has the same padded size so all-gather is uniform.
+        total_units = -(-self.numel // self.unit_elems)
+        self.shard = shard
+        if shard is None:
+            self.shard_start, self.local_elems, self.local_valid = 0, self.numel, self.numel
+        else:
+            rank, world = shard
+            per = -(-total_units // world)
+            self.shard_start = rank * per * self.unit_elems
+            self.local_elems = per * self.unit_elems
+            self.local_valid = (
+                min(self.numel, self.shard_start + self.local_elems) - self.shard_start
+            )
+            if self.local_valid <= 0:
+                raise ValueError(
+                    f"rank {rank} of {world} gets no parameters: {total_units} units of "
+                    f"{self.unit_elems} elements cannot be sharded {world} ways"
+                )
         names = [n for n in SET_NAMES if n != "master" or self.master]
         sizes = {"param": psize, "master": 4, "exp_avg": 4, "exp_avg_sq": 4}
         self.set_names = names
         self.unit_pages = [self.unit_elems * sizes[n] // self.page_bytes for n in names]
         self.unit = sum(self.unit_pages)
-        reply = client.attach_set(names, [self.numel * sizes[n] for n in names], self.unit_pages)
+        reply = client.attach_set(
+            names, [self.local_elems * sizes[n] for n in names], self.unit_pages
+        )
         self.units, self.units_per_group, self.first_group = (
             reply.units,
             reply.units_per_group,
@@ -66,12 +94,24 @@ class RetainedModel:
         )
         self.chunk_units = max(1, min(chunk_units, self.units_per_group))
         self.flat = {
-            n: client.attach(n, self.numel * sizes[n]).view(
+            n: client.attach(n, self.local_elems * sizes[n]).view(
                 self.dtype if n == "param" else torch.float32
             )
             for n in names
         }
         self.grad = client.attach("grad", shape=(self.numel,), dtype=self.dtype)
+        # The full parameters the model computes with: the retained shard itself when
+        # unsharded; with ZeRO-1 a reusable buffer refilled by all-gather from the
+        # owners' retained shards (so it never needs parity).
+        if shard is None:
+            self.param_full = self.flat["param"]
+        else:
+            self.param_full = client.attach(
+                "param_full",
+                shape=(shard[1] * self.local_elems,),
+                dtype=self.dtype,
+                kind=AllocationKind.REUSABLE,
+            )
         self.n_groups = -(-self.units // self.units_per_group)
 
     # -- model binding --------------------------------------------------------------
@@ -81,7 +121,7 @@ class RetainedModel:
         for slot in self.slots:
             module_name, _, attr = slot.name.rpartition(".")
             module = model.get_submodule(module_name)
-            view = self.flat["param"][slot.offset : slot.offset + slot.numel].view(slot.shape)
+            view = self.param_full[slot.offset : slot.offset + slot.numel].view(slot.shape)
             param = torch.nn.Parameter(view)
             param.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
             setattr(module, attr, param)
@@ -108,22 +148,36 @@ class RetainedModel:
         u0, u1 = units
         return (u0 - group_index * self.units_per_group) * self.unit, (u1 - u0) * self.unit
 
-    def chunk_runs(self, units: tuple[int, int]) -> list[tuple[str, int, int]]:
-        """Per allocation, the contiguous element range (in that tensor) of a chunk."""
-        u0, u1 = units
-        return [
-            (n, u0 * self.unit_elems, min(u1 * self.unit_elems, self.numel)) for n in self.set_names
-        ]
-
     def element_range(self, units: tuple[int, int]) -> tuple[int, int]:
-        return units[0] * self.unit_elems, min(units[1] * self.unit_elems, self.numel)
+        """A chunk's elements in this rank's (shard-local) tensors."""
+        return units[0] * self.unit_elems, min(units[1] * self.unit_elems, self.local_valid)
 
     def pieces(self, e0: int, e1: int) -> list[tuple[int, int]]:
-        """[a, b) element ranges of a chunk cut at parameter boundaries (the optimizer
-        runs per parameter, as torch.optim does, so results match it bit for bit)."""
+        """Shard-local [a, b) ranges of a chunk cut at parameter boundaries (the
+        optimizer runs per parameter, as torch.optim does, so results match it bit for
+        bit). Add ``shard_start`` for positions in the full gradient."""
         out = []
+        g0, g1 = e0 + self.shard_start, e1 + self.shard_start
         for s in self.slots:
-            a, b = max(e0, s.offset), min(e1, s.offset + s.numel)
+            a, b = max(g0, s.offset), min(g1, s.offset + s.numel)
             if a < b:
-                out.append((a, b))
+                out.append((a - self.shard_start, b - self.shard_start))
         return out
+
+    def load_shard(self) -> None:
+        """Copy this rank's shard of the full parameters into its retained state."""
+        if self.shard is None:
+            return
+        lo, n = self.shard_start, self.local_valid
+        self.flat["param"][:n].copy_(self.param_full[lo : lo + n])
+        if self.master:
+            self.flat["master"][:n].copy_(self.param_full[lo : lo + n].float())
+
+    def gather(self, group=None) -> None:
+        """ZeRO-1: every rank's updated shard into everyone's full parameters."""
+        if self.shard is None:
+            return
+        import torch.distributed as dist
+
+        parts = list(self.param_full.split(self.local_elems))
+        dist.all_gather(parts, self.flat["param"], group=group)

@@ -70,11 +70,12 @@ class Updater:
         model: torch.nn.Module,
         schedule: WarmupCosine,
         cfg: UpdaterConfig = UpdaterConfig(),
+        shard: tuple[int, int] | None = None,
     ):
         self.client = client
         self.cfg = cfg
         self.schedule = schedule
-        self.state = RetainedModel(client, model, cfg.chunk_units)
+        self.state = RetainedModel(client, model, cfg.chunk_units, shard)
         self.state.bind(model)
         self.device = self.state.grad.device
         pb = self.state.page_bytes
@@ -349,7 +350,7 @@ class Updater:
                 lr=lr,
                 step=it + 1,
                 param=f["param"][a:b],
-                grad=self.state.grad[a:b],
+                grad=self.state.grad[a + self.state.shard_start : b + self.state.shard_start],
                 exp_avg=f["exp_avg"][a:b],
                 exp_avg_sq=f["exp_avg_sq"][a:b],
                 clip=clip,
@@ -376,7 +377,9 @@ class Updater:
         """First start of a fresh pool: initialize parameters, protect everything."""
         with torch.no_grad():
             init_fn()
-            if self.state.master:
+            if self.state.shard is not None:
+                self.state.load_shard()
+            elif self.state.master:
                 self.state.flat["master"].copy_(self.state.flat["param"].float())
         self.client.encode_parity()
         self._write(MarkerState(-1, Phase.DONE))

@@ -55,6 +55,7 @@ class TrainConfig:
     n_embd: int = 64
     n_head: int = 2
     dropout: float = 0.1
+    zero1: bool = False  # shard optimizer state (and the update) across ranks
     timeout_s: float = 120.0  # process group formation and every collective
 
     def gpt(self) -> GPTConfig:
@@ -75,7 +76,10 @@ class RankTrainer:
             model = GPT(cfg.gpt()).to(getattr(torch, cfg.dtype))
         self.model = model
         schedule = WarmupCosine(peak_lr=cfg.peak_lr, total_iters=cfg.iterations)
-        self.up = Updater(client, model, schedule, UpdaterConfig(chunk_units=cfg.chunk_units))
+        shard = (rank, world) if cfg.zero1 else None
+        self.up = Updater(
+            client, model, schedule, UpdaterConfig(chunk_units=cfg.chunk_units), shard=shard
+        )
         self.client = client
         self.device = self.up.device
         self._grad_ptr = next(model.parameters()).grad.data_ptr()
@@ -98,6 +102,8 @@ class RankTrainer:
 
     def iteration(self, t: int) -> None:
         up, cfg = self.up, self.cfg
+        point("gather", t)
+        up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
         up.begin(t)
         torch.manual_seed(((cfg.seed * 7_919) + t) * 104_729 + self.rank)  # dropout
         x, y = batch(cfg.seed, t, self.rank, cfg.batch_size, cfg.seq_len)
@@ -123,7 +129,12 @@ class RankTrainer:
             f.write(json.dumps({"iteration": t, "loss": m.loss.hex()}) + "\n")
 
     def save_state(self) -> None:
-        state = {k: v.clone().cpu() for k, v in self.up.state.flat.items()}
+        """Full parameters, and this rank's (shard of the) optimizer state."""
+        st = self.up.state
+        st.gather()
+        state = {k: v[: st.local_valid].clone().cpu() for k, v in st.flat.items() if k != "param"}
+        state["param"] = st.param_full[: st.numel].clone().cpu()
+        state["shard_start"] = torch.tensor([st.shard_start])
         torch.save(state, self.out / f"rank{self.rank}.state.pt")
 
 
