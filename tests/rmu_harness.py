@@ -14,7 +14,7 @@ import torch
 
 from faultkit import hooks
 from leto.memory.client import PoolClient
-from leto.update.optim import AdamWConfig
+from leto.update.optim import AdamWConfig, MuonConfig
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
 
@@ -47,6 +47,66 @@ def grads_for(model: torch.nn.Module, iteration: int) -> None:
     g = torch.Generator().manual_seed(10_000 + iteration)
     for p in model.parameters():
         p.grad.copy_((torch.randn(p.shape, generator=g) * (1 + iteration)).to(p.dtype))
+
+
+MUON = MuonConfig(lr_scale=3.0)
+
+
+def reference_muon(iterations: int, dims=DIMS) -> dict[str, list[torch.Tensor]]:
+    """torch.optim.Muon on the 2-D weights, torch.optim.AdamW(foreach=False) on the
+    rest, clip_grad_norm_(foreach=False) first; results per parameter (the retained
+    layout pads each layer to whole units, so it is compared tensor by tensor)."""
+    model = mlp(dims)
+    with torch.no_grad():
+        init_params(model)
+    params = list(model.parameters())
+    weights = [p for p in params if p.ndim == 2]
+    others = [p for p in params if p.ndim != 2]
+    muon = torch.optim.Muon(
+        weights,
+        lr=1.0,
+        weight_decay=MUON.weight_decay,
+        momentum=MUON.momentum,
+        nesterov=MUON.nesterov,
+        ns_coefficients=MUON.ns_coefficients,
+        eps=MUON.eps,
+        ns_steps=MUON.ns_steps,
+        adjust_lr_fn=MUON.adjust_lr_fn,
+    )
+    adam = torch.optim.AdamW(
+        others,
+        lr=1.0,
+        betas=(ADAMW.beta1, ADAMW.beta2),
+        eps=ADAMW.eps,
+        weight_decay=ADAMW.weight_decay,
+        foreach=False,
+    )
+    for t in range(iterations):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        grads_for(model, t)
+        torch.nn.utils.clip_grad_norm_(params, ADAMW.max_grad_norm, foreach=False)
+        for group in muon.param_groups:
+            group["lr"] = SCHEDULE(t) * MUON.lr_scale
+        for group in adam.param_groups:
+            group["lr"] = SCHEDULE(t)
+        muon.step()
+        adam.step()
+    out: dict[str, list[torch.Tensor]] = {
+        "param": [p.detach().reshape(-1) for p in params],
+        "exp_avg": [],
+        "exp_avg_sq": [],
+    }
+    for p in params:
+        st = (muon if p.ndim == 2 else adam).state.get(p, {})
+        zeros = torch.zeros(p.numel())
+        if p.ndim == 2:
+            out["exp_avg"].append(st["momentum_buffer"].reshape(-1) if st else zeros)
+            out["exp_avg_sq"].append(zeros)
+        else:
+            out["exp_avg"].append(st["exp_avg"].reshape(-1) if st else zeros)
+            out["exp_avg_sq"].append(st["exp_avg_sq"].reshape(-1) if st else zeros)
+    return out
 
 
 def reference(
@@ -145,7 +205,7 @@ def run(
 ) -> dict[str, torch.Tensor]:
     """Train to ``iterations``; ``crash`` = (point, iteration, nth) once, then ``lose``
     (a callable taking a faultkit client) runs while no trainer is attached."""
-    cfg = dataclasses.replace(cfg, adamw=ADAMW)  # the reference's hyperparameters
+    cfg = dataclasses.replace(cfg, adamw=ADAMW, muon=MUON)  # the reference's hyperparameters
     if crash is not None:
         hooks.arm(*crash, mode="raise")
     try:
@@ -166,6 +226,12 @@ def run(
                 one_iteration(up, model, t)
                 t += 1
         out = {k: v.to("cpu", copy=True) for k, v in up.state.flat.items()}  # before unmapping
+        if cfg.layerwise:  # per-parameter slices of the padded layout
+            out = {
+                k: [v[s.offset : s.offset + s.numel] for s in up.state.slots]
+                for k, v in out.items()
+                if k != "master"
+            }
         client.close()
         return out
     finally:

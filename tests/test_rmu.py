@@ -125,3 +125,50 @@ def test_without_transactions_the_same_fault_gives_a_wrong_model(pool):
     assert not torch.equal(got["param"][: want["param"].numel()], want["param"]), (
         "the ablation recovered exactly: the test does not exercise a half-updated chunk"
     )
+
+
+def assert_same_slices(got: dict, want: dict) -> None:
+    for k, parts in want.items():
+        for i, (g, w) in enumerate(zip(got[k], parts, strict=True)):
+            d = (g.view(torch.uint8) != w.view(torch.uint8)).nonzero()
+            assert d.numel() == 0, (
+                f"{k} of parameter {i} differs from torch's Muon/AdamW at byte {int(d[0])}"
+            )
+
+
+MUON_CFG = UpdaterConfig(chunk_units=1, layerwise="muon")
+
+
+@pytest.fixture
+def muon_pool():
+    # 5 units of 2048 elements per group: the largest weight (4500 elements) fits one.
+    sm = start_state_manager(small_config(data_pages=16, tier1_pages=2))
+    yield sm
+    sm.stop()
+
+
+def test_layerwise_muon_equals_torch_muon_bit_for_bit(muon_pool):
+    from tests.rmu_harness import reference_muon
+
+    assert_same_slices(run(muon_pool, ITERS, MUON_CFG), reference_muon(ITERS))
+
+
+def test_a_layer_larger_than_a_group_is_refused(pool):
+    with pytest.raises(ValueError, match="more than one protection group holds"):
+        run(pool, 1, MUON_CFG)
+
+
+@pytest.mark.parametrize(
+    "point", ["update.undo", "update.optimizer", "update.parity", "update.store"]
+)
+def test_layerwise_muon_crash_with_lost_pages_is_exact(muon_pool, point):
+    from tests.rmu_harness import reference_muon
+
+    got = run(
+        muon_pool,
+        ITERS,
+        MUON_CFG,
+        crash=(point, 2, 1),
+        lose=lose(("data", "param", [0]), ("data", "exp_avg", [1])),
+    )
+    assert_same_slices(got, reference_muon(ITERS))

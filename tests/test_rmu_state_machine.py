@@ -35,8 +35,8 @@ MAX_ITERS = 6
 
 
 @functools.cache
-def reference(iterations: int) -> dict[str, torch.Tensor]:
-    return h.reference(iterations)
+def reference(iterations: int, layerwise: str | None) -> dict:
+    return h.reference_muon(iterations) if layerwise else h.reference(iterations)
 
 
 class UpdaterMachine(RuleBasedStateMachine):
@@ -44,10 +44,15 @@ class UpdaterMachine(RuleBasedStateMachine):
         data_pages=st.sampled_from([6, 8, 12]),
         tier1=st.integers(1, 3),
         chunk_units=st.integers(1, 2),
+        layerwise=st.sampled_from([None, "muon"]),
     )
-    def start_pool(self, data_pages, tier1, chunk_units):
+    def start_pool(self, data_pages, tier1, chunk_units, layerwise):
+        if layerwise:
+            data_pages = 16  # whole layers must fit a group
         self.pool = start_state_manager(small_config(data_pages=data_pages, tier1_pages=tier1))
-        self.cfg = UpdaterConfig(chunk_units=chunk_units, adamw=h.ADAMW)
+        self.cfg = UpdaterConfig(
+            chunk_units=chunk_units, adamw=h.ADAMW, muon=h.MUON, layerwise=layerwise
+        )
         self.tier1 = tier1
         self.client, self.up, self.model, self.it = h.start(self.pool, self.cfg)
         self.alive = True
@@ -125,9 +130,14 @@ class UpdaterMachine(RuleBasedStateMachine):
     def retained_state_equals_the_uninterrupted_run(self):
         if not getattr(self, "alive", False):
             return
-        want = reference(self.it)
+        want = reference(self.it, self.cfg.layerwise)
         for k, w in want.items():
-            got = self.up.state.flat[k][: w.numel()]
+            if self.cfg.layerwise:  # per parameter: layers are padded to whole units
+                flat = self.up.state.flat[k]
+                got = torch.cat([flat[s.offset : s.offset + s.numel] for s in self.up.state.slots])
+                w = torch.cat(w)
+            else:
+                got = self.up.state.flat[k][: w.numel()]
             diff = (got.view(torch.uint8) != w.view(torch.uint8)).nonzero()
             assert diff.numel() == 0, f"iteration {self.it}: {k} differs at byte {int(diff[0])}"
 

@@ -30,6 +30,7 @@ class ParamSlot:
     shape: torch.Size
     offset: int  # in elements of the flat tensors
     numel: int
+    layerwise: bool = False  # updated as a whole (its own chunk), e.g. by Muon
 
 
 class RetainedModel:
@@ -39,7 +40,11 @@ class RetainedModel:
         model: torch.nn.Module,
         chunk_units: int = 2,
         shard: tuple[int, int] | None = None,
+        layerwise=None,
     ):
+        """``layerwise(name, param) -> bool`` marks parameters a layer-wise optimizer
+        updates whole: each starts on a unit boundary, owns its units and lies in one
+        protection group, so its chunk is exactly the layer."""
         params = list(model.named_parameters())
         if not params:
             raise ValueError("the model has no parameters")
@@ -55,10 +60,31 @@ class RetainedModel:
         psize = torch.empty((), dtype=self.dtype).element_size()
         self.unit_elems = self.page_bytes // psize  # one parameter page per unit
         self.slots: list[ParamSlot] = []
+        ue = self.unit_elems
+        names = [n for n in SET_NAMES if n != "master" or self.master]
+        sizes = {"param": psize, "master": 4, "exp_avg": 4, "exp_avg_sq": 4}
+        unit = sum(ue * sizes[n] // self.page_bytes for n in names)
+        per_group_elems = (client.config.data_pages // unit) * ue
+        if layerwise is not None and shard is not None:
+            raise ValueError(
+                "a layer-wise optimizer with ZeRO-1 sharding is not supported; use one or the other"
+            )
         off = 0
         for name, p in params:
-            self.slots.append(ParamSlot(name, p.shape, off, p.numel()))
+            whole = bool(layerwise and layerwise(name, p))
+            if whole:
+                off = -(-off // ue) * ue  # a fresh unit
+                if p.numel() > per_group_elems:
+                    raise ValueError(
+                        f"layer {name} has {p.numel()} elements, more than one protection group "
+                        f"holds ({per_group_elems}); raise data_pages or the page size"
+                    )
+                if off // per_group_elems != (off + p.numel() - 1) // per_group_elems:
+                    off = -(-off // per_group_elems) * per_group_elems  # start the next group
+            self.slots.append(ParamSlot(name, p.shape, off, p.numel(), whole))
             off += p.numel()
+            if whole:
+                off = -(-off // ue) * ue  # nothing else shares its units
         self.numel = off
         # ZeRO-1: this rank updates (and retains optimizer state for) one shard of
         # whole units; every shard has the same padded size so all-gather is uniform.
@@ -79,8 +105,6 @@ class RetainedModel:
                     f"rank {rank} of {world} gets no parameters: {total_units} units of "
                     f"{self.unit_elems} elements cannot be sharded {world} ways"
                 )
-        names = [n for n in SET_NAMES if n != "master" or self.master]
-        sizes = {"param": psize, "master": 4, "exp_avg": 4, "exp_avg_sq": 4}
         self.set_names = names
         self.unit_pages = [self.unit_elems * sizes[n] // self.page_bytes for n in names]
         self.unit = sum(self.unit_pages)
@@ -93,6 +117,8 @@ class RetainedModel:
             reply.first_group,
         )
         self.chunk_units = max(1, min(chunk_units, self.units_per_group))
+        self._chunks = [self._chunks_of(gi) for gi in range(-(-self.units // self.units_per_group))]
+        self.max_chunk_units = max(u1 - u0 for cs in self._chunks for u0, u1 in cs)
         self.flat = {
             n: client.attach(n, self.local_elems * sizes[n]).view(
                 self.dtype if n == "param" else torch.float32
@@ -139,9 +165,30 @@ class RetainedModel:
 
     def chunks(self, group_index: int) -> list[tuple[int, int]]:
         """Unit ranges [u0, u1) of the chunks of a group (global unit numbers)."""
+        return self._chunks[group_index]
+
+    def _chunks_of(self, group_index: int) -> list[tuple[int, int]]:
+        # chunk_units units at a time, except that a layer-wise parameter's units form
+        # one chunk of their own.
         first = group_index * self.units_per_group
         last = min(self.units, first + self.units_per_group)
-        return [(u, min(u + self.chunk_units, last)) for u in range(first, last, self.chunk_units)]
+        ue = self.unit_elems
+        whole = {
+            (s.offset - self.shard_start) // ue: -(-(s.offset - self.shard_start + s.numel) // ue)
+            for s in self.slots
+            if s.layerwise
+        }
+        out, u = [], first
+        while u < last:
+            if u in whole:
+                out.append((u, whole[u]))
+                u = whole[u]
+                continue
+            end = min(u + self.chunk_units, last)
+            nxt = min((w for w in whole if u < w < end), default=end)
+            out.append((u, nxt))
+            u = nxt
+        return out
 
     def chunk_pages(self, group_index: int, units: tuple[int, int]) -> tuple[int, int]:
         """(first page in the group, page count) of a chunk: consecutive by construction."""
@@ -151,6 +198,10 @@ class RetainedModel:
     def element_range(self, units: tuple[int, int]) -> tuple[int, int]:
         """A chunk's elements in this rank's (shard-local) tensors."""
         return units[0] * self.unit_elems, min(units[1] * self.unit_elems, self.local_valid)
+
+    def slot_at(self, local_start: int) -> ParamSlot:
+        g = local_start + self.shard_start
+        return next(s for s in self.slots if s.offset <= g < s.offset + s.numel)
 
     def pieces(self, e0: int, e1: int) -> list[tuple[int, int]]:
         """Shard-local [a, b) ranges of a chunk cut at parameter boundaries (the

@@ -9,6 +9,10 @@ Gradient clipping multiplies the gradient piece by the clipping coefficient, as
 master piece (the clipped bf16 gradient cast to fp32), then the parameter piece is the
 master rounded to bf16.
 
+``muon_layer`` is the layer-wise optimizer: Muon (orthogonalized momentum, Newton–Schulz)
+on a whole 2-D weight through torch's own single-tensor Muon, bit-identical to
+``torch.optim.Muon``; its chunk is the whole layer.
+
 Not covered: amsgrad, maximize, fused/foreach kernels (they round differently).
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.optim._muon import muon
 from torch.optim.adamw import adamw
 
 
@@ -68,6 +73,55 @@ def adamw_piece(
         weight_decay=cfg.weight_decay,
         eps=cfg.eps,
         maximize=False,
+    )
+    if master is not None:
+        param.copy_(master)
+
+
+@dataclass(frozen=True)
+class MuonConfig:
+    """torch.optim.Muon's hyperparameters for 2-D weights (others use AdamW)."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    weight_decay: float = 0.1
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
+    ns_steps: int = 5
+    eps: float = 1e-7
+    adjust_lr_fn: str | None = None
+    lr_scale: float = 1.0  # Muon's learning rate = the schedule's times this
+    exclude: tuple[str, ...] = ()  # parameter-name prefixes kept on AdamW (e.g. embeddings)
+
+
+def muon_layer(
+    cfg: MuonConfig,
+    *,
+    lr: float,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum: torch.Tensor,
+    clip: torch.Tensor,
+    master: torch.Tensor | None = None,
+) -> None:
+    """One Muon step on a whole 2-D layer, through torch's own single-tensor Muon
+    (``torch.optim.Muon``'s arithmetic); the momentum buffer is the retained state."""
+    g = grad * clip
+    if master is not None:
+        g = g.float()
+    target = param if master is None else master
+    muon(
+        [target],
+        [g],
+        [momentum],
+        lr=lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
+        ns_coefficients=cfg.ns_coefficients,
+        ns_steps=cfg.ns_steps,
+        eps=cfg.eps,
+        adjust_lr_fn=cfg.adjust_lr_fn,
+        has_complex=False,
     )
     if master is not None:
         param.copy_(master)

@@ -46,7 +46,7 @@ from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.update.layout import RetainedModel
 from leto.update.marker import Auth, Marker, MarkerState, Phase, Step, StreamOrderedWrites
-from leto.update.optim import AdamWConfig, adamw_piece, clip_coefficient
+from leto.update.optim import AdamWConfig, MuonConfig, adamw_piece, clip_coefficient, muon_layer
 from leto.update.schedule import WarmupCosine
 
 MARKER_NAME = "rmu.marker"
@@ -61,6 +61,8 @@ class UpdaterConfig:
     chunk_units: int = 2  # units (one parameter page each, plus its state) per chunk
     adamw: AdamWConfig = AdamWConfig()
     transactions: bool = True  # False only for the Fig. 12 ablation
+    layerwise: str | None = None  # "muon": 2-D weights by Muon, whole layers per chunk
+    muon: MuonConfig = MuonConfig()
 
 
 class Updater:
@@ -75,13 +77,20 @@ class Updater:
         self.client = client
         self.cfg = cfg
         self.schedule = schedule
-        self.state = RetainedModel(client, model, cfg.chunk_units, shard)
+        layerwise = None
+        if cfg.layerwise == "muon":
+            layerwise = lambda name, p: p.ndim == 2 and not name.startswith(cfg.muon.exclude)  # noqa: E731
+        elif cfg.layerwise is not None:
+            raise ValueError(
+                f"layerwise={cfg.layerwise!r}: the only layer-wise optimizer is 'muon'"
+            )
+        self.state = RetainedModel(client, model, cfg.chunk_units, shard, layerwise)
         self.state.bind(model)
         self.device = self.state.grad.device
         pb = self.state.page_bytes
         h1, h2 = client.config.tier1_pages, client.config.tier2_pages
         self.h1, self.h2 = h1, h2
-        max_chunk_pages = self.state.chunk_units * self.state.unit
+        max_chunk_pages = self.state.max_chunk_units * self.state.unit
         reusable = AllocationKind.REUSABLE
         undo = client.attach("rmu.undo", max_chunk_pages * pb, kind=reusable)
         self.undo = [undo[i * pb : (i + 1) * pb] for i in range(max_chunk_pages)]
@@ -134,8 +143,8 @@ class Updater:
         acc = 0
         for up in self.state.unit_pages:
             base.append(acc)
-            acc += up * self.state.chunk_units
-        for u in range(self.state.chunk_units):
+            acc += up * self.state.max_chunk_units
+        for u in range(self.state.max_chunk_units):
             for k, up in enumerate(self.state.unit_pages):
                 order += [base[k] + u * up + i for i in range(up)]
         return order
@@ -165,7 +174,7 @@ class Updater:
             live = self._alloc_pages[name][u0 * up * pb : u0 * up * pb + n]
             saved = self._undo_flat[base * pb : base * pb + n]
             (saved if to_undo else live).copy_(live if to_undo else saved)
-            base += up * self.state.chunk_units
+            base += up * self.state.max_chunk_units
 
     def _undo_page_order_for(self, n_units: int) -> list[int]:
         # A short last chunk uses the same layout, cut to its units.
@@ -337,7 +346,11 @@ class Updater:
         f = self.state.flat
         lr = self.schedule(it)
         pieces = self.state.pieces(e0, e1)
-        if len(pieces) == 1 and pieces[0][1] - pieces[0][0] > 1:
+        if (
+            len(pieces) == 1
+            and pieces[0][1] - pieces[0][0] > 1
+            and not self.state.slot_at(pieces[0][0]).layerwise
+        ):
             # Element-wise: cutting a piece changes no bit, and gives the crash point
             # below a half-updated chunk to interrupt.
             a, b = pieces[0]
@@ -345,6 +358,22 @@ class Updater:
         for k, (a, b) in enumerate(pieces):
             if k == 1:
                 point("update.optimizer", it)  # a crash here leaves the chunk half updated
+            slot = self.state.slot_at(a)
+            if slot.layerwise:
+                if (a, b) != (slot.offset, slot.offset + slot.numel):
+                    raise AssertionError(f"layer {slot.name} was cut into pieces")
+                if k == 0 and len(pieces) == 1:
+                    point("update.optimizer", it)
+                muon_layer(
+                    self.cfg.muon,
+                    lr=lr * self.cfg.muon.lr_scale,
+                    param=f["param"][a:b].view(slot.shape),
+                    grad=self.state.grad[a:b].view(slot.shape),
+                    momentum=f["exp_avg"][a:b].view(slot.shape),
+                    clip=clip,
+                    master=f["master"][a:b].view(slot.shape) if self.state.master else None,
+                )
+                continue
             adamw_piece(
                 self.cfg.adamw,
                 lr=lr,
