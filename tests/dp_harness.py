@@ -87,10 +87,16 @@ def _wait(procs, timeout_s: float, stop_all_on_kill: bool) -> list[int]:
 
 
 def run_job(
-    world: int, cfg: TrainConfig, out: Path, fault=None, lose=None, timeout_s: float = 300
+    world: int,
+    cfg: TrainConfig,
+    out: Path,
+    fault=None,
+    lose=None,
+    timeout_s: float = 300,
+    pool: PoolConfig = POOL,
 ) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    pools = [start_state_manager(POOL) for _ in range(world)]
+    pools = [start_state_manager(pool) for _ in range(world)]
     try:
         codes = _wait(
             _start(world, cfg, pools, out, fault), timeout_s, stop_all_on_kill=fault is not None

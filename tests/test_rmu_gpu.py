@@ -49,11 +49,14 @@ def lose_pages(f):
 @pytest.mark.parametrize(
     "point",
     [
+        "compute.backward",
         "grad_parity",
         "sync",
+        "update.load",
         "update.undo",
         "update.optimizer",
         "update.parity",
+        "update.commit",
         "update.store",
         "update.tier2",
     ],

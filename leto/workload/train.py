@@ -56,6 +56,7 @@ class TrainConfig:
     n_head: int = 2
     dropout: float = 0.1
     zero1: bool = False  # shard optimizer state (and the update) across ranks
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank by LOCAL_RANK)
     timeout_s: float = 120.0  # process group formation and every collective
 
     def gpt(self) -> GPTConfig:
@@ -142,8 +143,14 @@ def run(
     rank: int, world: int, cfg: TrainConfig, pg: str, pool_socket: str, token: str, out: Path
 ) -> None:
     torch.set_num_threads(1)  # ranks share the machine's cores
+    backend = "gloo"
+    if cfg.device == "cuda":
+        # Deterministic cuBLAS needs its workspace fixed before the first handle.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        backend = "nccl"
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=pg,
         rank=rank,
         world_size=world,
