@@ -93,10 +93,11 @@ def run_job(
     fault=None,
     lose=None,
     timeout_s: float = 300,
-    pool: PoolConfig = POOL,
+    pool=POOL,
 ) -> dict:
+    """``pool`` is a PoolConfig for every rank, or a function rank -> PoolConfig."""
     out.mkdir(parents=True, exist_ok=True)
-    pools = [start_state_manager(pool) for _ in range(world)]
+    pools = [start_state_manager(pool(r) if callable(pool) else pool) for r in range(world)]
     try:
         codes = _wait(
             _start(world, cfg, pools, out, fault), timeout_s, stop_all_on_kill=fault is not None
