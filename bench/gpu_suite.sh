@@ -23,7 +23,7 @@ if [[ $what == pool || $what == all ]]; then
   python3 -m bench.pool_cuda_backend --pages 7168 --json-out "$OUT/pool_backend_cuda.json" 2>&1 | tee "$OUT/pool_backend_cuda.txt" || rc=1
 fi
 if [[ $what == rmu || $what == all ]]; then
-  python3 -m pytest -p no:cacheprovider -q tests/test_rmu_gpu.py tests/test_dp_gpu.py 2>&1 | tee "$OUT/rmu_gpu_tests.txt" || rc=1
+  python3 -m pytest -p no:cacheprovider -q tests/test_rmu_gpu.py tests/test_dp_gpu.py tests/test_dp_multigpu.py 2>&1 | tee "$OUT/rmu_gpu_tests.txt" || rc=1
   python3 -m bench.rmu_overhead --device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 8 --seq 1024 \
     --iters 4 --warmup 2 --json-out "$OUT/rmu_overhead_cuda.json" 2>&1 | tee "$OUT/rmu_overhead_cuda.txt" || rc=1
 fi
