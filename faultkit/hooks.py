@@ -18,6 +18,26 @@ import signal
 
 ENV_FAULT_AT = "LETO_FAULT_AT"
 
+# Every named point, in the order an iteration reaches them. The updater's points fire
+# once per gradient group (grad_parity), per protection group (update.load/store/tier2)
+# or per chunk (the others), so "#N" picks a later one; the rest fire once.
+POINTS = (
+    "gather",  # ZeRO-1: all-gather of the updated shards (example job)
+    "compute.forward",
+    "compute.backward",
+    "allreduce",
+    "grad_parity",
+    "sync",
+    "update.load",
+    "update.undo",
+    "update.optimizer",
+    "update.parity",
+    "update.commit",
+    "update.store",
+    "update.tier2",
+)
+ONCE_PER_ITERATION = frozenset({"gather", "compute.forward", "compute.backward", "allreduce", "sync"})
+
 
 class InjectedCrash(Exception):
     """Raised at an armed point in ``raise`` mode."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from faultkit import hooks
 from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
 from tests.dp_harness import first_difference, run_job
@@ -16,18 +17,7 @@ from tests.dp_harness import first_difference, run_job
 pytestmark = pytest.mark.gpu
 CFG = TrainConfig(iterations=4, device="cuda", n_embd=256, n_layer=4, n_head=4, chunk_units=1)
 POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_injection=True)
-POINTS = [
-    "compute.backward",
-    "grad_parity",
-    "sync",
-    "update.load",
-    "update.undo",
-    "update.optimizer",
-    "update.parity",
-    "update.commit",
-    "update.store",
-    "update.tier2",
-]
+POINTS = [p for p in hooks.POINTS if p not in ("gather", "compute.forward", "allreduce")]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +33,6 @@ def lose(rank, f):
 
 @pytest.mark.parametrize("point", POINTS)
 def test_sigkill_anywhere_on_the_gpu_then_exact(reference, tmp_path, point):
-    nth = 1 if point in ("compute.backward", "sync") else 2
+    nth = 1 if point in hooks.ONCE_PER_ITERATION else 2
     got = run_job(1, CFG, tmp_path, fault=(0, f"{point}@2#{nth}"), lose=lose, pool=POOL)
     assert first_difference(reference, got) is None, first_difference(reference, got)

@@ -10,27 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from faultkit import hooks
 from leto.workload.train import TrainConfig
 from tests.dp_harness import first_difference, run_job
 
 CFG = TrainConfig(iterations=4)
 ZERO1 = TrainConfig(iterations=4, zero1=True)
-POINTS = [
-    "compute.forward",
-    "compute.backward",
-    "allreduce",
-    "grad_parity",
-    "sync",
-    "update.load",
-    "update.undo",
-    "update.optimizer",
-    "update.parity",
-    "update.commit",
-    "update.store",
-    "update.tier2",
-]
-
-ONCE_PER_ITERATION = {"compute.forward", "compute.backward", "allreduce", "sync"}
+POINTS = [p for p in hooks.POINTS if p != "gather"]  # gather: ZeRO-1 only
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +37,7 @@ def lose_h1_pages_and_a_parity_page(rank, f):
 @pytest.mark.parametrize("point", POINTS)
 def test_kill_one_rank_anywhere_world_2(reference, tmp_path, point):
     victim = POINTS.index(point) % 2
-    nth = 1 if point in ONCE_PER_ITERATION else 2  # later groups/chunks: a mid-update state
+    nth = 1 if point in hooks.ONCE_PER_ITERATION else 2  # later groups/chunks: a mid-update state
     got = run_job(2, CFG, tmp_path, fault=(victim, f"{point}@2#{nth}"))
     assert got["restarted"]
     assert first_difference(reference[2], got) is None, first_difference(reference[2], got)

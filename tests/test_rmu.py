@@ -7,6 +7,7 @@ import torch
 
 from leto.memory.launch import start_state_manager
 from leto.update.rmu import UpdaterConfig
+from tests import rmu_harness as h
 from tests.pool_helpers import small_config
 from tests.rmu_harness import reference, run
 
@@ -32,18 +33,7 @@ def test_fault_free_updates_equal_torch_adamw_bit_for_bit(pool, dtype):
     assert_same(run(pool, ITERS, UpdaterConfig(chunk_units=1), dtype), reference(ITERS, dtype))
 
 
-POINTS = [
-    ("compute.backward", 1),
-    ("grad_parity", 1),
-    ("sync", 2),
-    ("update.load", 1),
-    ("update.undo", 1),
-    ("update.optimizer", 1),
-    ("update.parity", 1),
-    ("update.commit", 1),
-    ("update.store", 1),
-    ("update.tier2", 1),
-]
+POINTS = [(p, 1) for p in h.POINTS]
 
 
 @pytest.mark.parametrize("name,nth", POINTS)
@@ -172,3 +162,16 @@ def test_layerwise_muon_crash_with_lost_pages_is_exact(muon_pool, point):
         lose=lose(("data", "param", [0]), ("data", "exp_avg", [1])),
     )
     assert_same_slices(got, reference_muon(ITERS))
+
+
+def test_an_iteration_reaches_every_updater_injection_point(pool):
+    from faultkit import hooks
+
+    client, up, model, t = h.start(pool, UpdaterConfig(chunk_units=1, adamw=h.ADAMW))
+    try:
+        seen = hooks.record()
+        h.one_iteration(up, model, t)
+        assert set(seen) == set(h.POINTS), f"reached {sorted(set(seen))}"
+    finally:
+        hooks.record(False)
+        client.close()

@@ -11,7 +11,7 @@ import torch
 from leto.memory.config import PoolConfig
 from leto.memory.launch import start_state_manager
 from leto.update.rmu import UpdaterConfig
-from tests.rmu_harness import reference, run
+from tests.rmu_harness import POINTS, reference, run
 
 pytestmark = pytest.mark.gpu
 DIMS = (1024, 2048, 1024, 16)  # 4.2 M parameters: 9 units of 2 MiB, 3 groups
@@ -46,21 +46,7 @@ def lose_pages(f):
     f.inject_loss("data", "grad", [1])
 
 
-@pytest.mark.parametrize(
-    "point",
-    [
-        "compute.backward",
-        "grad_parity",
-        "sync",
-        "update.load",
-        "update.undo",
-        "update.optimizer",
-        "update.parity",
-        "update.commit",
-        "update.store",
-        "update.tier2",
-    ],
-)
+@pytest.mark.parametrize("point", POINTS)
 def test_crash_and_lost_hbm_pages_resume_exactly(pool, point):
     got = run(
         pool, ITERS, UpdaterConfig(chunk_units=1), crash=(point, 2, 1), lose=lose_pages, dims=DIMS

@@ -19,18 +19,6 @@ from leto.update.rmu import UpdaterConfig
 from tests import rmu_harness as h
 from tests.pool_helpers import small_config
 
-POINTS = [
-    "compute.backward",
-    "grad_parity",
-    "sync",
-    "update.load",
-    "update.undo",
-    "update.optimizer",
-    "update.parity",
-    "update.commit",
-    "update.store",
-    "update.tier2",
-]
 MAX_ITERS = 6
 
 
@@ -71,7 +59,7 @@ class UpdaterMachine(RuleBasedStateMachine):
         self.it += 1
 
     @precondition(lambda self: self.alive and self.it < MAX_ITERS)
-    @rule(point=st.sampled_from(POINTS), nth=st.integers(1, 3))
+    @rule(point=st.sampled_from(h.POINTS), nth=st.integers(1, 3))
     def crash(self, point, nth):
         hooks.arm(point, self.it, nth, mode="raise")
         try:
