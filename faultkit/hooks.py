@@ -36,7 +36,9 @@ POINTS = (
     "update.store",
     "update.tier2",
 )
-ONCE_PER_ITERATION = frozenset({"gather", "compute.forward", "compute.backward", "allreduce", "sync"})
+ONCE_PER_ITERATION = frozenset(
+    {"gather", "compute.forward", "compute.backward", "allreduce", "sync"}
+)
 
 
 class InjectedCrash(Exception):

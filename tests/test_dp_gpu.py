@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from faultkit import hooks
+from faultkit.job import first_difference, run_job
 from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
-from tests.dp_harness import first_difference, run_job
 
 pytestmark = pytest.mark.gpu
 CFG = TrainConfig(iterations=4, device="cuda", n_embd=256, n_layer=4, n_head=4, chunk_units=1)

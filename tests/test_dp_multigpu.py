@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from faultkit.job import first_difference, run_job
 from leto.memory.config import PoolConfig
-from tests.dp_harness import first_difference, run_job
 from tests.test_dp_gpu import CFG, lose
 
 pytestmark = [

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from faultkit import hooks
+from faultkit.job import first_difference, run_job
 from leto.workload.train import TrainConfig
-from tests.dp_harness import first_difference, run_job
 
 CFG = TrainConfig(iterations=4)
 ZERO1 = TrainConfig(iterations=4, zero1=True)

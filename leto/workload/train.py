@@ -139,6 +139,16 @@ class RankTrainer:
         torch.save(state, self.out / f"rank{self.rank}.state.pt")
 
 
+def seconds_since_process_start() -> float:
+    """Wall time since the kernel started this process (so imports count, as they do
+    in a cold restart), from /proc; 10 ms resolution."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def run(
     rank: int, world: int, cfg: TrainConfig, pg: str, pool_socket: str, token: str, out: Path
 ) -> None:
@@ -160,7 +170,15 @@ def run(
     try:
         report = client.localize()
         trainer = RankTrainer(rank, world, cfg, client, out)
+        resumed = trainer.up.marker.state is not None
         t = trainer.resume(report)
+        if resumed:  # a restart: how long from process start to training again
+            record = {
+                "resume_s": seconds_since_process_start(),
+                "next_iteration": t,
+                "report": report,
+            }
+            (out / f"rank{rank}.recovery.json").write_text(json.dumps(record))
         while t < cfg.iterations:
             trainer.iteration(t)
             t += 1

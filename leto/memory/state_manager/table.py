@@ -363,6 +363,7 @@ class Table:
                     "gid": g.gid,
                     "kind": g.kind,
                     "data_pages": len(g.members),
+                    "members": g.member_runs(),
                     "tier1": len(g.parity["tier1"]),
                     "tier2": len(g.parity["tier2"]),
                     "pending": {t: sorted(g.pending[t]) for t in TIERS},

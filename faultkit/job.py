@@ -1,4 +1,4 @@
-"""Stop-gap launcher for multi-process data-parallel tests, until ``leto run`` exists.
+"""Stop-gap launcher of the example job for faultkit and the tests, until ``leto run``.
 
 Starts one state manager per rank and one trainer process per rank
 (``python -m leto.workload.train``). A fault is ``(rank, "point@iteration#n")``: that
@@ -94,6 +94,7 @@ def run_job(
     lose=None,
     timeout_s: float = 300,
     pool=POOL,
+    allow_failure: bool = False,
 ) -> dict:
     """``pool`` is a PoolConfig for every rank, or a function rank -> PoolConfig."""
     out.mkdir(parents=True, exist_ok=True)
@@ -105,9 +106,11 @@ def run_job(
         restarted = False
         if fault is not None:
             victim = fault[0]
-            assert codes[victim] == -signal.SIGKILL, (
-                f"rank {victim} was not killed at {fault[1]} (exit {codes[victim]})"
-            )
+            if codes[victim] != -signal.SIGKILL:
+                raise RuntimeError(
+                    f"rank {victim} was not killed at {fault[1]} (exit {codes[victim]}): the point was "
+                    "never reached that often in that iteration; nothing was injected"
+                )
             if lose is not None:
                 for r in range(world):
                     with PoolClient.connect(
@@ -116,8 +119,23 @@ def run_job(
                         lose(r, f)
             codes = _wait(_start(world, cfg, pools, out), timeout_s, stop_all_on_kill=False)
             restarted = True
-        assert codes == [0] * world, f"ranks exited with {codes}"
-        result = {"restarted": restarted, "losses": [], "states": []}
+        result = {
+            "restarted": restarted,
+            "codes": codes,
+            "losses": [],
+            "states": [],
+            "recovery": [],
+            "pool_status": [],
+        }
+        for r in range(world):
+            with PoolClient.connect(pools[r].socket_path, pools[r].token, role="observer") as c:
+                result["pool_status"].append(c.status())
+            rec = out / f"rank{r}.recovery.json"
+            result["recovery"].append(json.loads(rec.read_text()) if rec.exists() else None)
+        if codes != [0] * world:
+            if allow_failure:
+                return result
+            raise AssertionError(f"ranks exited with {codes}")
         for r in range(world):
             seen: dict[int, str] = {}
             for line in (out / f"rank{r}.losses.jsonl").read_text().splitlines():
