@@ -46,7 +46,7 @@ def cmd_inject(args: argparse.Namespace) -> int:
     )
     try:
         v = inject(cfg)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         print(f"faultkit inject: {e}", file=sys.stderr)
         return 2
     if args.json:

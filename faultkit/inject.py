@@ -22,7 +22,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from faultkit import hooks
 from faultkit.job import first_difference, run_job
 from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
@@ -94,8 +93,7 @@ def _loser(cfg: InjectConfig, lost: dict):
 def inject(cfg: InjectConfig, workdir: Path | None = None) -> dict:
     phase, iteration = _plan(cfg)
     point = PHASES[phase]
-    # A later chunk or group when there are several; gradient groups may be just one.
-    nth = 1 if point in hooks.ONCE_PER_ITERATION or point == "grad_parity" else 2
+    nth = 1  # the first chunk/group: reached whatever the model's size and page size
     train = TrainConfig(iterations=cfg.iterations, seed=cfg.seed, device=cfg.device)
     pool = PoolConfig(
         device="cpu" if cfg.device == "cpu" else "cuda:0",
