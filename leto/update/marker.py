@@ -21,7 +21,6 @@ from __future__ import annotations
 import enum
 import struct
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -137,14 +136,12 @@ class Marker:
         self,
         record: torch.Tensor,
         mirrors: list[torch.Tensor],
-        before_write: Callable[[], None] | None = None,
         stream_writes: StreamOrderedWrites | None = None,
     ):
         if record.numel() < RECORD_BYTES or any(m.numel() < RECORD_BYTES for m in mirrors):
             raise ValueError(f"marker needs {RECORD_BYTES} bytes in its record and every mirror")
         self.record = record
         self.mirrors = mirrors
-        self.before_write = before_write
         self.stream_writes = stream_writes
         self.state = self.read()
 
@@ -157,8 +154,6 @@ class Marker:
         return max(valid, key=lambda s: s.seq) if valid else None
 
     def write(self, state: MarkerState) -> MarkerState:
-        if self.before_write is not None:
-            self.before_write()
         seq = (self.state.seq + 1) if self.state is not None else 1
         state = state.but(seq=seq)
         raw = _pack(state)
