@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -22,8 +22,12 @@ if [[ $what == pool || $what == all ]]; then
   python3 -m bench.pool --device cuda:0 --pages 7168 --json-out "$OUT/pool_cuda.json" 2>&1 | tee "$OUT/pool_cuda.txt" || rc=1
   python3 -m bench.pool_cuda_backend --pages 7168 --json-out "$OUT/pool_backend_cuda.json" 2>&1 | tee "$OUT/pool_backend_cuda.txt" || rc=1
 fi
-if [[ $what == rmu || $what == all ]]; then
-  python3 -m pytest -p no:cacheprovider -q tests/test_rmu_gpu.py tests/test_dp_gpu.py tests/test_dp_multigpu.py 2>&1 | tee "$OUT/rmu_gpu_tests.txt" || rc=1
+if [[ $what == rmu || $what == rmu-tests || $what == all ]]; then
+  python3 -m pytest -p no:cacheprovider -q tests/test_lending.py tests/test_rmu_gpu.py tests/test_dp_gpu.py tests/test_dp_multigpu.py 2>&1 | tee "$OUT/rmu_gpu_tests.txt" || rc=1
+fi
+if [[ $what == rmu || $what == rmu-bench || $what == all ]]; then
+  python3 -m bench.rmu_memory --n-layer 20 --n-embd 2048 --n-head 16 --batch 8 --seq 1024 \
+    --iters 2 --warmup 1 --json-out "$OUT/rmu_memory_cuda.json" 2>&1 | tee "$OUT/rmu_memory_cuda.txt" || rc=1
   python3 -m bench.rmu_overhead --device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 8 --seq 1024 \
     --iters 4 --warmup 2 --json-out "$OUT/rmu_overhead_cuda.json" 2>&1 | tee "$OUT/rmu_overhead_cuda.txt" || rc=1
 fi

@@ -55,7 +55,9 @@ def time_loop(step, iters: int, warmup: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def plain(args, gcfg: GPTConfig, device: torch.device, schedule, adamw: AdamWConfig) -> float:
+def plain(
+    args, gcfg: GPTConfig, device: torch.device, schedule, adamw: AdamWConfig, after=None
+) -> float:
     model = GPT(gcfg).to(device=device, dtype=getattr(torch, args.dtype))
     init_weights(model, 0)
     opt = torch.optim.AdamW(
@@ -77,11 +79,19 @@ def plain(args, gcfg: GPTConfig, device: torch.device, schedule, adamw: AdamWCon
         opt.step()
 
     seconds = time_loop(step, args.iters, args.warmup, device)
+    if after is not None:
+        after(None)
     return seconds
 
 
 def leto(
-    args, gcfg: GPTConfig, device: torch.device, schedule, adamw: AdamWConfig
+    args,
+    gcfg: GPTConfig,
+    device: torch.device,
+    schedule,
+    adamw: AdamWConfig,
+    lend: bool = True,
+    after=None,
 ) -> tuple[float, dict]:
     cfg = PoolConfig(device="cpu" if device.type == "cpu" else f"cuda:{device.index or 0}")
     sm = start_state_manager(cfg)
@@ -89,21 +99,23 @@ def leto(
         client = PoolClient.connect(sm.socket_path, sm.token)
         with torch.device("meta"):
             model = GPT(gcfg).to(getattr(torch, args.dtype))
-        up = Updater(
-            client, model, schedule, UpdaterConfig(chunk_units=args.chunk_units, adamw=adamw)
-        )
+        ucfg = UpdaterConfig(chunk_units=args.chunk_units, adamw=adamw, lend_activations=lend)
+        up = Updater(client, model, schedule, ucfg)
         up.initialize(lambda: init_weights(model, 0))
 
         def step(t):
             x, y = (v.to(device) for v in batch(0, t, 0, args.batch, args.seq))
             up.begin(t)
-            loss = model(x, y)
+            with up.lent_memory():
+                loss = model(x, y)
             loss.backward()
             up.protect_grads(t, loss=float(loss.detach()))
             up.sync(t)
             up.update(t)
 
         seconds = time_loop(step, args.iters, args.warmup, device)
+        if after is not None:
+            after(up)
         up.profile = defaultdict(float)
         t = args.warmup + args.iters
         for k in range(args.iters):
@@ -111,7 +123,8 @@ def leto(
             t0 = time.perf_counter()
             x, y = (v.to(device) for v in batch(0, t + k, 0, args.batch, args.seq))
             up.begin(t + k)
-            loss = model(x, y)
+            with up.lent_memory():
+                loss = model(x, y)
             loss.backward()
             sync(device)
             up.profile["forward + backward"] += time.perf_counter() - t0
@@ -125,8 +138,8 @@ def leto(
         sm.stop()
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(doc: str = __doc__) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda"
     )
@@ -142,12 +155,20 @@ def main(argv: list[str] | None = None) -> dict:
         "--chunk-units", type=int, default=64, help="RMU chunk size in units (pages of parameters)"
     )
     ap.add_argument("--json-out", default=None, help="write results as JSON here")
-    args = ap.parse_args(argv)
-    torch.use_deterministic_algorithms(True)
-    device = torch.device(args.device)
-    gcfg = GPTConfig(
+    return ap
+
+
+def model_config(args) -> GPTConfig:
+    return GPTConfig(
         block=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, dropout=0.0
     )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    torch.use_deterministic_algorithms(True)
+    device = torch.device(args.device)
+    gcfg = model_config(args)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in GPT(gcfg).parameters())
     schedule = WarmupCosine(total_iters=1000)

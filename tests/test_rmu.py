@@ -76,6 +76,14 @@ CASES = {
         ("grad_parity", 2, 1),
         lose(("data", "grad", [0, 1])),
     ),
+    "every device parity buffer lost while tier 2 is refreshed from one of them": (
+        ("update.tier2", 2, 1),
+        lose(("data", "rmu.parity", list(range(6))), ("data", "param", [1])),
+    ),
+    "the authoritative parity buffer lost before a chunk begins (re-encoded)": (
+        ("update.commit", 2, 2),
+        lose(("data", "rmu.parity", [0, 1, 2, 3, 4, 5])),
+    ),
     "the marker's own page": (("update.undo", 2, 1), lose(("data", "rmu.marker", [0]))),
     "the parity buffers and undo buffer while no chunk is in flight": (
         ("update.load", 3, 1),

@@ -55,6 +55,7 @@ class Auth(enum.IntEnum):
     HOST = 0
     A = 1
     B = 2
+    C = 3  # three device buffers: a group's pair, and the next group's prefetch
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,16 @@ the marker so the job-wide rule can decide (``decide``).
 without undo or incremental parity, parity re-encoded after each group. It exists to
 show that the transactions are necessary; never train with it.
 
-Not covered: sharded optimizer state (ZeRO-1), layer-wise optimizers, lending the RMU
-buffers to activations, and overlapping transfers with compute (see docs/update.md).
+Memory and overlap: the undo, parity and gradient-parity buffers are reusable pool
+memory lent to forward activations during the compute phase (``lent_memory``, CUDA
+only; ``leto.memory.lending``). Three parity buffers rotate: group g uses a pair and
+the next group's tier-1 parity is prefetched into the third on a copy stream while g's
+chunks run; a chunk's scratch parity is initialized on that stream while the optimizer
+runs. Kept in stream order, because the marker is one linear record that must not run
+ahead of them: the undo copy (the previous chunk's parity update reads the undo
+buffer), the parity update (it needs the optimizer's output) and the parity store to
+host with the tier-2 refresh (the next group's progress would otherwise be recorded
+before this group's parity is durable).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from leto.erasure import TwoTierCode
 from leto.errors import FatalFailure
 from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
+from leto.memory.lending import Lender
 from leto.update.layout import RetainedModel
 from leto.update.marker import Auth, Marker, MarkerState, Phase, Step, StreamOrderedWrites
 from leto.update.optim import AdamWConfig, MuonConfig, adamw_piece, clip_coefficient, muon_layer
@@ -63,6 +72,7 @@ class UpdaterConfig:
     transactions: bool = True  # False only for the Fig. 12 ablation
     layerwise: str | None = None  # "muon": 2-D weights by Muon, whole layers per chunk
     muon: MuonConfig = MuonConfig()
+    lend_activations: bool = True  # CUDA: the RMU buffers hold forward activations
 
 
 class Updater:
@@ -96,10 +106,10 @@ class Updater:
         self.undo = [undo[i * pb : (i + 1) * pb] for i in range(max_chunk_pages)]
         self._undo_flat = undo
         self._alloc_pages = {n: client.pages_of(n) for n in self.state.set_names}
-        par = client.attach("rmu.parity", 2 * h1 * pb, kind=reusable)
+        par = client.attach("rmu.parity", len(BUFFERS) * h1 * pb, kind=reusable)
         self.buf = {
-            Auth.A: [par[i * pb : (i + 1) * pb] for i in range(h1)],
-            Auth.B: [par[(h1 + i) * pb : (h1 + i + 1) * pb] for i in range(h1)],
+            b: [par[(k * h1 + i) * pb : (k * h1 + i + 1) * pb] for i in range(h1)]
+            for k, b in enumerate(BUFFERS)
         }
         gp = client.attach("rmu.gradparity", (h1 + h2) * pb, kind=reusable)
         self.gradparity = [gp[i * pb : (i + 1) * pb] for i in range(h1 + h2)]
@@ -123,6 +133,14 @@ class Updater:
             writes = StreamOrderedWrites(self.device)
         mirrors = [*self.record_group.tier1, *self.record_group.tier2]
         self.marker = Marker(record, mirrors, stream_writes=writes)
+        self.lender = None
+        self.copy_stream = None
+        if self.device.type == "cuda":
+            self.copy_stream = torch.cuda.Stream(self.device)
+            if cfg.lend_activations:
+                self.lender = Lender([undo, par, gp])
+        self._prefetched: int | None = None  # group whose parity is in its start buffer
+        self._prefetch_done: torch.cuda.Event | None = None
         self._codes: dict[int, TwoTierCode] = {}
         self._stale: set[Auth] = set()  # parity buffers whose pages were lost (recovery)
         self.profile: defaultdict[str, float] | None = None  # seconds per step kind, if set
@@ -137,6 +155,26 @@ class Updater:
         if n not in self._codes:
             self._codes[n] = TwoTierCode(n, self.h1, self.h2)
         return self._codes[n]
+
+    def lent_memory(self):
+        """Context for the forward pass: its activations live in the RMU's buffers."""
+        return self.lender.lend() if self.lender is not None else contextlib.nullcontext()
+
+    def _side(self):
+        """Context that runs work on the copy stream after everything queued so far."""
+        if self.copy_stream is None:
+            return contextlib.nullcontext()
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.copy_stream)
+
+    def _side_done(self) -> torch.cuda.Event | None:
+        if self.copy_stream is None:
+            return None
+        return self.copy_stream.record_event()
+
+    def _wait(self, ev: torch.cuda.Event | None) -> None:
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
 
     def _undo_page_order(self) -> list[int]:
         order, base = [], []
@@ -215,6 +253,8 @@ class Updater:
         self.state.grad.zero_()
 
     def protect_grads(self, iteration: int, loss: float = float("nan")) -> None:
+        if self.lender is not None:
+            self.lender.reclaim()  # no activation may still live in the buffers
         for g in self.grad_groups:
             code = self.code(g)
             t1 = self.gradparity[: self.h1]
@@ -284,25 +324,45 @@ class Updater:
         g = self.groups[gi]
         code = self.code(g)
         base = m.but(step=Step.LOAD, auth=Auth.HOST, group=gi, chunk=0)
+        first_buf = start_buffer(gi)
         if m.step is Step.LOAD:
             with self._span("parity to device"):
-                self._copy_pages(self.buf[Auth.A], g.tier1, "update.load", it)
-            m = self._write(base.but(step=Step.START, auth=Auth.A, chunk=0))
+                if self._prefetched == gi:
+                    point("update.load", it)
+                    self._wait(self._prefetch_done)
+                else:
+                    self._copy_pages(self.buf[first_buf], g.tier1, "update.load", it)
+            m = self._write(base.but(step=Step.START, auth=first_buf, chunk=0))
+        self._prefetched = None
+        if gi + 1 < len(self.groups) and m.step is Step.START and m.chunk == 0:
+            # The next group's host tier 1 is authoritative and untouched until its own
+            # store; its start buffer is outside this group's pair.
+            nxt = self.groups[gi + 1]
+            with self._span("parity prefetch"), self._side():
+                self._copy_pages(self.buf[start_buffer(gi + 1)], nxt.tier1)
+            self._prefetch_done = self._side_done()
+            self._prefetched = gi + 1
         n_chunks = len(self.state.chunks(gi))
         while (
             m.step in (Step.START, Step.UNDO_DONE, Step.UPDATE_DONE, Step.PARITY_DONE)
             and m.chunk < n_chunks
         ):
             j, x = m.chunk, m.auth
-            y = Auth.B if x is Auth.A else Auth.A
+            y = scratch_buffer(gi, x)
             units, pages, undo = self._chunk(gi, j)
             fresh_undo = False
+            scratch_ready = None
             if m.step is Step.START:
                 with self._span("undo copy"):
                     self._runs_copy(units, to_undo=True, hook_it=it)
                 fresh_undo = True
                 m = self._write(m.but(step=Step.UNDO_DONE))
             if m.step is Step.UNDO_DONE:
+                # The scratch buffer starts as a copy of the authoritative parity; that
+                # needs nothing from the optimizer, so it runs beside it.
+                with self._side():
+                    self._copy_pages(self.buf[y], self.buf[x])
+                scratch_ready = self._side_done() or True
                 with self._span("optimizer"):
                     if not fresh_undo:
                         # Resuming after a crash: the chunk may be half updated, so start
@@ -312,7 +372,10 @@ class Updater:
                 m = self._write(m.but(step=Step.UPDATE_DONE))
             if m.step is Step.UPDATE_DONE:
                 with self._span("parity update"):
-                    self._copy_pages(self.buf[y], self.buf[x])
+                    if scratch_ready is None:  # resumed after the optimizer: copy now
+                        self._copy_pages(self.buf[y], self.buf[x])
+                    elif scratch_ready is not True:
+                        self._wait(scratch_ready)
                     point("update.parity", it)
                     first, _ = self.state.chunk_pages(gi, units)
                     code.tier1.update(self.buf[y], first, undo, pages, group=g.gid)
@@ -456,10 +519,8 @@ class Updater:
         lost_data = set(lost["data"]) if lost else set()
         undo_lost = bool(failed.get("rmu.undo"))
         par_lost = set(failed.get("rmu.parity", {}).get("failed_pages", []))
-        buf_lost = {
-            Auth.A: any(p < self.h1 for p in par_lost),
-            Auth.B: any(p >= self.h1 for p in par_lost),
-        }
+        buf_lost = {b: any(p // self.h1 == k for p in par_lost) for k, b in enumerate(BUFFERS)}
+        self._stale = {b for b, gone in buf_lost.items() if gone}
         code = self.code(g)
         if m.step in (Step.UNDO_DONE, Step.UPDATE_DONE, Step.PARITY_DONE):
             if undo_lost:
@@ -493,6 +554,23 @@ class Updater:
         elif lost_data:
             code.tier1.reconstruct(g.data, parity, sorted(lost_data), group=g.gid)
         return m
+
+
+BUFFERS = (Auth.A, Auth.B, Auth.C)
+
+
+def start_buffer(gi: int) -> Auth:
+    """The buffer group ``gi``'s parity is loaded (or prefetched) into."""
+    return BUFFERS[gi % 3]
+
+
+def scratch_buffer(gi: int, auth: Auth) -> Auth:
+    """The other buffer of group ``gi``'s pair {gi % 3, (gi + 2) % 3}: never the next
+    group's start buffer ((gi + 1) % 3), so the prefetch cannot clobber it."""
+    pair = (BUFFERS[gi % 3], BUFFERS[(gi + 2) % 3])
+    if auth not in pair:
+        raise RetainedStateLost(f"marker names buffer {auth.name}, not one of group {gi}'s pair")
+    return pair[1] if auth is pair[0] else pair[0]
 
 
 def decide(markers: list[MarkerState]) -> tuple[str, int]:

@@ -110,7 +110,8 @@ class RankTrainer:
         x, y = batch(cfg.seed, t, self.rank, cfg.batch_size, cfg.seq_len)
         x, y = x.to(self.device), y.to(self.device)
         point("compute.forward", t)
-        loss = self.model(x, y)
+        with up.lent_memory():  # activations borrow the updater's buffers (CUDA)
+            loss = self.model(x, y)
         point("compute.backward", t)
         loss.backward()
         if next(self.model.parameters()).grad.data_ptr() != self._grad_ptr:

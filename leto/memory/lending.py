@@ -1,0 +1,192 @@
+"""Lending reusable pool memory to the trainer's activations (paper §5.2).
+
+Runs in the trainer. The updater's buffers (undo copy, parity buffers, gradient parity)
+are reusable pool allocations needed only after backward; during the forward pass the
+same pages hold activations, so retaining state costs no extra peak device memory for
+them. ``Lender`` puts a ``torch.cuda.MemPool`` over those pages: a small C allocator
+(``lending.c``, built with the system C compiler on first use) carves PyTorch's segment
+requests out of the lent regions and sends small or non-fitting ones to cuMemAlloc.
+
+Safety rule: nothing allocated while lending may be alive when the updater takes the
+memory back. ``reclaim`` checks the pool's snapshot and raises ``LentMemoryInUse``
+naming the live bytes instead of letting parity overwrite a live tensor.
+
+Not covered: the backward pass (PyTorch runs it on an autograd thread, whose
+allocations do not follow ``use_mem_pool``: only forward activations — the saved
+tensors that dominate activation memory — are lent); CPU tensors (no pluggable
+allocator on the CPU: the CPU build tests the C allocator directly with malloc as its
+fallback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from leto.errors import InvalidInput
+
+SOURCE = Path(__file__).with_name("lending.c")
+ENV_BUILD_DIR = "LETO_BUILD_DIR"
+MIN_LEND_BYTES = 4 << 20  # PyTorch's small-block segments (2 MiB) are never lent
+
+
+class LentMemoryInUse(InvalidInput):
+    """A tensor allocated in lent memory is still alive when the updater needs it."""
+
+
+@dataclass(frozen=True)
+class LendStats:
+    lent_in_use_bytes: int
+    lent_peak_bytes: int
+    fallback_in_use_bytes: int
+    fallback_peak_bytes: int
+    lent_segments: int
+    fallback_segments: int
+    failed_segments: int
+    pieces: int
+
+
+def build_library() -> Path:
+    """Compile lending.c once per source version (cached by content hash)."""
+    src = SOURCE.read_bytes()
+    digest = hashlib.sha256(src).hexdigest()[:16]
+    root = Path(os.environ.get(ENV_BUILD_DIR, Path.home() / ".cache" / "leto"))
+    lib = root / f"lending-{digest}.so"
+    if lib.exists():
+        return lib
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        raise InvalidInput(
+            "lending activation memory needs a C compiler (cc or gcc) on PATH to build "
+            f"{SOURCE.name}; set CC, or run without lending"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        out = Path(tmp) / lib.name
+        proc = subprocess.run(
+            [cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(SOURCE), "-ldl", "-lpthread"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if proc.returncode != 0:
+            raise InvalidInput(f"building {SOURCE.name} failed:\n{proc.stderr}")
+        os.replace(out, lib)  # atomic: concurrent ranks may build at once
+    return lib
+
+
+class RegionAllocator:
+    """ctypes view of the C allocator (one per process: its state is global)."""
+
+    def __init__(self) -> None:
+        self.path = build_library()
+        self.lib = ctypes.CDLL(str(self.path))
+        self.lib.leto_lend_alloc.restype = ctypes.c_void_p
+        self.lib.leto_lend_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        self.lib.leto_lend_free.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        self.lib.leto_lend_set_regions.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_size_t),
+            ctypes.c_int,
+            ctypes.c_size_t,
+        ]
+        self.lib.leto_lend_set_fallback.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+
+    def set_regions(self, regions: list[tuple[int, int]], min_bytes: int = MIN_LEND_BYTES) -> None:
+        n = len(regions)
+        addrs = (ctypes.c_uint64 * n)(*(a for a, _ in regions))
+        sizes = (ctypes.c_size_t * n)(*(s for _, s in regions))
+        rc = self.lib.leto_lend_set_regions(addrs, sizes, n, min_bytes)
+        if rc == -1:
+            raise LentMemoryInUse("the lent regions still have pieces handed out; free them first")
+        if rc == -2:
+            raise InvalidInput(f"{n} lent regions overlap or are too many (at most 8)")
+
+    def use_libc_fallback(self) -> None:
+        """CPU tests: small/non-fitting requests from malloc instead of cuMemAlloc."""
+        libc = ctypes.CDLL(None)
+        self.lib.leto_lend_set_fallback(
+            ctypes.cast(libc.malloc, ctypes.c_void_p), ctypes.cast(libc.free, ctypes.c_void_p)
+        )
+
+    def alloc(self, size: int) -> int:
+        return self.lib.leto_lend_alloc(size, 0, None) or 0
+
+    def free(self, ptr: int, size: int) -> None:
+        self.lib.leto_lend_free(ptr, size, 0, None)
+
+    def stats(self) -> LendStats:
+        out = (ctypes.c_uint64 * 8)()
+        self.lib.leto_lend_stats(out)
+        return LendStats(*(int(v) for v in out))
+
+
+def live_bytes_in(snapshot: list[dict], regions: list[tuple[int, int]]) -> int:
+    """Bytes of live blocks (allocated, or freed but still used by a stream) inside the
+    regions, from a caching-allocator snapshot (``torch.cuda.memory_snapshot``)."""
+    live = 0
+    for seg in snapshot:
+        addr = seg["address"]
+        for block in seg["blocks"]:
+            a = block.get("address", addr)
+            addr = a + block["size"]
+            if not block["state"].startswith("active"):
+                continue
+            if any(lo <= a < lo + n for lo, n in regions):
+                live += block["size"]
+    return live
+
+
+class Lender:
+    """Lends ``regions`` (tensors of reusable pool memory on one CUDA device) to
+    activations inside ``with lender.lend():``; ``reclaim()`` hands them back."""
+
+    def __init__(self, regions: list[torch.Tensor]):
+        if not regions or any(r.device.type != "cuda" for r in regions):
+            raise InvalidInput("only CUDA memory can be lent (see the module docstring)")
+        self.regions = [(r.data_ptr(), r.numel() * r.element_size()) for r in regions]
+        self.device = regions[0].device
+        self.allocator = RegionAllocator()
+        self.allocator.set_regions(self.regions)
+        pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+            str(self.allocator.path), "leto_lend_alloc", "leto_lend_free"
+        )
+        self.pool = torch.cuda.MemPool(pluggable.allocator())
+        self.lent_bytes = sum(n for _, n in self.regions)
+
+    @contextlib.contextmanager
+    def lend(self):
+        with torch.cuda.use_mem_pool(self.pool, device=self.device):
+            yield
+
+    def reclaim(self) -> None:
+        """Raise unless every lent byte is free again (called before the buffers are
+        written: the caller's stream order then keeps freed activations' last readers
+        ahead of the updater's writes)."""
+        live = live_bytes_in(
+            torch.cuda.memory_snapshot(self.pool.id, include_traces=False), self.regions
+        )
+        if live:
+            raise LentMemoryInUse(
+                f"{live} bytes allocated during the compute phase in memory lent by the "
+                "updater are still alive; the updater's buffers would overwrite them. Drop "
+                "references to activations (e.g. `del logits`) before protect_grads. "
+                "Retained state is untouched."
+            )
+
+    def stats(self) -> LendStats:
+        return self.allocator.stats()
