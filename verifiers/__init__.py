@@ -1,6 +1,28 @@
-"""verifiers: fault-free reference runs and bit-exact comparison of training state.
+"""verifiers: fault-free reference traces and bit-exact comparison of training runs.
 
-Comparisons are byte-exact (``torch.equal`` on raw bytes) and name the first
-iteration, tensor and offset that differ. Nothing is implemented in this package yet:
-it arrives with the training loop it verifies.
+``Recorder`` (inside each training rank) appends one line per iteration to
+``rank{r}.trace.jsonl``: the loss as ``float.hex`` and the SHA-256 of every retained
+tensor's bytes, optionally saving the tensors. ``compare`` (after the runs) returns a
+``Verdict`` naming the first rank, iteration, tensor and byte offset that differ;
+``report`` plots loss and throughput with injections and recoveries marked. The command
+is ``python -m verifiers {compare,report}``; the format is in ``docs/verifiers.md``.
+
+Not covered: tolerances (every comparison is exact), state that was never recorded.
 """
+
+from verifiers.compare import Divergence, RerunDiffered, Verdict, compare
+from verifiers.recorder import Recorder
+from verifiers.report import report
+from verifiers.trace import EVENT_INJECTION, EVENT_RECOVERED, read_run
+
+__all__ = [
+    "EVENT_INJECTION",
+    "EVENT_RECOVERED",
+    "Divergence",
+    "Recorder",
+    "RerunDiffered",
+    "Verdict",
+    "compare",
+    "read_run",
+    "report",
+]
