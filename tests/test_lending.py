@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from leto.errors import InvalidInput
 from leto.memory.lending import LentMemoryInUse, RegionAllocator, live_bytes_in
 
 MiB = 1 << 20
@@ -115,7 +116,13 @@ def test_live_blocks_in_lent_regions_are_found_in_a_snapshot():
 def test_forward_activations_live_in_lent_pool_memory_and_are_checked():
     from leto.memory.lending import Lender
 
-    region = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    cupy = pytest.importorskip("cupy")
+    # Memory outside PyTorch's caching allocator, as the pool's VMM pages are (a region
+    # from torch.empty would share its address with the lent segment in PyTorch's map).
+    raw = cupy.cuda.Memory(256 * MiB)
+    region = torch.from_dlpack(
+        cupy.ndarray((256 * MiB,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(raw, 0))
+    )
     lender = Lender([region])
     lo, n = region.data_ptr(), region.numel()
     with lender.lend():
@@ -126,3 +133,12 @@ def test_forward_activations_live_in_lent_pool_memory_and_are_checked():
     del act
     lender.reclaim()
     assert lender.stats().lent_peak_bytes >= 32 * MiB
+    second = Lender([region[: 128 * MiB]])  # a new updater in this process
+    with pytest.raises(InvalidInput, match="retired"):
+        with lender.lend():
+            pass
+    with second.lend():
+        act = torch.ones(32 * MiB // 4, device="cuda")
+    assert lo <= act.data_ptr() < lo + 128 * MiB
+    del act
+    second.reclaim()

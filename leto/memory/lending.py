@@ -160,8 +160,12 @@ class Lender:
             raise InvalidInput("only CUDA memory can be lent (see the module docstring)")
         self.regions = [(r.data_ptr(), r.numel() * r.element_size()) for r in regions]
         self.device = regions[0].device
+        global _current
+        if _current is not None:
+            _current.retire()  # the C allocator is one per process: one lender at a time
         self.allocator = RegionAllocator()
         self.allocator.set_regions(self.regions)
+        _current = self
         pluggable = torch.cuda.memory.CUDAPluggableAllocator(
             str(self.allocator.path), "leto_lend_alloc", "leto_lend_free"
         )
@@ -170,6 +174,8 @@ class Lender:
 
     @contextlib.contextmanager
     def lend(self):
+        if self.pool is None:
+            raise InvalidInput("this lender was retired: a newer updater lends its own memory")
         with torch.cuda.use_mem_pool(self.pool, device=self.device):
             yield
 
@@ -190,3 +196,17 @@ class Lender:
 
     def stats(self) -> LendStats:
         return self.allocator.stats()
+
+    def retire(self) -> None:
+        """Give every segment back (a new updater in this process lends new regions).
+        PyTorch frees a MemPool's cached segments through the allocator when the pool
+        dies, and aborts the process if a tensor of a dead pool is freed later: so
+        refuse while one is alive."""
+        if self.pool is None:
+            return
+        self.reclaim()
+        torch.cuda.synchronize(self.device)
+        self.pool = None
+
+
+_current: Lender | None = None
