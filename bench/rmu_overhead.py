@@ -108,7 +108,7 @@ def leto(
             up.begin(t)
             with up.lent_memory():
                 loss = model(x, y)
-            loss.backward()
+                loss.backward()
             up.protect_grads(t, loss=float(loss.detach()))
             up.sync(t)
             up.update(t)
@@ -125,7 +125,7 @@ def leto(
             up.begin(t + k)
             with up.lent_memory():
                 loss = model(x, y)
-            loss.backward()
+                loss.backward()
             sync(device)
             up.profile["forward + backward"] += time.perf_counter() - t0
             up.protect_grads(t + k, loss=float(loss.detach()))

@@ -11,9 +11,10 @@ Safety rule: nothing allocated while lending may be alive when the updater takes
 memory back. ``reclaim`` checks the pool's snapshot and raises ``LentMemoryInUse``
 naming the live bytes instead of letting parity overwrite a live tensor.
 
-Not covered: the backward pass (PyTorch runs it on an autograd thread, whose
-allocations do not follow ``use_mem_pool``: only forward activations — the saved
-tensors that dominate activation memory — are lent); CPU tensors (no pluggable
+Forward and backward run inside ``lend()``: allocations of every thread go to the pool
+(backward runs on autograd's device thread, which ``use_mem_pool`` would miss).
+
+Not covered: CPU tensors (no pluggable
 allocator on the CPU: the CPU build tests the C allocator directly with malloc as its
 fallback).
 """
@@ -171,13 +172,34 @@ class Lender:
         )
         self.pool = torch.cuda.MemPool(pluggable.allocator())
         self.lent_bytes = sum(n for _, n in self.regions)
+        self._warmed = False
 
     @contextlib.contextmanager
     def lend(self):
         if self.pool is None:
             raise InvalidInput("this lender was retired: a newer updater lends its own memory")
-        with torch.cuda.use_mem_pool(self.pool, device=self.device):
+        if not self._warmed:
+            # cuBLAS allocates its workspace (32 MiB with CUBLAS_WORKSPACE_CONFIG=:4096:8)
+            # at the first matmul on a stream and keeps it: create it outside the pool.
+            for dtype in (torch.float32, torch.bfloat16):
+                a = torch.ones(8, 8, dtype=dtype, device=self.device)
+                (a @ a).sum().item()
+            self._warmed = True
+        begin = getattr(torch._C, "_cuda_beginAllocateToPool", None)
+        if begin is None:  # older PyTorch: this thread only (forward activations)
+            with torch.cuda.use_mem_pool(self.pool, device=self.device):
+                yield
+            return
+        # As torch.cuda.use_mem_pool, but for every thread: backward runs on autograd's
+        # device thread, and its temporaries must share the pool with the forward
+        # activations they replace, or each pool keeps its own peak.
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        begin(idx, self.pool.id)
+        try:
             yield
+        finally:
+            torch._C._cuda_endAllocateToPool(idx, self.pool.id)
+            torch._C._cuda_releasePool(idx, self.pool.id)
 
     def reclaim(self) -> None:
         """Raise unless every lent byte is free again (called before the buffers are
@@ -190,8 +212,8 @@ class Lender:
             raise LentMemoryInUse(
                 f"{live} bytes allocated during the compute phase in memory lent by the "
                 "updater are still alive; the updater's buffers would overwrite them. Drop "
-                "references to activations (e.g. `del logits`) before protect_grads. "
-                "Retained state is untouched."
+                "references to activations (e.g. `del logits`) before protect_grads, and create "
+                "long-lived library workspaces before lending. Retained state is untouched."
             )
 
     def stats(self) -> LendStats:

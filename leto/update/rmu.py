@@ -27,7 +27,7 @@ without undo or incremental parity, parity re-encoded after each group. It exist
 show that the transactions are necessary; never train with it.
 
 Memory and overlap: the undo, parity and gradient-parity buffers are reusable pool
-memory lent to forward activations during the compute phase (``lent_memory``, CUDA
+memory lent to activations during the compute phase (``lent_memory``, CUDA
 only; ``leto.memory.lending``). Three parity buffers rotate: group g uses a pair and
 the next group's tier-1 parity is prefetched into the third on a copy stream while g's
 chunks run; a chunk's scratch parity is initialized on that stream while the optimizer
@@ -157,7 +157,7 @@ class Updater:
         return self._codes[n]
 
     def lent_memory(self):
-        """Context for the forward pass: its activations live in the RMU's buffers."""
+        """Context for forward and backward: their activations live in the RMU's buffers."""
         return self.lender.lend() if self.lender is not None else contextlib.nullcontext()
 
     def _side(self):

@@ -112,8 +112,8 @@ class RankTrainer:
         point("compute.forward", t)
         with up.lent_memory():  # activations borrow the updater's buffers (CUDA)
             loss = self.model(x, y)
-        point("compute.backward", t)
-        loss.backward()
+            point("compute.backward", t)
+            loss.backward()
         if next(self.model.parameters()).grad.data_ptr() != self._grad_ptr:
             raise RuntimeError(
                 "autograd replaced the retained gradient buffer; gradients would not be retained"
