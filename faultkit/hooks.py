@@ -8,6 +8,10 @@ Mode ``kill`` (the default from the environment) is SIGKILL of this process, the
 faithful crash: nothing runs after it. Mode ``raise`` throws ``InjectedCrash`` (for
 in-process state-machine tests that then discard every non-retained object).
 
+Mode ``copy-corrupt`` (``LETO_FAULT_MODE``) fills the destination of the copy in
+progress at the point with random bytes, then SIGKILLs: only points that pass ``dest``
+(the parity copies) support it.
+
 Not covered: crashes in the middle of a GPU kernel (that is ``nvbit_tools``), hangs.
 """
 
@@ -17,6 +21,8 @@ import os
 import signal
 
 ENV_FAULT_AT = "LETO_FAULT_AT"
+ENV_FAULT_MODE = "LETO_FAULT_MODE"  # kill (default) or copy-corrupt
+MODES = ("raise", "kill", "copy-corrupt")
 
 # Every named point, in the order an iteration reaches them. The updater's points fire
 # once per gradient group (grad_parity), per protection group (update.load/store/tier2)
@@ -64,8 +70,8 @@ def parse(spec: str) -> tuple[str, int, int]:
 
 def arm(name: str, iteration: int, nth: int = 1, mode: str = "raise") -> None:
     global _armed
-    if mode not in ("raise", "kill"):
-        raise ValueError(f"mode {mode!r}: use raise or kill")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
     _armed = (name, iteration, nth, mode)
     _hits.clear()
 
@@ -84,7 +90,9 @@ def record(on: bool = True) -> list[str]:
     return _seen
 
 
-def point(name: str, iteration: int) -> None:
+def point(name: str, iteration: int, dest=None) -> None:
+    """``dest``: the tensors a copy in progress here writes (copy-corrupt mode fills
+    them with random bytes, then kills: a torn, garbled copy)."""
     if _recording:
         _seen.append(name)
     if _armed is None:
@@ -96,10 +104,30 @@ def point(name: str, iteration: int) -> None:
     _hits[key] = _hits.get(key, 0) + 1
     if _hits[key] != nth:
         return
+    if mode == "copy-corrupt":
+        if dest is None:
+            raise InjectedCrash(f"{name} copies nothing: copy-corrupt needs a copy's point")
+        _corrupt(dest)
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     raise InjectedCrash(f"injected crash at {name}@{iteration}#{nth}")
 
 
+def _corrupt(dest) -> None:
+    """Random bytes over every destination page, after the copies queued so far have
+    landed (so the garbage is what the crash leaves, not overwritten by them)."""
+    import torch
+
+    if any(t.device.type == "cuda" for t in dest) or torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    g = torch.Generator().manual_seed(0x1E70)
+    for t in dest:
+        raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 if os.environ.get(ENV_FAULT_AT):
-    arm(*parse(os.environ[ENV_FAULT_AT]), mode="kill")
+    arm(*parse(os.environ[ENV_FAULT_AT]), mode=os.environ.get(ENV_FAULT_MODE, "kill"))

@@ -1,11 +1,13 @@
 """Stop-gap launcher of the example job for faultkit and the tests, until ``leto run``.
 
 Starts one state manager per rank and one trainer process per rank
-(``python -m leto.workload.train``). A fault is ``(rank, "point@iteration#n")``: that
-rank is started with LETO_FAULT_AT and SIGKILLs itself there; the harness then kills
-every other rank wherever it is (the job-wide failure), optionally loses pages while
-no trainer runs, and starts every rank again cold. Returns each rank's loss log and
-final retained state for a byte-for-byte comparison.
+(``python -m leto.workload.train``). A fault (``JobFault``) names a rank, a point
+``"point@iteration#n"`` and a mode (kill, or copy-corrupt: garble the copy in progress,
+then die): that rank is started with LETO_FAULT_AT/LETO_FAULT_MODE and SIGKILLs itself
+there; the harness then kills every other rank wherever it is (the job-wide failure),
+optionally loses pages while no trainer runs, and starts every rank again cold — once
+per fault, in order. Returns each rank's loss log and final retained state; the
+verifiers traces in ``out`` are what ``first_difference`` compares.
 """
 
 from __future__ import annotations
@@ -17,16 +19,27 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from faultkit.hooks import ENV_FAULT_AT
+from faultkit.hooks import ENV_FAULT_AT, ENV_FAULT_MODE
 from leto.memory.client import PoolClient
 from leto.memory.config import ENV_POOL_TOKEN, PoolConfig
 from leto.memory.launch import start_state_manager
 from leto.workload.train import TrainConfig
+from verifiers import EVENT_INJECTION, Recorder, compare
+
+
+@dataclass(frozen=True)
+class JobFault:
+    rank: int
+    at: str  # NAME@ITERATION#N (faultkit.hooks)
+    mode: str = "kill"  # or "copy-corrupt"
+    lose: Callable | None = None  # (rank, faultkit PoolClient) -> None, while no rank runs
+
 
 POOL = PoolConfig(
     page_bytes=16384, data_pages=16, tier1_pages=4, tier2_pages=1, allow_fault_injection=True
@@ -45,8 +58,10 @@ def _start(world, cfg, pools, out, fault=None):
     for r in range(world):
         env = dict(os.environ, **{ENV_POOL_TOKEN: pools[r].token})
         env.pop(ENV_FAULT_AT, None)
-        if fault is not None and fault[0] == r:
-            env[ENV_FAULT_AT] = fault[1]
+        env.pop(ENV_FAULT_MODE, None)
+        if fault is not None and fault.rank == r:
+            env[ENV_FAULT_AT] = fault.at
+            env[ENV_FAULT_MODE] = fault.mode
         cmd = [
             sys.executable,
             "-m",
@@ -95,31 +110,44 @@ def run_job(
     timeout_s: float = 300,
     pool=POOL,
     allow_failure: bool = False,
+    faults: list[JobFault] | None = None,
 ) -> dict:
-    """``pool`` is a PoolConfig for every rank, or a function rank -> PoolConfig."""
+    """``pool`` is a PoolConfig for every rank, or a function rank -> PoolConfig.
+    ``fault=(rank, spec)`` with ``lose`` is one kill; ``faults`` is a list of them, in
+    iteration order (the run stops at a fault a rank did not survive: a fatal failure)."""
     out.mkdir(parents=True, exist_ok=True)
+    if fault is not None:
+        faults = [JobFault(fault[0], fault[1], lose=lose)]
+    faults = list(faults or [])
     pools = [start_state_manager(pool(r) if callable(pool) else pool) for r in range(world)]
     try:
-        codes = _wait(
-            _start(world, cfg, pools, out, fault), timeout_s, stop_all_on_kill=fault is not None
-        )
-        restarted = False
-        if fault is not None:
-            victim = fault[0]
-            if codes[victim] != -signal.SIGKILL:
+        injected = []
+        codes = None
+        for fl in faults:
+            codes = _wait(_start(world, cfg, pools, out, fl), timeout_s, stop_all_on_kill=True)
+            if codes[fl.rank] != -signal.SIGKILL:
+                if injected and any(c not in (0, -signal.SIGKILL) for c in codes):
+                    break  # the previous fault was fatal: ranks exited with an error
                 raise RuntimeError(
-                    f"rank {victim} was not killed at {fault[1]} (exit {codes[victim]}): the point was "
-                    "never reached that often in that iteration; nothing was injected"
+                    f"rank {fl.rank} was not killed at {fl.at} (exit {codes[fl.rank]}): the point "
+                    "was never reached that often in that iteration; nothing was injected"
                 )
-            if lose is not None:
+            iteration = int(fl.at.split("@")[1].split("#")[0])
+            with Recorder(out, fl.rank) as rec:
+                rec.mark(EVENT_INJECTION, iteration, point=fl.at, mode=fl.mode)
+            injected.append(fl)
+            if fl.lose is not None:
                 for r in range(world):
                     with PoolClient.connect(
                         pools[r].socket_path, pools[r].token, role="faultkit"
                     ) as f:
-                        lose(r, f)
+                        fl.lose(r, f)
+        else:
             codes = _wait(_start(world, cfg, pools, out), timeout_s, stop_all_on_kill=False)
-            restarted = True
+        restarted = bool(injected)
         result = {
+            "out": str(out),
+            "injections": len(injected),
             "restarted": restarted,
             "codes": codes,
             "losses": [],
@@ -154,16 +182,6 @@ def run_job(
 
 
 def first_difference(a: dict, b: dict) -> str | None:
-    """Name the first iteration, rank, tensor and byte offset where two runs differ."""
-    for r, (la, lb) in enumerate(zip(a["losses"], b["losses"], strict=True)):
-        for it in sorted(set(la) | set(lb)):
-            if la.get(it) != lb.get(it):
-                return f"rank {r} loss at iteration {it}: {la.get(it)} vs {lb.get(it)}"
-    for r, (sa, sb) in enumerate(zip(a["states"], b["states"], strict=True)):
-        for k in sorted(sa):
-            if sa[k].shape != sb[k].shape:
-                return f"rank {r} tensor {k} has shape {tuple(sa[k].shape)} vs {tuple(sb[k].shape)}"
-            d = (sa[k].view(torch.uint8) != sb[k].view(torch.uint8)).nonzero()
-            if d.numel():
-                return f"rank {r} tensor {k} differs first at byte {int(d[0])}"
-    return None
+    """The verifiers' verdict on two runs' traces: None when bit-exact, else the first
+    rank, iteration, tensor and (with saved tensors) byte offset that differ."""
+    return compare(Path(a["out"]), Path(b["out"])).describe()

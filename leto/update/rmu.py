@@ -243,7 +243,7 @@ class Updater:
         half = len(dst) // 2
         for i, (d, s) in enumerate(zip(dst, src, strict=True)):
             if hook is not None and i == half:
-                point(hook, it)  # a crash here leaves the copy half done
+                point(hook, it, dest=dst)  # a crash here leaves the copy half done
             d.copy_(s, non_blocking=True)  # async only between the GPU and page-locked memory
 
     # -- the iteration --------------------------------------------------------------
@@ -262,9 +262,8 @@ class Updater:
             with self._span("grad parity encode"):
                 code.tier1.encode(g.data, out=t1, group=g.gid)
                 code.tier2.encode(t1, out=t2, group=g.gid)
-            point("grad_parity", iteration)
             with self._span("grad parity to host"):
-                self._copy_pages(g.tier1 + g.tier2, t1 + t2)
+                self._copy_pages(g.tier1 + g.tier2, t1 + t2, "grad_parity", iteration)
         self._write(MarkerState(iteration, Phase.GRADS_PROTECTED, loss=loss))
 
     def clip(self) -> torch.Tensor:

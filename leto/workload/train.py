@@ -11,7 +11,9 @@ on, so a recovered run equals a fault-free one bit for bit.
 
 Outputs (``--out``): ``rank{r}.losses.jsonl`` (iteration, loss as float.hex, one line
 per completed iteration, rewritten identically if an iteration completes twice) and,
-at the end, ``rank{r}.state.pt`` (every retained tensor).
+at the end, ``rank{r}.state.pt`` (every retained tensor); with ``record`` the
+verifiers trace ``rank{r}.trace.jsonl`` (loss and SHA-256 of every retained tensor per
+iteration, see docs/verifiers.md).
 
     LETO_POOL_TOKEN=... python -m leto.workload.train --rank 0 --world-size 2 \
         --pg tcp://127.0.0.1:29500 --pool-socket /tmp/leto-pool-x/pool.sock --out out/
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +43,7 @@ from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
 from leto.workload.corpus import batch
 from leto.workload.gpt import GPT, GPTConfig, init_weights
+from verifiers import EVENT_RECOVERED, Recorder
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ class TrainConfig:
     zero1: bool = False  # shard optimizer state (and the update) across ranks
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank by LOCAL_RANK)
     timeout_s: float = 120.0  # process group formation and every collective
+    record: bool = True  # verifiers trace: loss + SHA-256 of retained tensors per iteration
+    keep_tensors: bool = False  # also save them, so a divergence names its byte offset
 
     def gpt(self) -> GPTConfig:
         return GPTConfig(
@@ -84,6 +90,7 @@ class RankTrainer:
         self.client = client
         self.device = self.up.device
         self._grad_ptr = next(model.parameters()).grad.data_ptr()
+        self.rec = Recorder(out, rank, keep_tensors=cfg.keep_tensors) if cfg.record else None
 
     def resume(self, report: dict) -> int:
         """Recover this rank, apply the job-wide rule; returns the next iteration."""
@@ -129,6 +136,9 @@ class RankTrainer:
     def _log(self, t: int, m: MarkerState) -> None:
         with open(self.out / f"rank{self.rank}.losses.jsonl", "a") as f:
             f.write(json.dumps({"iteration": t, "loss": m.loss.hex()}) + "\n")
+        if self.rec is not None:
+            st = self.up.state
+            self.rec.record(t, m.loss, {k: v[: st.local_valid] for k, v in st.flat.items()})
 
     def save_state(self) -> None:
         """Full parameters, and this rank's (shard of the) optimizer state."""
@@ -180,6 +190,9 @@ def run(
                 "report": report,
             }
             (out / f"rank{rank}.recovery.json").write_text(json.dumps(record))
+            if trainer.rec is not None:
+                since = time.time() - record["resume_s"]
+                trainer.rec.mark(EVENT_RECOVERED, t, since=since, resume_s=record["resume_s"])
         while t < cfg.iterations:
             trainer.iteration(t)
             t += 1
