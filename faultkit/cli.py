@@ -1,6 +1,10 @@
 """The ``faultkit`` command.
 
 faultkit probe       which fault mechanisms this machine has (real or emulated)
+faultkit inject      fault-free and faulted runs of the example job, bit-exact verdict
+faultkit matrix      every phase x lost pages x host parity x mode, one shared reference
+faultkit plan        write a failure schedule (JSON): every X s, Poisson, trace window
+faultkit run-plan    replay a schedule against the example job, bit-exact verdict
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from faultkit.mechanisms import probe
+from faultkit.schedule_cli import register as register_plan
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -30,36 +35,100 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_inject(args: argparse.Namespace) -> int:
-    from faultkit.inject import InjectConfig, inject
+def _config(args: argparse.Namespace):
+    from faultkit.inject import InjectConfig
 
-    cfg = InjectConfig(
-        phase=args.phase,
-        pages=args.pages,
-        host_parity_pages=args.host_parity_pages,
-        mode=args.mode,
-        rank=args.rank,
+    return InjectConfig(
+        phase=getattr(args, "phase", "any"),
+        pages=getattr(args, "pages", 0),
+        host_parity_pages=getattr(args, "host_parity_pages", 0),
+        mode=getattr(args, "mode", "kill"),
+        rank=getattr(args, "rank", 0),
         iterations=args.iterations,
         seed=args.seed,
         world_size=args.world_size,
         device=args.device,
+        every=getattr(args, "every", 0),
     )
+
+
+def cmd_inject(args: argparse.Namespace) -> int:
+    from faultkit.inject import inject
+
     try:
-        v = inject(cfg)
+        v = inject(_config(args))
     except (ValueError, RuntimeError) as e:
         print(f"faultkit inject: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(v))
         return 0 if v["exact"] else 1
+    return _verdict_table(v, "faultkit inject")
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from faultkit.inject import matrix
+
+    try:
+        rows = matrix(_config(args))
+    except (ValueError, RuntimeError) as e:
+        print(f"faultkit matrix: {e}", file=sys.stderr)
+        return 2
+    bad = [r for r in rows if not r["exact"]]
+    if args.json:
+        print(json.dumps({"exact": not bad, "cases": rows}))
+        return 0 if not bad else 1
+    t = Table(title=f"faultkit matrix: {len(rows) - len(bad)} of {len(rows)} EXACT")
+    for c in ("phase", "mode", "pages/group", "host parity", "rebuilt", "recovery", "verdict"):
+        t.add_column(c)
+    for r in rows:
+        c = r["config"]
+        t.add_row(
+            r["phase"],
+            r["mode"],
+            str(c["pages"]),
+            str(c["host_parity_pages"]),
+            f"{r['pages_rebuilt']} dev, {r['host_pages_rebuilt']} host",
+            f"{r['recovery_s']:.2f} s" if r["recovery_s"] else "-",
+            "[green]EXACT[/]" if r["exact"] else f"[red]NOT EXACT[/] {r['first_divergence']}",
+        )
+    Console().print(t)
+    mech = rows[0]["poison_mechanism"] if rows else None
+    if mech:
+        Console().print(f"page loss: device {mech['device']}; host {mech['host']}")
+    return 0 if not bad else 1
+
+
+def cmd_run_plan(args: argparse.Namespace) -> int:
+    from faultkit.inject import run_plan
+    from faultkit.schedule import Schedule
+    from leto.errors import InvalidInput
+
+    try:
+        schedule = Schedule.from_json(open(args.schedule).read())
+        v = run_plan(schedule, _config(args), args.iteration_s)
+    except (OSError, InvalidInput, ValueError, RuntimeError) as e:
+        print(f"faultkit run-plan: {e}", file=sys.stderr)
+        return 2
+    v.setdefault("mode", "from schedule")
+    v.setdefault("phase", "from schedule")
+    v.setdefault("point", ", ".join(v["points"]))
+    v.setdefault("config", {"rank": "from schedule"})
+    if args.json:
+        print(json.dumps(v))
+        return 0 if v["exact"] else 1
+    return _verdict_table(v, f"faultkit run-plan ({v['ff']} FF, {v['not_replayed']} past the end)")
+
+
+def _verdict_table(v: dict, title: str) -> int:
     verdict = "[bold green]EXACT[/]" if v["exact"] else "[bold red]NOT EXACT[/]"
     if v["fatal"]:
         verdict = "[bold red]FATAL FAILURE[/] (NOT EXACT)"
-    t = Table(title=f"faultkit inject: {verdict}")
+    t = Table(title=f"{title}: {verdict}")
     t.add_column("item")
     t.add_column("value")
     rows = [
-        ("fault", f"{v['mode']} rank {v['config']['rank']} at {v['point']} ({v['phase']})"),
+        ("fault", f"{v['mode']} rank {v['config']['rank']} at {', '.join(v['points'])}"),
         ("injections / recoveries", f"{v['injections']} / {v['recoveries']}"),
         (
             "device pages lost / rebuilt (all ranks)",
@@ -123,7 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mode",
         default="kill",
-        help="kill (SIGKILL at the phase); other modes are not available yet",
+        help="kill (SIGKILL at the phase) or copy-corrupt (garble the parity copy in progress, "
+        "then SIGKILL; phases grad-parity and parity-copy); kernel-abort is not built yet",
+    )
+    p.add_argument(
+        "--every", type=int, default=0, help="one fault every K iterations (0: one, mid-run)"
     )
     p.add_argument("--rank", type=int, default=0, help="the rank that fails")
     p.add_argument(
@@ -137,6 +210,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(fn=cmd_inject)
+
+    def job_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--iterations", type=int, default=6, help="training iterations")
+        p.add_argument("--seed", type=int, default=0, help="seed of the job and the fault draws")
+        p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks")
+        p.add_argument("--device", default="cpu", help="cpu or cuda")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser(
+        "matrix",
+        help="every phase x {0, H1} pages x host parity page x {kill, copy-corrupt}, "
+        "against one fault-free reference (exit 0 only if all EXACT)",
+    )
+    job_flags(p)
+    p.set_defaults(fn=cmd_matrix)
+    register_plan(sub)
+    p = sub.add_parser("run-plan", help="replay a failure schedule (JSON) against the example job")
+    p.add_argument("schedule", help="a schedule written by faultkit plan")
+    p.add_argument(
+        "--iteration-s",
+        type=float,
+        required=True,
+        help="seconds per iteration: a failure at t s strikes iteration floor(t / this)",
+    )
+    job_flags(p)
+    p.set_defaults(fn=cmd_run_plan)
     return ap
 
 

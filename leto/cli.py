@@ -3,6 +3,7 @@ frozen config or a module's public function, one flag to one field.
 
     leto info            what this machine offers Leto: torch, devices, codec kernels
     leto pool status     allocations, pages, groups, failed and rebuilt pages of a pool
+    leto sim ...         ETTR model and failure simulator (docs/sim.md)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rich.table import Table
 
 import leto
 from leto.erasure import FIELD_POLY
+from leto.sim.cli import register as register_sim
 
 
 def _codec_kernels() -> dict[str, str]:
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--timeout-s", type=float, default=10.0, help="give up after this many seconds")
     p.set_defaults(fn=cmd_pool_status)
+    register_sim(sub)
     return ap
 
 

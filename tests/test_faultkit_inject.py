@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 
-def inject(*args: str) -> tuple[int, str, str]:
+def inject(*args: str, cmd: str = "inject") -> tuple[int, str, str]:
     r = subprocess.run(
-        [sys.executable, "-m", "faultkit.cli", "inject", *args],
+        [sys.executable, "-m", "faultkit.cli", cmd, *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -58,9 +58,62 @@ def test_bad_options_are_refused_with_a_reason():
     code, _, err = inject("--phase", "nowhere")
     assert code == 2 and "--phase 'nowhere'" in err
     code, _, err = inject("--mode", "kernel-abort")
-    assert code == 2 and "not available yet" in err
+    assert code == 2 and "kernel-abort is not available" in err
+    code, _, err = inject("--mode", "copy-corrupt", "--phase", "update")
+    assert code == 2 and "needs a phase that copies parity" in err
+    code, _, err = inject("--every", "9", "--iterations", "6")
+    assert code == 2 and "--every 9" in err
 
 
 def test_table_output_names_the_verdict():
     code, out, _ = inject("--phase", "sync", "--iterations", "4")
     assert code == 0 and "EXACT" in out and "first divergence" in out
+
+
+def test_copy_corrupt_of_the_parity_store_with_lost_pages_is_exact():
+    code, out, err = inject(
+        "--phase", "parity-copy", "--mode", "copy-corrupt", "--pages", "16",
+        "--host-parity-pages", "1", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    v = json.loads(out)
+    assert v["exact"] and v["mode"] == "copy-corrupt" and v["pages_rebuilt"] > 32, v
+
+
+def test_copy_corrupt_writes_random_bytes_over_the_destination():
+    import torch
+
+    from faultkit.hooks import _corrupt
+
+    pages = [torch.zeros(4096, dtype=torch.uint8), torch.zeros(1024, dtype=torch.float32)]
+    _corrupt(pages)
+    changed = [int((p.view(torch.uint8) != 0).sum()) for p in pages]
+    assert all(c > 0.9 * p.numel() * p.element_size() for c, p in zip(changed, pages, strict=True))
+
+
+def test_a_fault_every_two_iterations_is_exact():
+    code, out, err = inject("--phase", "any", "--every", "2", "--pages", "4", "--json")
+    assert code == 0, err
+    v = json.loads(out)
+    assert v["exact"] and v["injections"] == v["recoveries"] == 2, v
+    assert len(v["points"]) == 2 and v["points"][0].endswith("@2#1"), v["points"]
+
+
+def test_run_plan_replays_a_schedule_and_an_ff_ends_in_the_fatal_path(tmp_path):
+    from faultkit.schedule import every
+
+    hof = every(interval_s=20.0, duration_s=50.0, world_size=2, hof_ratio=1.0, seed=3)
+    (tmp_path / "hof.json").write_text(hof.to_json())
+    code, out, err = inject(
+        str(tmp_path / "hof.json"), "--iteration-s", "10", "--json", cmd="run-plan"
+    )
+    assert code == 0, err
+    v = json.loads(out)
+    assert v["exact"] and v["injections"] == 2 and v["ff"] == 0, v
+    ff = every(interval_s=20.0, duration_s=30.0, world_size=2, hof_ratio=0.0, seed=3)
+    (tmp_path / "ff.json").write_text(ff.to_json())
+    code, out, _ = inject(
+        str(tmp_path / "ff.json"), "--iteration-s", "10", "--json", cmd="run-plan"
+    )
+    v = json.loads(out)
+    assert code == 1 and v["fatal"] and v["ff"] == 1, v
