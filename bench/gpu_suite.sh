@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|faultkit|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -30,5 +30,9 @@ if [[ $what == rmu || $what == rmu-bench || $what == all ]]; then
     --iters 2 --warmup 1 --json-out "$OUT/rmu_memory_cuda.json" 2>&1 | tee "$OUT/rmu_memory_cuda.txt" || rc=1
   python3 -m bench.rmu_overhead --device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 8 --seq 1024 \
     --iters 4 --warmup 2 --json-out "$OUT/rmu_overhead_cuda.json" 2>&1 | tee "$OUT/rmu_overhead_cuda.txt" || rc=1
+fi
+if [[ $what == faultkit || $what == all ]]; then
+  python3 -m faultkit.cli matrix --device cuda --world-size 1 --iterations 4 \
+    --phases update,parity-copy,grad-parity 2>&1 | tee "$OUT/faultkit_matrix_cuda.txt" || rc=1
 fi
 exit $rc

@@ -70,7 +70,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     from faultkit.inject import matrix
 
     try:
-        rows = matrix(_config(args))
+        phases = tuple(args.phases.split(",")) if args.phases else None
+        rows = matrix(_config(args), phases=phases)
     except (ValueError, RuntimeError) as e:
         print(f"faultkit matrix: {e}", file=sys.stderr)
         return 2
@@ -224,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
         "against one fault-free reference (exit 0 only if all EXACT)",
     )
     job_flags(p)
+    p.add_argument("--phases", default=None, help="comma-separated subset of phases (default all)")
     p.set_defaults(fn=cmd_matrix)
     register_plan(sub)
     p = sub.add_parser("run-plan", help="replay a failure schedule (JSON) against the example job")

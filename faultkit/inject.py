@@ -215,14 +215,17 @@ def inject(cfg: InjectConfig, workdir: Path | None = None, reference: dict | Non
     }
 
 
-def matrix(base: InjectConfig, workdir: Path | None = None) -> list[dict]:
+def matrix(
+    base: InjectConfig, workdir: Path | None = None, phases: tuple[str, ...] | None = None
+) -> list[dict]:
     """Every phase x {0, H1} lost pages per group x host parity page lost or not x
     {kill, copy-corrupt} (copy-corrupt where the phase copies parity), against one
     shared fault-free reference."""
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-matrix-"))
     ref = reference_run(base, work)
     rows = []
-    for phase in PHASES:
+    for phase in phases or tuple(PHASES):
+        _phase(base, phase)  # a clear error for an unknown name
         for mode in ("kill", "copy-corrupt"):
             if mode == "copy-corrupt" and phase not in COPY_PHASES:
                 continue

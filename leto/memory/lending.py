@@ -181,9 +181,11 @@ class Lender:
         if not self._warmed:
             # cuBLAS allocates its workspace (32 MiB with CUBLAS_WORKSPACE_CONFIG=:4096:8)
             # at the first matmul on a stream and keeps it: create it outside the pool.
+            # Handles are per thread: backward's (autograd's device thread) too.
             for dtype in (torch.float32, torch.bfloat16):
-                a = torch.ones(8, 8, dtype=dtype, device=self.device)
-                (a @ a).sum().item()
+                a = torch.ones(8, 8, dtype=dtype, device=self.device, requires_grad=True)
+                (a @ a).sum().backward()
+                a.grad.sum().item()
             self._warmed = True
         begin = getattr(torch._C, "_cuda_beginAllocateToPool", None)
         if begin is None:  # older PyTorch: this thread only (forward activations)
