@@ -68,6 +68,10 @@ CASES = {
         ("update.tier2", 2, 1),
         lose(("data", "param", [1]), ("tier2", "0", [0])),
     ),
+    "tier 2 being refreshed, H1 data pages and a host tier-1 page lost: the buffer covers it": (
+        ("update.tier2", 2, 1),
+        lose(("data", "param", [0]), ("data", "exp_avg", [0]), ("tier1", "0", [1])),
+    ),
     "gradients protected, then lost": (
         ("sync", 2, 1),
         lose(("data", "grad", [0, 3])),

@@ -534,8 +534,14 @@ class Updater:
             lost_data -= set(range(first, first + count))
             m = m.but(step=Step.UNDO_DONE)
         if m.step is Step.TIER2:
+            lost_t1 = list(lost["tier1"]) if lost else []
+            if lost_t1 and not buf_lost[m.auth]:
+                # Host tier 2 is stale mid-refresh, but the buffer host tier 1 was stored
+                # from still holds its bytes: lost host pages cost no erasure budget.
+                for j in lost_t1:
+                    g.tier1[j].copy_(self.buf[m.auth][j])
+                lost_t1 = []
             t1 = torch.stack(g.tier1).to(self.device)
-            lost_t1 = lost["tier1"] if lost else []
             if lost_data or lost_t1:
                 code.tier1.reconstruct(
                     g.data, t1, sorted(lost_data) + [len(g.data) + j for j in lost_t1], group=g.gid
