@@ -79,7 +79,10 @@ def _start(world, cfg, pools, out, fault=None):
             "--config",
             json.dumps(asdict(cfg)),
         ]
-        procs.append(subprocess.Popen(cmd, env=env))
+        # Each rank's stderr goes to its log (a killed peer's gloo errors are noise on
+        # the console); failures quote its tail.
+        with open(out / f"rank{r}.stderr.log", "ab") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stderr=log))
     return procs
 
 
@@ -163,7 +166,13 @@ def run_job(
         if codes != [0] * world:
             if allow_failure:
                 return result
-            raise AssertionError(f"ranks exited with {codes}")
+            tails = "".join(
+                f"\n--- rank {r} ({out / f'rank{r}.stderr.log'}), last lines:\n"
+                + "\n".join((out / f"rank{r}.stderr.log").read_text().splitlines()[-15:])
+                for r, c in enumerate(codes)
+                if c != 0
+            )
+            raise AssertionError(f"ranks exited with {codes}{tails}")
         for r in range(world):
             seen: dict[int, str] = {}
             for line in (out / f"rank{r}.losses.jsonl").read_text().splitlines():
