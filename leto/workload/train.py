@@ -38,12 +38,12 @@ import torch.distributed as dist
 from faultkit.hooks import point
 from leto.memory.client import PoolClient
 from leto.memory.config import ENV_POOL_TOKEN
-from leto.update.marker import MarkerState, Phase
-from leto.update.rmu import Updater, UpdaterConfig, decide
+from leto.runtime.retained import RetainedTraining
+from leto.update.rmu import UpdaterConfig
 from leto.update.schedule import WarmupCosine
 from leto.workload.corpus import batch
 from leto.workload.gpt import GPT, GPTConfig, init_weights
-from verifiers import EVENT_RECOVERED, Recorder
+from verifiers import EVENT_RECOVERED
 
 
 @dataclass(frozen=True)
@@ -76,78 +76,49 @@ class TrainConfig:
 
 
 class RankTrainer:
+    """The example job's model, data and forward/backward around ``RetainedTraining``."""
+
     def __init__(self, rank: int, world: int, cfg: TrainConfig, client: PoolClient, out: Path):
         self.rank, self.world, self.cfg, self.out = rank, world, cfg, out
         torch.use_deterministic_algorithms(True)
         with torch.device("meta"):
             model = GPT(cfg.gpt()).to(getattr(torch, cfg.dtype))
         self.model = model
-        schedule = WarmupCosine(peak_lr=cfg.peak_lr, total_iters=cfg.iterations)
-        shard = (rank, world) if cfg.zero1 else None
-        self.up = Updater(
-            client, model, schedule, UpdaterConfig(chunk_units=cfg.chunk_units), shard=shard
+        self.job = RetainedTraining(
+            client,
+            model,
+            lambda: init_weights(model, cfg.seed),
+            WarmupCosine(peak_lr=cfg.peak_lr, total_iters=cfg.iterations),
+            rank,
+            world,
+            out,
+            UpdaterConfig(chunk_units=cfg.chunk_units),
+            zero1=cfg.zero1,
+            record=cfg.record,
+            keep_tensors=cfg.keep_tensors,
         )
-        self.client = client
-        self.device = self.up.device
-        self._grad_ptr = next(model.parameters()).grad.data_ptr()
-        self.rec = Recorder(out, rank, keep_tensors=cfg.keep_tensors) if cfg.record else None
+        self.up = self.job.up
+        self.rec = self.job.rec
+        self.device = self.job.device
 
     def resume(self, report: dict) -> int:
-        """Recover this rank, apply the job-wide rule; returns the next iteration."""
-        m = self.up.recover(report)
-        if m is None:
-            self.up.initialize(lambda: init_weights(self.model, self.cfg.seed))
-            m = self.up.marker.state
-        gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, m)
-        action, t = decide(gathered)
-        if action == "finish" and m.next_iteration() == t:
-            self.up.finish(m)
-            self._log(t, self.up.marker.state)
-        elif m.phase is Phase.DONE and m.iteration >= 0:
-            self._log(m.iteration, m)  # a crash between the marker and the log line
-        return t + 1 if action == "finish" else t
+        return self.job.resume(report)
 
     def iteration(self, t: int) -> None:
-        up, cfg = self.up, self.cfg
-        point("gather", t)
-        up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
-        up.begin(t)
+        cfg = self.cfg
+        self.job.begin(t)
         torch.manual_seed(((cfg.seed * 7_919) + t) * 104_729 + self.rank)  # dropout
         x, y = batch(cfg.seed, t, self.rank, cfg.batch_size, cfg.seq_len)
         x, y = x.to(self.device), y.to(self.device)
         point("compute.forward", t)
-        with up.lent_memory():  # activations borrow the updater's buffers (CUDA)
+        with self.job.compute():
             loss = self.model(x, y)
             point("compute.backward", t)
             loss.backward()
-        if next(self.model.parameters()).grad.data_ptr() != self._grad_ptr:
-            raise RuntimeError(
-                "autograd replaced the retained gradient buffer; gradients would not be retained"
-            )
-        point("allreduce", t)
-        dist.all_reduce(up.state.grad)
-        up.state.grad.div_(self.world)
-        up.protect_grads(t, loss=float(loss.detach()))
-        up.sync(t, group=dist.group.WORLD)
-        up.update(t)
-        self._log(t, up.marker.state)
-
-    def _log(self, t: int, m: MarkerState) -> None:
-        with open(self.out / f"rank{self.rank}.losses.jsonl", "a") as f:
-            f.write(json.dumps({"iteration": t, "loss": m.loss.hex()}) + "\n")
-        if self.rec is not None:
-            st = self.up.state
-            self.rec.record(t, m.loss, {k: v[: st.local_valid] for k, v in st.flat.items()})
+        self.job.step(t, loss)
 
     def save_state(self) -> None:
-        """Full parameters, and this rank's (shard of the) optimizer state."""
-        st = self.up.state
-        st.gather()
-        state = {k: v[: st.local_valid].clone().cpu() for k, v in st.flat.items() if k != "param"}
-        state["param"] = st.param_full[: st.numel].clone().cpu()
-        state["shard_start"] = torch.tensor([st.shard_start])
-        torch.save(state, self.out / f"rank{self.rank}.state.pt")
+        self.job.save_state()
 
 
 def seconds_since_process_start() -> float:

@@ -1,0 +1,108 @@
+"""Retained training state of one rank: the updater, the job-wide resume rule and the
+per-iteration plumbing around the user's forward and backward.
+
+Runs in the trainer (an active trainer, or a promoted shadow). One object per rank:
+``resume`` recovers the pool's state and agrees with every other rank on where to
+continue (finish the interrupted update, or redo the interrupted iteration);
+``compute`` wraps forward and backward (the updater's buffers hold activations);
+``step`` all-reduces the retained gradients, protects them, synchronizes and runs the
+resumable update, then logs the loss and the verifiers trace.
+
+Not covered: gradient accumulation over micro-batches, tensor/pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from faultkit.hooks import point
+from leto.memory.client import PoolClient
+from leto.update.marker import MarkerState, Phase
+from leto.update.rmu import Updater, UpdaterConfig, decide
+from leto.update.schedule import WarmupCosine
+from verifiers import Recorder
+
+
+class RetainedTraining:
+    def __init__(
+        self,
+        client: PoolClient,
+        model: torch.nn.Module,
+        init_fn,
+        schedule: WarmupCosine,
+        rank: int,
+        world: int,
+        out: Path,
+        updater: UpdaterConfig | None = None,
+        zero1: bool = False,
+        record: bool = True,
+        keep_tensors: bool = False,
+    ):
+        """``model`` may live on the meta device: its parameters become views of pool
+        memory. ``init_fn()`` initializes them on a fresh pool (first start only)."""
+        self.rank, self.world, self.out = rank, world, Path(out)
+        self.model = model
+        self.init_fn = init_fn
+        shard = (rank, world) if zero1 else None
+        self.up = Updater(client, model, schedule, updater or UpdaterConfig(), shard=shard)
+        self.device = self.up.device
+        self._grad_ptr = next(model.parameters()).grad.data_ptr()
+        self.rec = Recorder(self.out, rank, keep_tensors=keep_tensors) if record else None
+
+    def resume(self, report: dict) -> int:
+        """Recover this rank, apply the job-wide rule; returns the next iteration."""
+        m = self.up.recover(report)
+        if m is None:
+            self.up.initialize(self.init_fn)
+            m = self.up.marker.state
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, m)
+        action, t = decide(gathered)
+        if action == "finish" and m.next_iteration() == t:
+            self.up.finish(m)
+            self._log(t, self.up.marker.state)
+        elif m.phase is Phase.DONE and m.iteration >= 0:
+            self._log(m.iteration, m)  # a crash between the marker and the log line
+        return t + 1 if action == "finish" else t
+
+    def begin(self, t: int) -> None:
+        point("gather", t)
+        self.up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
+        self.up.begin(t)
+
+    def compute(self):
+        """Context for forward and backward (activations borrow the updater's buffers)."""
+        return self.up.lent_memory()
+
+    def step(self, t: int, loss: torch.Tensor) -> None:
+        if next(self.model.parameters()).grad.data_ptr() != self._grad_ptr:
+            raise RuntimeError(
+                "autograd replaced the retained gradient buffer; gradients would not be retained"
+            )
+        point("allreduce", t)
+        dist.all_reduce(self.up.state.grad)
+        self.up.state.grad.div_(self.world)
+        self.up.protect_grads(t, loss=float(loss.detach()))
+        self.up.sync(t, group=dist.group.WORLD)
+        self.up.update(t)
+        self._log(t, self.up.marker.state)
+
+    def _log(self, t: int, m: MarkerState) -> None:
+        with open(self.out / f"rank{self.rank}.losses.jsonl", "a") as f:
+            f.write(json.dumps({"iteration": t, "loss": m.loss.hex()}) + "\n")
+        if self.rec is not None:
+            st = self.up.state
+            self.rec.record(t, m.loss, {k: v[: st.local_valid] for k, v in st.flat.items()})
+
+    def save_state(self) -> None:
+        """Full parameters, and this rank's (shard of the) optimizer state."""
+        st = self.up.state
+        st.gather()
+        state = {k: v[: st.local_valid].clone().cpu() for k, v in st.flat.items() if k != "param"}
+        state["param"] = st.param_full[: st.numel].clone().cpu()
+        state["shard_start"] = torch.tensor([st.shard_start])
+        torch.save(state, self.out / f"rank{self.rank}.state.pt")
