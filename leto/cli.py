@@ -4,6 +4,7 @@ frozen config or a module's public function, one flag to one field.
     leto info            what this machine offers Leto: torch, devices, codec kernels
     leto pool status     allocations, pages, groups, failed and rebuilt pages of a pool
     leto sim ...         ETTR model and failure simulator (docs/sim.md)
+    leto run ...         launch a script like torchrun, with shadows and in-place recovery
 """
 
 from __future__ import annotations
@@ -126,6 +127,50 @@ def cmd_pool_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from leto.runtime.agent import Agent
+    from leto.runtime.config import RunConfig
+
+    try:
+        cfg = RunConfig(
+            nnodes=args.nnodes,
+            nproc_per_node=args.nproc_per_node,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            device=args.device,
+            shadow_level=args.shadow_level,
+            page_bytes=args.page_bytes,
+            data_pages=args.data_pages,
+            tier1_pages=args.tier1_pages,
+            allow_fault_injection=args.allow_fault_injection,
+            timeout_s=args.timeout_s,
+            log_dir=args.log_dir,
+        )
+    except ValueError as e:
+        print(f"leto run: {e}", file=sys.stderr)
+        return 2
+    agent = Agent(cfg, [args.script, *args.script_args])
+    code = agent.run()
+    summary = json.loads((Path(cfg.log_dir) / f"node{cfg.node_rank}.recovery.json").read_text())
+    if args.json:
+        print(json.dumps(summary))
+        return code
+    t = Table(title=f"leto run: {summary['failures']} failure(s), shadows {cfg.level()}")
+    for col in ("generation", "failed ranks", "fencing", "promotion", "recovery (to training)"):
+        t.add_column(col)
+    for r in summary["recoveries"]:
+        t.add_row(
+            str(r["generation"]),
+            str(r.get("failed_ranks", "?")),
+            f"{r['fencing_s'] * 1e3:.0f} ms",
+            f"{r['promotion_s'] * 1e3:.0f} ms",
+            f"{r['recovery_s']:.2f} s" if "recovery_s" in r else "-",
+        )
+    Console().print(t)
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="leto", description="Leto: in-place recovery for PyTorch training"
@@ -149,6 +194,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=10.0, help="give up after this many seconds")
     p.set_defaults(fn=cmd_pool_status)
     register_sim(sub)
+    p = sub.add_parser(
+        "run",
+        help="launch a training script like torchrun, with state managers, shadow trainers "
+        "and in-place recovery",
+    )
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks (trainers) per node")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (job store)")
+    p.add_argument("--master-port", type=int, default=29500, help="the job store's port")
+    p.add_argument("--device", default="cpu", help="cpu (gloo, memfd pool) or cuda (NCCL, VMM)")
+    p.add_argument(
+        "--shadow-level",
+        default="L2",
+        help="auto, L1, L2, L3, or off (a failed rank restarts cold, as with torchrun)",
+    )
+    p.add_argument("--log-dir", default="leto-run", help="per-rank logs and recovery records")
+    p.add_argument("--page-bytes", type=int, default=0, help="pool page size (0: device default)")
+    p.add_argument("--data-pages", type=int, default=1024, help="pages per protection group (D)")
+    p.add_argument("--tier1-pages", type=int, default=16, help="tier-1 parity pages per group")
+    p.add_argument(
+        "--allow-fault-injection", action="store_true", help="let faultkit lose pool pages"
+    )
+    p.add_argument("--timeout-s", type=float, default=120.0, help="every wait, in seconds")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    p.set_defaults(fn=cmd_run)
     return ap
 
 

@@ -1,0 +1,186 @@
+"""The node agent: what ``leto run`` runs on each node.
+
+Runs in the agent process. Starts the job store (node 0) and one cell per local rank,
+then monitors: every ``poll_s`` it polls its trainers (a death is seen within that
+bound) and the store's failure counter of the current generation (a death on another
+node). On a failure every agent fences its active trainers, waits until every node has
+fenced, and promotes its shadows together into the next generation (or, with shadows
+off, starts trainers cold as torchrun would); then it starts the next shadows. A
+trainer that exits with ``EXIT_FATAL`` reports a fatal failure (its retained state is
+beyond parity): the job stops and says so.
+
+Not covered yet (runtime issue): hang detection by heartbeats, checkpoint fallback for
+fatal failures, restarting a dead L3 shadow (its generation's process group would need
+re-forming), failures that strike during a recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from leto.memory.config import PoolConfig
+from leto.runtime import store as job_store
+from leto.runtime.cell import Cell
+from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
+
+EXIT_FATAL = 13  # a trainer's retained state cannot be restored: checkpoint needed
+
+
+class Agent:
+    def __init__(self, cfg: RunConfig, command: list[str]):
+        self.cfg, self.command = cfg, command
+        self.level = cfg.level()
+        self.faults = json.loads(os.environ.get(ENV_FAULT_PLAN, "[]"))
+        self.records: list[dict] = []
+        self.shadow_restarts = 0
+
+    def _fault(self, generation: int, rank: int) -> dict | None:
+        for f in self.faults:
+            if f["generation"] == generation and f["rank"] == rank:
+                return f
+        return None
+
+    def _pool(self, local_rank: int) -> PoolConfig:
+        c = self.cfg
+        kw = dict(
+            device="cpu" if c.device == "cpu" else f"cuda:{local_rank}",
+            data_pages=c.data_pages,
+            tier1_pages=c.tier1_pages,
+            allow_fault_injection=c.allow_fault_injection,
+        )
+        if c.page_bytes:
+            kw["page_bytes"] = c.page_bytes
+        return PoolConfig(**kw)
+
+    def run(self) -> int:
+        c = self.cfg
+        store = job_store.connect(c.master_addr, c.master_port, c.node_rank == 0, c.timeout_s)
+        self.store = store
+        store.add("leto/agents", 1)
+        job_store.wait_count(store, "leto/agents", c.nnodes, c.timeout_s, "every node's agent")
+        first = c.node_rank * c.nproc_per_node
+        cells = [
+            Cell(c, lr, first + lr, self.command, self._pool(lr)) for lr in range(c.nproc_per_node)
+        ]
+        self.cells = cells
+        gen = 0
+        code = 0
+        try:
+            for cell in cells:
+                cell.start_active(0, self._fault(0, cell.rank))
+            if self.level != "off":
+                for cell in cells:
+                    cell.start_shadow(1, self.level)
+            reported = False
+            while True:
+                time.sleep(c.poll_s)
+                dead = [(cl, cl.active.poll()) for cl in cells if cl.active.poll() not in (None, 0)]
+                if dead and not reported:
+                    reported = True
+                    self._detected = time.time()
+                    for cl, rc in dead:
+                        store.set(f"leto/gen{gen}/failure/rank{cl.rank}", json.dumps({"code": rc}))
+                    store.add(f"leto/gen{gen}/failures", 1)
+                if any(rc == EXIT_FATAL for _, rc in dead):
+                    store.add(f"leto/gen{gen}/fatal", 1)
+                if job_store.counter(store, f"leto/gen{gen}/fatal"):
+                    print(
+                        f"leto run: fatal failure in generation {gen}: a rank's retained state is "
+                        "beyond what parity covers; the checkpoint fallback is not built yet",
+                        flush=True,
+                    )
+                    code = EXIT_FATAL
+                    break
+                if job_store.counter(store, f"leto/gen{gen}/failures"):
+                    if not reported:
+                        self._detected = time.time()
+                    if len(self.records) >= c.max_failures:
+                        code = 1
+                        break
+                    self._recover(gen)
+                    gen += 1
+                    reported = False
+                    continue
+                for cl in cells:  # a parked shadow that died is replaced (L1/L2)
+                    if cl.shadow is not None and cl.shadow.poll() is not None:
+                        self.shadow_restarts += 1
+                        cl.start_shadow(cl.shadow_generation, self.level)
+                if all(cl.active.poll() == 0 for cl in cells):
+                    store.add("leto/done", 1)
+                    job_store.wait_count(store, "leto/done", c.nnodes, c.timeout_s, "every node")
+                    break
+        finally:
+            for cl in cells:
+                cl.stop()
+            self._collect(gen)
+            Path(c.log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(c.log_dir) / f"node{c.node_rank}.recovery.json").write_text(
+                json.dumps(self.summary(gen), indent=2)
+            )
+        return code
+
+    def _recover(self, gen: int) -> None:
+        c, store = self.cfg, self.store
+        t0 = time.time()
+        for cl in self.cells:
+            cl.fence()
+        t_fenced = time.time()
+        store.add(f"leto/gen{gen}/fenced", 1)
+        job_store.wait_count(
+            store, f"leto/gen{gen}/fenced", c.nnodes, c.timeout_s, "every node to fence"
+        )
+        new = gen + 1
+        if self.level == "off":
+            for cl in self.cells:
+                cl.start_active(new, self._fault(new, cl.rank))
+        else:
+            for cl in self.cells:
+                if cl.shadow is None or cl.shadow.poll() is not None:
+                    cl.start_shadow(new, self.level)  # none ready: promote a fresh one
+                cl.promote(self._fault(new, cl.rank))
+            for cl in self.cells:
+                cl.start_shadow(new + 1, self.level)
+        t_promoted = time.time()
+        self.records.append(
+            {
+                "generation": gen,
+                "detected_at": self._detected,
+                "fencing_s": t_fenced - t0,
+                "all_nodes_fenced_s": time.time() - t0,
+                "promotion_s": t_promoted - t0,
+                "level": self.level,
+                "local_ranks": [cl.rank for cl in self.cells],
+            }
+        )
+
+    def _collect(self, last_gen: int) -> None:
+        """Trainer-side timings of each recovery, as the promoted trainers reported."""
+        for rec in self.records:
+            g = rec["generation"] + 1
+            ranks = {}
+            for r in rec["local_ranks"]:
+                key = f"leto/gen{g}/rank{r}/resumed"
+                if self.store.check([key]):
+                    ranks[r] = json.loads(self.store.get(key))
+            failed = [
+                r
+                for r in range(self.cfg.world_size)
+                if self.store.check([f"leto/gen{rec['generation']}/failure/rank{r}"])
+            ]
+            rec["failed_ranks"] = failed
+            rec["trainers"] = ranks
+            if ranks:
+                rec["recovery_s"] = max(v["time"] for v in ranks.values()) - rec["detected_at"]
+
+    def summary(self, last_gen: int) -> dict:
+        return {
+            "config": asdict(self.cfg),
+            "generations": last_gen + 1,
+            "failures": len(self.records),
+            "shadow_restarts": self.shadow_restarts,
+            "recoveries": self.records,
+        }

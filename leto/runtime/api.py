@@ -1,0 +1,165 @@
+"""``leto.init()``: what a training script calls first under ``leto run``.
+
+Runs in a trainer process. An active trainer initializes at once; a shadow trainer
+initializes up to its level and parks here until its agent promotes it:
+
+* L1 — process started, torch imported, the script loaded up to this call;
+* L2 — + the device runtime (CUDA context and cuBLAS handles on a GPU) and the user's
+  ``prepare()`` (e.g. the model skeleton on the meta device);
+* L3 — + its process group, formed with the other ranks' shadows of its generation.
+
+On promotion it completes what its level deferred, connects to its rank's pool (taking
+it over: the state manager fences any trainer still holding it), localizes lost pages
+and returns. The caller then retains its model (``RetainedTraining``) and resumes.
+
+Not covered: elastic world sizes (a generation has the same ranks as the last).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from leto.errors import InvalidInput
+from leto.memory.client import PoolClient
+from leto.memory.config import ENV_POOL_TOKEN
+from leto.runtime import store as job_store
+from leto.runtime.config import (
+    ENV_DEVICE,
+    ENV_GENERATION,
+    ENV_POOL_SOCKET,
+    ENV_PROMOTE_FD,
+    ENV_ROLE,
+    ENV_SHADOW_LEVEL,
+    ENV_TIMEOUT_S,
+)
+
+
+@dataclass
+class Context:
+    role: str  # "active" (started as the trainer) or "promoted" (was a shadow)
+    rank: int
+    world_size: int
+    local_rank: int
+    generation: int
+    level: str
+    device: torch.device
+    pool: PoolClient
+    report: dict  # the pool's localization report (lost pages, pending rebuilds)
+    prepared: object = None
+    timings: dict = field(default_factory=dict)
+    store: dist.Store | None = None
+
+    def resumed(self, next_iteration: int, **timings: float) -> None:
+        """Tell the agent this rank trains again (the recovery record's last step)."""
+        rec = {**self.timings, **timings, "next_iteration": next_iteration, "time": time.time()}
+        rec["role"] = self.role
+        key = f"leto/gen{self.generation}/rank{self.rank}/resumed"
+        self.store.set(key, json.dumps(rec))
+
+
+def _warm_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        a = torch.ones(8, 8, device=device)
+        (a @ a).sum().item()  # context and cuBLAS handle
+
+
+def _park(fd: int, timeout_s: float) -> dict:
+    """Block until the agent writes one JSON line; EOF means the agent no longer wants
+    this shadow (it stopped, or the job ended): exit quietly."""
+    with os.fdopen(fd, "r") as f:
+        line = f.readline()
+    if not line:
+        sys.exit(0)
+    return json.loads(line)
+
+
+def init(prepare=None) -> Context:
+    role = os.environ.get(ENV_ROLE)
+    if role not in ("active", "shadow"):
+        raise InvalidInput(
+            f"leto.init() must run under `leto run` ({ENV_ROLE} is {role!r}); "
+            "start the script with: leto run --nproc-per-node N script.py"
+        )
+    t0 = time.time()
+    timeout_s = float(os.environ.get(ENV_TIMEOUT_S, "120"))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    generation = int(os.environ[ENV_GENERATION])
+    level = os.environ.get(ENV_SHADOW_LEVEL, "off")
+    dev_kind = os.environ.get(ENV_DEVICE, "cpu")
+    if dev_kind == "cuda":
+        # Deterministic cuBLAS needs its workspace fixed before the first handle.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = job_store.connect(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), False, timeout_s
+    )
+    done: set[str] = set()
+    prepared = None
+
+    def step(name: str) -> None:
+        nonlocal prepared
+        if name == "device":
+            _warm_device(device)
+        elif name == "prepare":
+            prepared = prepare() if prepare is not None else None
+        elif name == "pg":
+            dist.init_process_group(
+                backend,
+                store=job_store.pg_store(store, generation),
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        done.add(name)
+
+    order = ("device", "prepare", "pg")
+    timings: dict[str, float] = {}
+    if role == "shadow":
+        ahead = {"L1": 0, "L2": 2, "L3": 3}[level]
+        for name in order[:ahead]:
+            step(name)
+        timings["parked_after_s"] = time.time() - t0
+        msg = _park(int(os.environ[ENV_PROMOTE_FD]), timeout_s)
+        timings["promoted_at"] = time.time()
+        if msg.get("fault_at"):
+            from faultkit.hooks import arm, parse
+
+            arm(*parse(msg["fault_at"]), mode=msg.get("fault_mode", "kill"))
+    t_deferred = time.time()
+    for name in order:
+        if name not in done:
+            step(name)
+    timings["deferred_init_s"] = time.time() - t_deferred
+    t_pool = time.time()
+    client = PoolClient.connect(
+        os.environ[ENV_POOL_SOCKET], os.environ[ENV_POOL_TOKEN], takeover=True, timeout_s=timeout_s
+    )
+    report = client.localize()
+    timings["attach_localize_s"] = time.time() - t_pool
+    return Context(
+        role="promoted" if role == "shadow" else "active",
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        generation=generation,
+        level=level,
+        device=device,
+        pool=client,
+        report=report,
+        prepared=prepared,
+        timings=timings,
+        store=store,
+    )

@@ -1,0 +1,146 @@
+"""One rank's cell: its state manager, its active trainer and its parked shadow.
+
+Runs in the agent. The state manager lives as long as the job (it holds the rank's
+retained state across trainer deaths); trainers come and go: an active trainer is
+fenced (SIGKILL, waited for) before its successor may touch the pool, and a shadow is
+promoted by one JSON line on its pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from leto.memory.config import ENV_POOL_TOKEN, PoolConfig
+from leto.memory.launch import start_state_manager
+from leto.runtime.config import (
+    ENV_DEVICE,
+    ENV_GENERATION,
+    ENV_POOL_SOCKET,
+    ENV_PROMOTE_FD,
+    ENV_ROLE,
+    ENV_SHADOW_LEVEL,
+    ENV_TIMEOUT_S,
+    RunConfig,
+)
+
+
+class Cell:
+    def __init__(
+        self, cfg: RunConfig, local_rank: int, rank: int, command: list[str], pool: PoolConfig
+    ):
+        self.cfg, self.local_rank, self.rank, self.command = cfg, local_rank, rank, command
+        self.sm = start_state_manager(pool)
+        self.active: subprocess.Popen | None = None
+        self.active_generation = -1
+        self.shadow: subprocess.Popen | None = None
+        self.shadow_generation = -1
+        self._shadow_pipe: int | None = None
+        self.log_dir = Path(cfg.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def _env(self, role: str, generation: int, level: str) -> dict:
+        cfg = self.cfg
+        env = dict(os.environ)
+        env.update(
+            {
+                "RANK": str(self.rank),
+                "WORLD_SIZE": str(cfg.world_size),
+                "LOCAL_RANK": str(self.local_rank),
+                "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+                "GROUP_RANK": str(cfg.node_rank),
+                "MASTER_ADDR": cfg.master_addr,
+                "MASTER_PORT": str(cfg.master_port),
+                ENV_ROLE: role,
+                ENV_GENERATION: str(generation),
+                ENV_SHADOW_LEVEL: level,
+                ENV_POOL_SOCKET: str(self.sm.socket_path),
+                ENV_POOL_TOKEN: self.sm.token,
+                ENV_DEVICE: cfg.device,
+                ENV_TIMEOUT_S: str(cfg.timeout_s),
+            }
+        )
+        for k in ("LETO_FAULT_AT", "LETO_FAULT_MODE"):
+            env.pop(k, None)
+        return env
+
+    def _log(self, generation: int, role: str):
+        return open(self.log_dir / f"rank{self.rank}.gen{generation}.{role}.log", "ab")
+
+    def start_active(self, generation: int, fault: dict | None = None) -> None:
+        """A cold start (the first generation, or shadows off)."""
+        env = self._env("active", generation, "off")
+        if fault:
+            env["LETO_FAULT_AT"], env["LETO_FAULT_MODE"] = fault["at"], fault.get("mode", "kill")
+        with self._log(generation, "active") as log:
+            self.active = subprocess.Popen(
+                [sys.executable, *self.command], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.active_generation = generation
+
+    def start_shadow(self, generation: int, level: str) -> None:
+        r, w = os.pipe()
+        env = self._env("shadow", generation, level)
+        env[ENV_PROMOTE_FD] = str(r)
+        with self._log(generation, "shadow") as log:
+            self.shadow = subprocess.Popen(
+                [sys.executable, *self.command],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(r,),
+            )
+        os.close(r)
+        self._shadow_pipe = w
+        self.shadow_generation = generation
+
+    def promote(self, fault: dict | None = None) -> None:
+        """The parked shadow becomes the active trainer (after ``fence``)."""
+        if self.shadow is None or self.shadow.poll() is not None:
+            raise RuntimeError(f"rank {self.rank} has no live shadow to promote")
+        msg = {"generation": self.shadow_generation}
+        if fault:
+            msg.update(fault_at=fault["at"], fault_mode=fault.get("mode", "kill"))
+        os.write(self._shadow_pipe, (json.dumps(msg) + "\n").encode())
+        os.close(self._shadow_pipe)
+        self._shadow_pipe = None
+        self.active, self.active_generation = self.shadow, self.shadow_generation
+        self.shadow = None
+
+    def fence(self) -> None:
+        """Kill the active trainer and wait until it is gone: two trainers must never
+        write one pool."""
+        p = self.active
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=self.cfg.timeout_s)
+
+    def drop_shadow(self) -> None:
+        if self._shadow_pipe is not None:
+            os.close(self._shadow_pipe)  # EOF: a parked shadow exits by itself
+            self._shadow_pipe = None
+        if self.shadow is not None:
+            try:
+                self.shadow.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.shadow.kill()
+                self.shadow.wait(timeout=self.cfg.timeout_s)
+            self.shadow = None
+
+    def stop(self) -> None:
+        self.fence()
+        self.drop_shadow()
+        self.sm.stop()
+
+    def wait_active(self, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while self.active.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank} did not exit within {timeout_s} s")
+            time.sleep(0.01)
+        return self.active.returncode

@@ -1,0 +1,56 @@
+"""``leto run``'s configuration and the environment it gives trainers.
+
+Runs in the agent (``RunConfig``) and in trainers (the ``ENV_*`` names). The
+torchrun variables keep their names (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENV_ROLE = "LETO_ROLE"  # "active" or "shadow"
+ENV_GENERATION = "LETO_GENERATION"  # the recovery generation this trainer serves
+ENV_SHADOW_LEVEL = "LETO_SHADOW_LEVEL"  # L1, L2, L3
+ENV_PROMOTE_FD = "LETO_PROMOTE_FD"  # a shadow's pipe: one JSON line promotes it
+ENV_POOL_SOCKET = "LETO_POOL_SOCKET"  # this rank's state manager
+ENV_DEVICE = "LETO_DEVICE"  # cpu or cuda
+ENV_FAULT_PLAN = "LETO_FAULT_PLAN"  # faultkit: JSON list of {generation, rank, at, mode}
+ENV_TIMEOUT_S = "LETO_TIMEOUT_S"
+
+LEVELS = ("off", "L1", "L2", "L3")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    device: str = "cpu"  # cpu (gloo, memfd pool) or cuda (NCCL, VMM pool)
+    shadow_level: str = "L2"  # off: a failed rank restarts cold, like torchrun
+    page_bytes: int = 0  # 0: the pool's default for the device
+    data_pages: int = 1024
+    tier1_pages: int = 16
+    allow_fault_injection: bool = False
+    poll_s: float = 0.02  # death detection latency bound
+    timeout_s: float = 120.0  # every wait on the store and on other processes
+    log_dir: str = "leto-run"  # per-rank logs and the recovery records
+    max_failures: int = 100
+
+    def __post_init__(self) -> None:
+        if self.shadow_level not in LEVELS and self.shadow_level != "auto":
+            raise ValueError(f"--shadow-level {self.shadow_level!r}: use auto, off, L1, L2 or L3")
+        if self.nnodes < 1 or self.nproc_per_node < 1:
+            raise ValueError("--nnodes and --nproc-per-node must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def level(self) -> str:
+        """``auto``: the highest level (issue 8's controller lowers it under memory
+        pressure)."""
+        return "L3" if self.shadow_level == "auto" else self.shadow_level

@@ -1,0 +1,43 @@
+"""The job store: torch.distributed's TCPStore, the only channel between node agents
+and the trainers' process groups. Keys live under ``leto/``; per recovery generation
+under ``leto/gen{g}/``.
+
+Runs in agents (node 0's agent hosts the server) and in trainers (clients).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def connect(addr: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(
+        addr,
+        port,
+        is_master=is_master,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        use_libuv=True,
+    )
+
+
+def counter(store: dist.Store, key: str) -> int:
+    return int(store.add(key, 0))
+
+
+def wait_count(store: dist.Store, key: str, n: int, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while counter(store, key) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"waited {timeout_s:.0f} s for {what}: {counter(store, key)} of {n} ({key})"
+            )
+        time.sleep(0.01)
+
+
+def pg_store(store: dist.Store, generation: int) -> dist.PrefixStore:
+    """Where generation ``generation``'s trainers form their process group."""
+    return dist.PrefixStore(f"leto/gen{generation}/pg/", store)
