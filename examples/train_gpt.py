@@ -60,6 +60,7 @@ def main() -> int:
             ctx.world_size,
             out,
             UpdaterConfig(chunk_units=2),
+            heartbeat=ctx.heartbeat,
         )
         t = job.resume(ctx.report)
         ctx.resumed(t, resume_s=time.time() - t_resume)

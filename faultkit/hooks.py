@@ -22,7 +22,7 @@ import signal
 
 ENV_FAULT_AT = "LETO_FAULT_AT"
 ENV_FAULT_MODE = "LETO_FAULT_MODE"  # kill (default) or copy-corrupt
-MODES = ("raise", "kill", "copy-corrupt")
+MODES = ("raise", "kill", "copy-corrupt", "hang")
 
 # Every named point, in the order an iteration reaches them. The updater's points fire
 # once per gradient group (grad_parity), per protection group (update.load/store/tier2)
@@ -111,6 +111,9 @@ def point(name: str, iteration: int, dest=None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)  # stopped, not dead: only a monitor notices
+        return
     raise InjectedCrash(f"injected crash at {name}@{iteration}#{nth}")
 
 

@@ -145,6 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             tier1_pages=args.tier1_pages,
             allow_fault_injection=args.allow_fault_injection,
             timeout_s=args.timeout_s,
+            hang_timeout_s=args.hang_timeout_s,
             log_dir=args.log_dir,
         )
     except ValueError as e:
@@ -218,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-fault-injection", action="store_true", help="let faultkit lose pool pages"
     )
     p.add_argument("--timeout-s", type=float, default=120.0, help="every wait, in seconds")
+    p.add_argument(
+        "--hang-timeout-s", type=float, default=60.0, help="a stalled heartbeat this long is a hang"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")

@@ -32,6 +32,7 @@ def leto_run(
     nproc: int = 2,
     port: int | None = None,
     wait: bool = True,
+    extra: tuple[str, ...] = (),
 ):
     port = port or free_port()
     env = dict(os.environ, LETO_FAULT_PLAN=json.dumps(list(faults)))
@@ -43,7 +44,7 @@ def leto_run(
             sys.executable, "-m", "leto.cli", "run", "--json",
             "--nnodes", str(nnodes), "--node-rank", str(node), "--nproc-per-node", str(nproc),
             "--master-port", str(port), "--shadow-level", level, "--log-dir", str(d / "logs"),
-            "--timeout-s", "60", *POOL_FLAGS,
+            "--timeout-s", "60", *POOL_FLAGS, *extra,
             str(REPO / "examples" / "train_gpt.py"), "--iterations", str(ITERS),
             "--out", str(work / "out"),
         ]  # fmt: skip
@@ -126,5 +127,18 @@ def test_a_shadow_that_dies_while_parked_is_replaced(reference, tmp_path):
     os.kill(pids[0], signal.SIGKILL)
     (summary,) = finish([p])
     assert summary["shadow_restarts"] >= 1, summary
+    v = compare(reference, tmp_path / "out")
+    assert v.exact, v.describe()
+
+
+def test_a_hung_trainer_is_detected_by_its_heartbeat_and_recovered(reference, tmp_path):
+    faults = [{"generation": 0, "rank": 1, "at": "update.optimizer@2#1", "mode": "hang"}]
+    t0 = time.monotonic()
+    (summary,) = leto_run(tmp_path, "L2", faults, extra=("--hang-timeout-s", "3"))
+    took = time.monotonic() - t0
+    assert summary["failures"] == 1 and summary["recoveries"][0]["failed_ranks"] == [1], summary
+    assert took < 60, (
+        f"the hang took {took:.0f} s to clear: the collective timeout, not the monitor"
+    )
     v = compare(reference, tmp_path / "out")
     assert v.exact, v.describe()

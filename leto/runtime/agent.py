@@ -9,7 +9,10 @@ off, starts trainers cold as torchrun would); then it starts the next shadows. A
 trainer that exits with ``EXIT_FATAL`` reports a fatal failure (its retained state is
 beyond parity): the job stops and says so.
 
-Not covered yet (runtime issue): hang detection by heartbeats, checkpoint fallback for
+Hangs: a trainer's heartbeat (``Context.heartbeat``, once per iteration) that stalls
+for ``hang_timeout_s`` is a failure like a death (fencing SIGKILLs a stopped process).
+
+Not covered yet (runtime issue): checkpoint fallback for
 fatal failures, restarting a dead L3 shadow (its generation's process group would need
 re-forming), failures that strike during a recovery.
 """
@@ -37,6 +40,7 @@ class Agent:
         self.faults = json.loads(os.environ.get(ENV_FAULT_PLAN, "[]"))
         self.records: list[dict] = []
         self.shadow_restarts = 0
+        self._beats: dict[int, tuple] = {}
 
     def _fault(self, generation: int, rank: int) -> dict | None:
         for f in self.faults:
@@ -79,11 +83,13 @@ class Agent:
             while True:
                 time.sleep(c.poll_s)
                 dead = [(cl, cl.active.poll()) for cl in cells if cl.active.poll() not in (None, 0)]
+                dead += [(cl, "hang") for cl in self._hung(gen)]
                 if dead and not reported:
                     reported = True
                     self._detected = time.time()
                     for cl, rc in dead:
-                        store.set(f"leto/gen{gen}/failure/rank{cl.rank}", json.dumps({"code": rc}))
+                        why = {"hang": True} if rc == "hang" else {"code": rc}
+                        store.set(f"leto/gen{gen}/failure/rank{cl.rank}", json.dumps(why))
                     store.add(f"leto/gen{gen}/failures", 1)
                 if any(rc == EXIT_FATAL for _, rc in dead):
                     store.add(f"leto/gen{gen}/fatal", 1)
@@ -122,6 +128,24 @@ class Agent:
                 json.dumps(self.summary(gen), indent=2)
             )
         return code
+
+    def _hung(self, gen: int) -> list[Cell]:
+        """Cells whose live trainer's heartbeat has not moved for hang_timeout_s (before
+        its first beat: for timeout_s, which covers start-up and recovery)."""
+        now, hung = time.monotonic(), []
+        for cl in self.cells:
+            if cl.active.poll() is not None:
+                continue
+            key = f"leto/gen{gen}/rank{cl.rank}/beat"
+            beat = self.store.get(key) if self.store.check([key]) else None
+            last = self._beats.get(cl.rank)
+            if last is None or last[0] != (gen, beat):
+                self._beats[cl.rank] = ((gen, beat), now)
+                continue
+            limit = self.cfg.hang_timeout_s if beat is not None else self.cfg.timeout_s
+            if now - last[1] > limit:
+                hung.append(cl)
+        return hung
 
     def _recover(self, gen: int) -> None:
         c, store = self.cfg, self.store

@@ -57,6 +57,10 @@ class Context:
     timings: dict = field(default_factory=dict)
     store: dist.Store | None = None
 
+    def heartbeat(self, iteration: int) -> None:
+        """Progress for the agent's hang detection (call once per iteration)."""
+        self.store.set(f"leto/gen{self.generation}/rank{self.rank}/beat", str(iteration))
+
     def resumed(self, next_iteration: int, **timings: float) -> None:
         """Tell the agent this rank trains again (the recovery record's last step)."""
         rec = {**self.timings, **timings, "next_iteration": next_iteration, "time": time.time()}

@@ -34,6 +34,7 @@ class RunConfig:
     tier1_pages: int = 16
     allow_fault_injection: bool = False
     poll_s: float = 0.02  # death detection latency bound
+    hang_timeout_s: float = 60.0  # a trainer whose heartbeat stalls this long is hung
     timeout_s: float = 120.0  # every wait on the store and on other processes
     log_dir: str = "leto-run"  # per-rank logs and the recovery records
     max_failures: int = 100

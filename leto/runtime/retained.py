@@ -41,6 +41,7 @@ class RetainedTraining:
         zero1: bool = False,
         record: bool = True,
         keep_tensors: bool = False,
+        heartbeat=None,
     ):
         """``model`` may live on the meta device: its parameters become views of pool
         memory. ``init_fn()`` initializes them on a fresh pool (first start only)."""
@@ -52,6 +53,7 @@ class RetainedTraining:
         self.device = self.up.device
         self._grad_ptr = next(model.parameters()).grad.data_ptr()
         self.rec = Recorder(self.out, rank, keep_tensors=keep_tensors) if record else None
+        self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
 
     def resume(self, report: dict) -> int:
         """Recover this rank, apply the job-wide rule; returns the next iteration."""
@@ -70,6 +72,8 @@ class RetainedTraining:
         return t + 1 if action == "finish" else t
 
     def begin(self, t: int) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat(t)
         point("gather", t)
         self.up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
         self.up.begin(t)
