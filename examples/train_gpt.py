@@ -62,8 +62,9 @@ def main() -> int:
             UpdaterConfig(chunk_units=2),
             heartbeat=ctx.heartbeat,
         )
-        t = job.resume(ctx.report)
+        t = job.resume(ctx.report, checkpoints=ctx.checkpoint_dir)
         ctx.resumed(t, resume_s=time.time() - t_resume)
+        ckpt = ctx.checkpointer()  # insurance against fatal failures only
         while t < args.iterations:
             job.begin(t)
             torch.manual_seed(((args.seed * 7_919) + t) * 104_729 + ctx.rank)  # dropout
@@ -77,7 +78,11 @@ def main() -> int:
                 point("compute.backward", t)
                 loss.backward()
             job.step(t, loss)
+            if ckpt is not None:
+                ckpt.after_iteration(t, job)
             t += 1
+        if ckpt is not None:
+            ckpt.close()
         dist.barrier()
     except FatalFailure as e:
         print(f"rank {ctx.rank}: fatal failure: {e}", file=sys.stderr)

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from faultkit.job import JobFault, run_job
+from faultkit.loss import lose_pages
 from faultkit.schedule import Schedule
 from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
@@ -95,19 +96,8 @@ def _loser(cfg: InjectConfig, lost: dict, pages: int, host_pages: int, salt: int
     rng = random.Random(cfg.seed * 7_919 + salt + 1)
 
     def lose(rank: int, f) -> None:
-        status = f.status()
-        sets = [g for g in status["groups"] if g["kind"] == "set"]
-        for g in sets:
-            slots = [(name, first + i) for name, first, count in g["members"] for i in range(count)]
-            for name, page in rng.sample(slots, min(pages, len(slots))):
-                f.inject_loss("data", name, [page])
-                lost["device"] += 1
-        if sets and host_pages:
-            n = min(host_pages, cfg.tier1_pages)
-            f.inject_loss("tier1", sets[0]["gid"], list(range(n)))
-            lost["host"] += n
-        f.inject_loss("data", "grad", [0])
-        lost["device"] += 1
+        for k, v in lose_pages(f, pages, host_pages, rng).items():
+            lost[k] += v
 
     return lose
 

@@ -146,6 +146,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             allow_fault_injection=args.allow_fault_injection,
             timeout_s=args.timeout_s,
             hang_timeout_s=args.hang_timeout_s,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_interval=args.checkpoint_interval,
+            mttf_s=args.mttf_s,
+            hof_ratio=args.hof_ratio,
             log_dir=args.log_dir,
         )
     except ValueError as e:
@@ -222,6 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hang-timeout-s", type=float, default=60.0, help="a stalled heartbeat this long is a hang"
     )
+    p.add_argument("--checkpoint-dir", default="", help="DCP checkpoints (default: in log-dir)")
+    p.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=0,
+        help="iterations between checkpoints; 0: Young's formula with the FF-only MTTF",
+    )
+    p.add_argument("--mttf-s", type=float, default=3600.0, help="expected MTTF (for Young)")
+    p.add_argument("--hof-ratio", type=float, default=0.5, help="expected HOF fraction")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")

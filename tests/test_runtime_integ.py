@@ -33,6 +33,7 @@ def leto_run(
     port: int | None = None,
     wait: bool = True,
     extra: tuple[str, ...] = (),
+    iters: int = ITERS,
 ):
     port = port or free_port()
     env = dict(os.environ, LETO_FAULT_PLAN=json.dumps(list(faults)))
@@ -45,7 +46,7 @@ def leto_run(
             "--nnodes", str(nnodes), "--node-rank", str(node), "--nproc-per-node", str(nproc),
             "--master-port", str(port), "--shadow-level", level, "--log-dir", str(d / "logs"),
             "--timeout-s", "60", *POOL_FLAGS, *extra,
-            str(REPO / "examples" / "train_gpt.py"), "--iterations", str(ITERS),
+            str(REPO / "examples" / "train_gpt.py"), "--iterations", str(iters),
             "--out", str(work / "out"),
         ]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, cwd=d, stdout=subprocess.PIPE, text=True))
@@ -141,4 +142,50 @@ def test_a_hung_trainer_is_detected_by_its_heartbeat_and_recovered(reference, tm
         f"the hang took {took:.0f} s to clear: the collective timeout, not the monitor"
     )
     v = compare(reference, tmp_path / "out")
+    assert v.exact, v.describe()
+
+
+def test_a_fatal_failure_falls_back_to_the_newest_checkpoint_exactly(reference, tmp_path):
+    """A HOF whose page loss exceeds parity: the promoted trainers cannot rebuild, exit
+    fatal, and every rank restarts cold on a fresh pool from the DCP checkpoint."""
+    faults = [{"generation": 0, "rank": 1, "at": "update.optimizer@3#1", "lose_pages": 5}]
+    extra = ("--allow-fault-injection", "--checkpoint-interval", "2")
+    (summary,) = leto_run(tmp_path, "L2", faults, extra=extra)
+    classes = [r["class"] for r in summary["recoveries"]]
+    assert classes == ["HOF", "FF"], summary["recoveries"]
+    v = compare(reference, tmp_path / "out")
+    assert v.exact, v.describe()
+
+
+def _state_manager_pids(root: Path) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes()
+            cwd = os.readlink(d / "cwd")
+        except OSError:
+            continue
+        if b"leto.memory.state_manager" in cmd and cwd.startswith(str(root)):
+            found.append(int(d.name))
+    return found
+
+
+def test_a_state_manager_that_dies_falls_back_to_the_checkpoint_exactly(tmp_path):
+    iters = 40
+    leto_run(tmp_path / "ref", "off", iters=iters)
+    work = tmp_path / "run"
+    (p,) = leto_run(work, "L1", extra=("--checkpoint-interval", "1"), iters=iters, wait=False)
+    ckpt = work / "node0" / "logs" / "checkpoints" / "it00000001" / ".metadata"
+    deadline = time.monotonic() + 120
+    while not ckpt.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ckpt.exists(), "no complete checkpoint within 120 s"
+    pids = _state_manager_pids(work)
+    assert len(pids) == 2, pids
+    os.kill(pids[0], signal.SIGKILL)
+    (summary,) = finish([p])
+    assert [r["class"] for r in summary["recoveries"]] == ["FF"], summary["recoveries"]
+    v = compare(tmp_path / "ref" / "out", work / "out")
     assert v.exact, v.describe()

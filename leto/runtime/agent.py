@@ -12,8 +12,11 @@ beyond parity): the job stops and says so.
 Hangs: a trainer's heartbeat (``Context.heartbeat``, once per iteration) that stalls
 for ``hang_timeout_s`` is a failure like a death (fencing SIGKILLs a stopped process).
 
-Not covered yet (runtime issue): checkpoint fallback for
-fatal failures, restarting a dead L3 shadow (its generation's process group would need
+A fatal failure (a trainer exits ``EXIT_FATAL``: its retained state is beyond parity;
+or a state manager dies) falls back to checkpoints: every rank restarts cold on a
+fresh pool from the newest complete DCP checkpoint.
+
+Not covered yet (runtime issue): restarting a dead L3 shadow (its generation's process group would need
 re-forming), failures that strike during a recovery.
 """
 
@@ -93,14 +96,24 @@ class Agent:
                     store.add(f"leto/gen{gen}/failures", 1)
                 if any(rc == EXIT_FATAL for _, rc in dead):
                     store.add(f"leto/gen{gen}/fatal", 1)
+                sm_dead = [cl for cl in cells if cl.sm.proc.poll() is not None]
+                if sm_dead and not job_store.counter(store, f"leto/gen{gen}/fatal"):
+                    for cl in sm_dead:
+                        store.set(f"leto/gen{gen}/failure/rank{cl.rank}", '{"state_manager": true}')
+                    store.add(f"leto/gen{gen}/fatal", 1)
+                    store.add(f"leto/gen{gen}/failures", 1)
+                    if not reported:
+                        self._detected, reported = time.time(), True
                 if job_store.counter(store, f"leto/gen{gen}/fatal"):
-                    print(
-                        f"leto run: fatal failure in generation {gen}: a rank's retained state is "
-                        "beyond what parity covers; the checkpoint fallback is not built yet",
-                        flush=True,
-                    )
-                    code = EXIT_FATAL
-                    break
+                    if not reported:
+                        self._detected = time.time()
+                    if len(self.records) >= c.max_failures:
+                        code = EXIT_FATAL
+                        break
+                    self._fallback(gen)
+                    gen += 1
+                    reported = False
+                    continue
                 if job_store.counter(store, f"leto/gen{gen}/failures"):
                     if not reported:
                         self._detected = time.time()
@@ -157,6 +170,7 @@ class Agent:
         job_store.wait_count(
             store, f"leto/gen{gen}/fenced", c.nnodes, c.timeout_s, "every node to fence"
         )
+        self._lose(gen)
         new = gen + 1
         if self.level == "off":
             for cl in self.cells:
@@ -172,11 +186,63 @@ class Agent:
         self.records.append(
             {
                 "generation": gen,
+                "class": "HOF",
                 "detected_at": self._detected,
                 "fencing_s": t_fenced - t0,
                 "all_nodes_fenced_s": time.time() - t0,
                 "promotion_s": t_promoted - t0,
                 "level": self.level,
+                "local_ranks": [cl.rank for cl in self.cells],
+            }
+        )
+
+    def _lose(self, gen: int) -> None:
+        """A fault plan's page losses for this failure, on every local rank's pool, while
+        no trainer runs (faultkit's mechanism: the pools must allow fault injection)."""
+        plan = [f for f in self.faults if f["generation"] == gen]
+        pages = sum(f.get("lose_pages", 0) for f in plan)
+        host = sum(f.get("host_parity_pages", 0) for f in plan)
+        if not (pages or host):
+            return
+        import random
+
+        from faultkit.loss import lose_pages
+        from leto.memory.client import PoolClient
+
+        for cl in self.cells:
+            rng = random.Random(gen * 1_000 + cl.rank)
+            with PoolClient.connect(cl.sm.socket_path, cl.sm.token, role="faultkit") as f:
+                lose_pages(f, pages, host, rng)
+
+    def _fallback(self, gen: int) -> None:
+        """A fatal failure: every rank restarts cold on a fresh pool from the newest
+        complete checkpoint (torchrun-style, but only for FFs)."""
+        c, store = self.cfg, self.store
+        t0 = time.time()
+        for cl in self.cells:
+            cl.fence()
+            cl.drop_shadow()  # its generation's process group (L3) has no future
+        t_fenced = time.time()
+        store.add(f"leto/gen{gen}/fenced", 1)
+        job_store.wait_count(
+            store, f"leto/gen{gen}/fenced", c.nnodes, c.timeout_s, "every node to fence"
+        )
+        for cl in self.cells:
+            cl.reset_pool()
+        new = gen + 1
+        for cl in self.cells:
+            cl.start_active(new, self._fault(new, cl.rank))
+        if self.level != "off":
+            for cl in self.cells:
+                cl.start_shadow(new + 1, self.level)
+        self.records.append(
+            {
+                "generation": gen,
+                "class": "FF",
+                "detected_at": self._detected,
+                "fencing_s": t_fenced - t0,
+                "promotion_s": time.time() - t0,
+                "level": "checkpoint",
                 "local_ranks": [cl.rank for cl in self.cells],
             }
         )

@@ -32,8 +32,12 @@ from leto.memory.client import PoolClient
 from leto.memory.config import ENV_POOL_TOKEN
 from leto.runtime import store as job_store
 from leto.runtime.config import (
+    ENV_CHECKPOINT_DIR,
+    ENV_CHECKPOINT_INTERVAL,
     ENV_DEVICE,
     ENV_GENERATION,
+    ENV_HOF_RATIO,
+    ENV_MTTF_S,
     ENV_POOL_SOCKET,
     ENV_PROMOTE_FD,
     ENV_ROLE,
@@ -56,6 +60,25 @@ class Context:
     prepared: object = None
     timings: dict = field(default_factory=dict)
     store: dist.Store | None = None
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        return os.environ.get(ENV_CHECKPOINT_DIR) or None
+
+    def checkpointer(self):
+        """Asynchronous DCP saves at the configured (or Young's) interval."""
+        from leto.runtime.checkpoint import Checkpointer
+
+        if self.checkpoint_dir is None:
+            return None
+        interval = int(os.environ.get(ENV_CHECKPOINT_INTERVAL, "0")) or None
+        return Checkpointer(
+            self.checkpoint_dir,
+            self.rank,
+            interval=interval,
+            mttf_s=float(os.environ.get(ENV_MTTF_S, "3600")),
+            hof_ratio=float(os.environ.get(ENV_HOF_RATIO, "0.5")),
+        )
 
     def heartbeat(self, iteration: int) -> None:
         """Progress for the agent's hang detection (call once per iteration)."""

@@ -19,8 +19,12 @@ from pathlib import Path
 from leto.memory.config import ENV_POOL_TOKEN, PoolConfig
 from leto.memory.launch import start_state_manager
 from leto.runtime.config import (
+    ENV_CHECKPOINT_DIR,
+    ENV_CHECKPOINT_INTERVAL,
     ENV_DEVICE,
     ENV_GENERATION,
+    ENV_HOF_RATIO,
+    ENV_MTTF_S,
     ENV_POOL_SOCKET,
     ENV_PROMOTE_FD,
     ENV_ROLE,
@@ -35,6 +39,7 @@ class Cell:
         self, cfg: RunConfig, local_rank: int, rank: int, command: list[str], pool: PoolConfig
     ):
         self.cfg, self.local_rank, self.rank, self.command = cfg, local_rank, rank, command
+        self.pool = pool
         self.sm = start_state_manager(pool)
         self.active: subprocess.Popen | None = None
         self.active_generation = -1
@@ -63,6 +68,10 @@ class Cell:
                 ENV_POOL_TOKEN: self.sm.token,
                 ENV_DEVICE: cfg.device,
                 ENV_TIMEOUT_S: str(cfg.timeout_s),
+                ENV_CHECKPOINT_DIR: cfg.checkpoints(),
+                ENV_CHECKPOINT_INTERVAL: str(cfg.checkpoint_interval),
+                ENV_MTTF_S: str(cfg.mttf_s),
+                ENV_HOF_RATIO: str(cfg.hof_ratio),
             }
         )
         for k in ("LETO_FAULT_AT", "LETO_FAULT_MODE"):
@@ -131,6 +140,11 @@ class Cell:
                 self.shadow.kill()
                 self.shadow.wait(timeout=self.cfg.timeout_s)
             self.shadow = None
+
+    def reset_pool(self) -> None:
+        """After a fatal failure: a fresh state manager (new pool, new token)."""
+        self.sm.stop()
+        self.sm = start_state_manager(self.pool)
 
     def stop(self) -> None:
         self.fence()

@@ -16,6 +16,10 @@ ENV_POOL_SOCKET = "LETO_POOL_SOCKET"  # this rank's state manager
 ENV_DEVICE = "LETO_DEVICE"  # cpu or cuda
 ENV_FAULT_PLAN = "LETO_FAULT_PLAN"  # faultkit: JSON list of {generation, rank, at, mode}
 ENV_TIMEOUT_S = "LETO_TIMEOUT_S"
+ENV_CHECKPOINT_DIR = "LETO_CHECKPOINT_DIR"
+ENV_CHECKPOINT_INTERVAL = "LETO_CHECKPOINT_INTERVAL"  # 0: Young's formula
+ENV_MTTF_S = "LETO_MTTF_S"
+ENV_HOF_RATIO = "LETO_HOF_RATIO"
 
 LEVELS = ("off", "L1", "L2", "L3")
 
@@ -38,6 +42,10 @@ class RunConfig:
     timeout_s: float = 120.0  # every wait on the store and on other processes
     log_dir: str = "leto-run"  # per-rank logs and the recovery records
     max_failures: int = 100
+    checkpoint_dir: str = ""  # empty: <log_dir>/checkpoints
+    checkpoint_interval: int = 0  # iterations; 0: Young's formula with the FF-only MTTF
+    mttf_s: float = 3600.0  # expected time between failures of any class (for Young)
+    hof_ratio: float = 0.5  # expected fraction of failures Leto recovers in place
 
     def __post_init__(self) -> None:
         if self.shadow_level not in LEVELS and self.shadow_level != "auto":
@@ -50,6 +58,11 @@ class RunConfig:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    def checkpoints(self) -> str:
+        import os
+
+        return os.path.abspath(self.checkpoint_dir or os.path.join(self.log_dir, "checkpoints"))
 
     def level(self) -> str:
         """``auto``: the highest level (issue 8's controller lowers it under memory

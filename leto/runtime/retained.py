@@ -55,11 +55,21 @@ class RetainedTraining:
         self.rec = Recorder(self.out, rank, keep_tensors=keep_tensors) if record else None
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
 
-    def resume(self, report: dict) -> int:
-        """Recover this rank, apply the job-wide rule; returns the next iteration."""
+    def resume(self, report: dict, checkpoints: str | Path | None = None) -> int:
+        """Recover this rank, apply the job-wide rule; returns the next iteration. On a
+        fresh pool the newest complete checkpoint under ``checkpoints`` (if any) is
+        loaded, else ``init_fn`` runs."""
         m = self.up.recover(report)
+        restored = False
         if m is None:
-            self.up.initialize(self.init_fn)
+            from leto.runtime.checkpoint import latest, restore
+
+            found = latest(checkpoints) if checkpoints is not None else None
+            if found is not None:
+                restore(found[0], found[1], self)
+                restored = True
+            else:
+                self.up.initialize(self.init_fn)
             m = self.up.marker.state
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, m)
@@ -67,7 +77,7 @@ class RetainedTraining:
         if action == "finish" and m.next_iteration() == t:
             self.up.finish(m)
             self._log(t, self.up.marker.state)
-        elif m.phase is Phase.DONE and m.iteration >= 0:
+        elif m.phase is Phase.DONE and m.iteration >= 0 and not restored:
             self._log(m.iteration, m)  # a crash between the marker and the log line
         return t + 1 if action == "finish" else t
 

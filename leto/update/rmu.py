@@ -464,8 +464,9 @@ class Updater:
 
     # -- recovery -------------------------------------------------------------------
 
-    def initialize(self, init_fn) -> None:
-        """First start of a fresh pool: initialize parameters, protect everything."""
+    def initialize(self, init_fn, iteration: int = -1) -> None:
+        """First start of a fresh pool: initialize parameters (``init_fn``: fresh
+        weights, or a checkpoint's state ending ``iteration``), protect everything."""
         with torch.no_grad():
             init_fn()
             if self.state.shard is not None:
@@ -473,7 +474,7 @@ class Updater:
             elif self.state.master:
                 self.state.flat["master"].copy_(self.state.flat["param"].float())
         self.client.encode_parity()
-        self._write(MarkerState(-1, Phase.DONE))
+        self._write(MarkerState(iteration, Phase.DONE))
 
     def recover(self, report: dict) -> MarkerState | None:
         """Rebuild this rank's retained state to the state its marker names."""

@@ -1,0 +1,128 @@
+"""Checkpoint fallback for fatal failures: asynchronous ``torch.distributed.checkpoint``
+saves of every rank's retained state, and the restore after a fatal failure.
+
+Runs in the trainer. Leto recovers HOFs in place, so checkpoints only insure against
+fatal failures (FF: retained state beyond what parity covers, a dead state manager):
+their interval comes from Young's formula with the FF-only MTTF ``M / (1 - h)``
+(h = HOF ratio), the checkpoint cost ``p`` being the save's blocking part (staging to
+host memory; the write overlaps training) in iterations, measured at the first save.
+A checkpoint is complete when DCP's ``.metadata`` exists; the restore takes the
+newest complete one, so a save cut short by the failure is skipped.
+
+Not covered: checkpoints on storage that other nodes cannot read (multi-node jobs need
+a shared directory), pruning old checkpoints beyond ``keep``.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from leto.errors import InvalidInput
+from leto.sim.model import young_interval
+
+
+def _step_dir(root: Path, iteration: int) -> Path:
+    return root / f"it{iteration:08d}"
+
+
+def latest(root: str | Path) -> tuple[Path, int] | None:
+    """The newest complete checkpoint under ``root`` and the iteration it ends."""
+    root = Path(root)
+    done = sorted(p for p in root.glob("it*") if (p / ".metadata").exists())
+    if not done:
+        return None
+    return done[-1], int(done[-1].name[2:])
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        root: str | Path,
+        rank: int,
+        interval: int | None = None,
+        mttf_s: float | None = None,
+        hof_ratio: float = 0.0,
+        keep: int = 2,
+    ):
+        """``interval``: a fixed interval in iterations; otherwise Young's with
+        ``mttf_s`` (all failures) and ``hof_ratio``."""
+        if interval is None and mttf_s is None:
+            raise InvalidInput("give a checkpoint interval, or the MTTF for Young's formula")
+        if interval is not None and interval < 1:
+            raise InvalidInput(f"checkpoint interval {interval}: expected >= 1 iterations")
+        if not 0.0 <= hof_ratio <= 1.0:
+            raise InvalidInput(f"hof_ratio {hof_ratio}: expected a fraction in [0, 1]")
+        self.root, self.rank = Path(root), rank
+        self.fixed = interval
+        self.ff_mttf_s = math.inf if mttf_s is None or hof_ratio >= 1 else mttf_s / (1 - hof_ratio)
+        self.keep = keep
+        self.interval = interval or 1  # Young's replaces it after the first save
+        self.pending = None
+        self.last_t: int | None = None
+        self._t_iter: list[float] = []
+        self._t_prev: float | None = None
+        self.saves: list[dict] = []
+        # Saves finish on a background thread with collectives of their own: a separate
+        # group keeps them from interleaving with training's all-reduces.
+        self.pg = dist.new_group(backend="gloo")
+
+    def _state(self, job) -> dict[str, torch.Tensor]:
+        st = job.up.state
+        return {f"rank{self.rank}.{k}": v[: st.local_valid] for k, v in st.flat.items()}
+
+    def after_iteration(self, t: int, job) -> None:
+        """Call once iteration ``t`` is complete (its update done)."""
+        now = time.perf_counter()
+        if self._t_prev is not None:
+            self._t_iter.append(now - self._t_prev)
+        self._t_prev = now
+        due = self.last_t is None or t - self.last_t >= self.interval
+        if not due:
+            return
+        if self.pending is not None:
+            self.pending.result()  # one save in flight at a time
+        t0 = time.perf_counter()
+        self.pending = dcp.async_save(
+            self._state(job), checkpoint_id=_step_dir(self.root, t), process_group=self.pg
+        )
+        blocking_s = time.perf_counter() - t0
+        self.last_t = t
+        t_iter = sorted(self._t_iter)[len(self._t_iter) // 2] if self._t_iter else None
+        if self.fixed is None and t_iter:
+            p = blocking_s / t_iter
+            young = young_interval(p, self.ff_mttf_s, t_iter)
+            self.interval = max(1, round(young)) if math.isfinite(young) else 10**9
+        self.saves.append({"iteration": t, "blocking_s": blocking_s, "interval": self.interval})
+        self._prune()
+
+    def _prune(self) -> None:
+        if self.rank != 0:
+            return
+        done = sorted(p for p in self.root.glob("it*") if (p / ".metadata").exists())
+        for p in done[: -self.keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+
+def restore(path: Path, iteration: int, job) -> None:
+    """Load ``path`` into this rank's retained state (a fresh pool) and protect it: the
+    marker then says iteration ``iteration`` is done."""
+    rank = job.rank
+
+    def load():
+        st = job.up.state
+        state = {f"rank{rank}.{k}": v[: st.local_valid] for k, v in st.flat.items()}
+        dcp.load(state, checkpoint_id=path)  # in place, into the pool's pages
+
+    job.up.initialize(load, iteration=iteration)
