@@ -81,6 +81,7 @@ def main() -> int:
             if ckpt is not None:
                 ckpt.after_iteration(t, job)
             t += 1
+        ctx.heartbeat("done")
         if ckpt is not None:
             ckpt.close()
         dist.barrier()

@@ -150,6 +150,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             checkpoint_interval=args.checkpoint_interval,
             mttf_s=args.mttf_s,
             hof_ratio=args.hof_ratio,
+            recovery=args.recovery,
             log_dir=args.log_dir,
         )
     except ValueError as e:
@@ -235,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--mttf-s", type=float, default=3600.0, help="expected MTTF (for Young)")
     p.add_argument("--hof-ratio", type=float, default=0.5, help="expected HOF fraction")
+    p.add_argument(
+        "--recovery",
+        default="in-place",
+        help="in-place (Leto) or checkpoint (every failure restarts from the last checkpoint, "
+        "as torchrun + DCP would: the baseline)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")

@@ -94,6 +94,8 @@ class Agent:
                         why = {"hang": True} if rc == "hang" else {"code": rc}
                         store.set(f"leto/gen{gen}/failure/rank{cl.rank}", json.dumps(why))
                     store.add(f"leto/gen{gen}/failures", 1)
+                if dead and c.recovery == "checkpoint":
+                    store.add(f"leto/gen{gen}/fatal", 1)  # the baseline: no in-place recovery
                 if any(rc == EXIT_FATAL for _, rc in dead):
                     store.add(f"leto/gen{gen}/fatal", 1)
                 sm_dead = [cl for cl in cells if cl.sm.proc.poll() is not None]
@@ -135,7 +137,15 @@ class Agent:
         finally:
             for cl in cells:
                 cl.stop()
-            self._collect(gen)
+            try:
+                self._collect(gen)
+            finally:
+                # Node 0 hosts the store: it stays up until every agent has collected.
+                store.add("leto/collected", 1)
+                if c.node_rank == 0:
+                    job_store.wait_count(
+                        store, "leto/collected", c.nnodes, c.timeout_s, "every agent to finish"
+                    )
             Path(c.log_dir).mkdir(parents=True, exist_ok=True)
             (Path(c.log_dir) / f"node{c.node_rank}.recovery.json").write_text(
                 json.dumps(self.summary(gen), indent=2)
@@ -155,10 +165,16 @@ class Agent:
             if last is None or last[0] != (gen, beat):
                 self._beats[cl.rank] = ((gen, beat), now)
                 continue
-            limit = self.cfg.hang_timeout_s if beat is not None else self.cfg.timeout_s
+            # Before the first beat (start-up, recovery) and after the last (finishing:
+            # final barrier, checkpoint flush) only the general timeout applies.
+            stepping = beat is not None and beat != b"done"
+            limit = self.cfg.hang_timeout_s if stepping else self.cfg.timeout_s
             if now - last[1] > limit:
-                hung.append(cl)
-        return hung
+                hung.append((int(beat) if stepping else -1, cl))
+        # Ranks waiting in a collective for a stuck peer stall too, one iteration ahead
+        # of it at most: the stuck one has the oldest beat.
+        oldest = min((b for b, _ in hung), default=None)
+        return [cl for b, cl in hung if b == oldest]
 
     def _recover(self, gen: int) -> None:
         c, store = self.cfg, self.store

@@ -80,8 +80,10 @@ class Context:
             hof_ratio=float(os.environ.get(ENV_HOF_RATIO, "0.5")),
         )
 
-    def heartbeat(self, iteration: int) -> None:
-        """Progress for the agent's hang detection (call once per iteration)."""
+    def heartbeat(self, iteration: int | str) -> None:
+        """Progress for the agent's hang detection: the iteration, once per iteration;
+        ``"done"`` when the loop is over (the final barrier and checkpoint flush are then
+        held to the general timeout, not the hang timeout)."""
         self.store.set(f"leto/gen{self.generation}/rank{self.rank}/beat", str(iteration))
 
     def resumed(self, next_iteration: int, **timings: float) -> None:

@@ -46,10 +46,15 @@ class RunConfig:
     checkpoint_interval: int = 0  # iterations; 0: Young's formula with the FF-only MTTF
     mttf_s: float = 3600.0  # expected time between failures of any class (for Young)
     hof_ratio: float = 0.5  # expected fraction of failures Leto recovers in place
+    # "in-place" (Leto), or "checkpoint": every failure restarts all ranks cold from the
+    # newest checkpoint on fresh pools — the torchrun + DCP baseline, for comparisons.
+    recovery: str = "in-place"
 
     def __post_init__(self) -> None:
         if self.shadow_level not in LEVELS and self.shadow_level != "auto":
             raise ValueError(f"--shadow-level {self.shadow_level!r}: use auto, off, L1, L2 or L3")
+        if self.recovery not in ("in-place", "checkpoint"):
+            raise ValueError(f"--recovery {self.recovery!r}: use in-place or checkpoint")
         if self.nnodes < 1 or self.nproc_per_node < 1:
             raise ValueError("--nnodes and --nproc-per-node must be at least 1")
         if not 0 <= self.node_rank < self.nnodes:

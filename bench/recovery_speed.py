@@ -1,0 +1,131 @@
+"""HOF recovery time with shadows at L1, L2, L3 and started cold, against the
+torchrun + checkpoint baseline — side by side in one run, on the same job and failure.
+
+Every variant runs ``leto run examples/train_gpt.py`` with the same fault plan: rank
+``--rank`` is SIGKILLed in iteration ``--fail-at`` (in its optimizer update). Variants:
+shadows L1, L2, L3 (in-place recovery, promoted shadows), ``off`` (in-place recovery by
+cold-started trainers: new processes re-attach to the surviving pools), and
+``checkpoint`` (the baseline: every rank restarts cold on a fresh pool, forms a new
+process group, loads the newest DCP checkpoint and recomputes from it, as torchrun +
+torch.distributed.checkpoint would). Checkpoints are taken every ``--checkpoint-interval``
+iterations in every variant. Recovery time = failure (the agent's detection, within
+``poll_s``) until the iteration in flight at the failure is completed again (its
+verifiers record), i.e. pre-failure progress regained. Every run must be bit-exact
+against the fault-free one.
+
+    python -m bench.recovery_speed --nproc-per-node 2 --iterations 12 --fail-at 7
+    python -m bench.recovery_speed --device cuda --nproc-per-node 1 ...
+
+Not covered: multi-node timing (the same code, run by one agent per node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from faultkit.job import free_port
+from verifiers import compare
+from verifiers.trace import read_run
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "L1": ("L1", "in-place"),
+    "L2": ("L2", "in-place"),
+    "L3": ("L3", "in-place"),
+    "cold (in place)": ("off", "in-place"),
+    "torchrun + checkpoint": ("off", "checkpoint"),
+}
+
+
+def run_variant(work: Path, level: str, recovery: str, args, faults) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "leto.cli", "run", "--json", "--device", args.device,
+        "--nproc-per-node", str(args.nproc_per_node), "--master-port", str(free_port()),
+        "--shadow-level", level, "--recovery", recovery, "--log-dir", str(work / "logs"),
+        "--checkpoint-interval", str(args.checkpoint_interval), *args.pool_flags,
+        str(REPO / "examples" / "train_gpt.py"), "--iterations", str(args.iterations),
+        "--out", str(work / "out"),
+    ]  # fmt: skip
+    env = dict(os.environ, LETO_FAULT_PLAN=json.dumps(faults))
+    p = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1200)
+    if p.returncode != 0:
+        raise RuntimeError(f"{level}/{recovery} failed ({p.returncode}): {p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def regained_s(out: Path, rank: int, detected_at: float, fail_at: int) -> float:
+    """Detection until iteration ``fail_at`` is recorded again."""
+    trace = read_run(out).traces[rank]
+    times = [
+        r.wall_time for r in trace.history if r.iteration >= fail_at and r.wall_time > detected_at
+    ]
+    return min(times) - detected_at
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--nproc-per-node", type=int, default=2, help="ranks")
+    ap.add_argument("--iterations", type=int, default=12, help="training iterations")
+    ap.add_argument("--fail-at", type=int, default=7, help="iteration the failure strikes")
+    ap.add_argument("--rank", type=int, default=0, help="the rank that fails")
+    ap.add_argument("--checkpoint-interval", type=int, default=4, help="iterations")
+    ap.add_argument("--json-out", default=None, help="write results as JSON here")
+    args = ap.parse_args(argv)
+    args.pool_flags = (
+        ["--page-bytes", "16384", "--data-pages", "16", "--tier1-pages", "4"]
+        if args.device == "cpu"
+        else ["--data-pages", "64", "--tier1-pages", "4"]
+    )
+    faults = [{"generation": 0, "rank": args.rank, "at": f"update.optimizer@{args.fail_at}#1"}]
+    root = Path(tempfile.mkdtemp(prefix="leto-recovery-speed-"))
+    run_variant(root / "reference", "off", "in-place", args, [])
+    rows = {}
+    for name, (level, recovery) in VARIANTS.items():
+        work = root / name.replace(" ", "_").replace("+", "")
+        summary = run_variant(work, level, recovery, args, faults)
+        rec = summary["recoveries"][0]
+        verdict = compare(root / "reference" / "out", work / "out")
+        rows[name] = {
+            "regained_s": regained_s(work / "out", args.rank, rec["detected_at"], args.fail_at),
+            "to_training_s": rec.get("recovery_s"),
+            "exact": verdict.exact,
+            "first_divergence": verdict.describe(),
+            "record": rec,
+        }
+    base = rows["torchrun + checkpoint"]["regained_s"]
+    res = {
+        "date": datetime.date.today().isoformat(),
+        "command": "python -m bench.recovery_speed " + " ".join(argv or sys.argv[1:]),
+        "variants": rows,
+    }
+    t = Table(title=f"HOF recovery, {args.nproc_per_node} ranks on {args.device}")
+    for c in ("variant", "failure → progress regained", "vs baseline", "to training", "exact"):
+        t.add_column(c)
+    for name, r in rows.items():
+        t.add_row(
+            name,
+            f"{r['regained_s']:.2f} s",
+            f"{base / r['regained_s']:.1f}× faster" if name != "torchrun + checkpoint" else "—",
+            f"{r['to_training_s']:.2f} s" if r["to_training_s"] else "-",
+            "EXACT" if r["exact"] else f"NOT EXACT: {r['first_divergence']}",
+        )
+    Console().print(t)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
