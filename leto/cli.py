@@ -162,7 +162,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
         return code
-    t = Table(title=f"leto run: {summary['failures']} failure(s), shadows {cfg.level()}")
+    m = summary["measured"]
+    ettr = (
+        f"ETTR {m['ettr']:.1%} ({m['iterations']} iterations of {m['median_iteration_s']:.3f} s "
+        f"in {m['wall_s']:.1f} s)"
+        if m["ettr"] is not None
+        else f"ETTR not measured: {m['why']}"
+    )
+    t = Table(title=f"leto run: {summary['failures']} failure(s), shadows {cfg.level()}; {ettr}")
     for col in ("generation", "failed ranks", "fencing", "promotion", "recovery (to training)"):
         t.add_column(col)
     for r in summary["recoveries"]:

@@ -44,6 +44,8 @@ class Agent:
         self.records: list[dict] = []
         self.shadow_restarts = 0
         self._beats: dict[int, tuple] = {}
+        self._progress: list[tuple[float, int, int]] = []  # (time, generation, iteration)
+        self._started = time.time()
 
     def _fault(self, generation: int, rank: int) -> dict | None:
         for f in self.faults:
@@ -164,6 +166,8 @@ class Agent:
             last = self._beats.get(cl.rank)
             if last is None or last[0] != (gen, beat):
                 self._beats[cl.rank] = ((gen, beat), now)
+                if cl is self.cells[0] and beat is not None and beat != b"done":
+                    self._progress.append((time.time(), gen, int(beat)))
                 continue
             # Before the first beat (start-up, recovery) and after the last (finishing:
             # final barrier, checkpoint flush) only the general timeout applies.
@@ -282,8 +286,29 @@ class Agent:
             if ranks:
                 rec["recovery_s"] = max(v["time"] for v in ranks.values()) - rec["detected_at"]
 
+    def ettr(self) -> dict:
+        """Measured ETTR from the first local rank's heartbeats: productive time (distinct
+        iterations x the median fault-free iteration time) over the wall time since the
+        agent started (so start-up, failures and recomputation all count against it)."""
+        p = self._progress
+        steps = [
+            b[0] - a[0] for a, b in zip(p, p[1:], strict=False) if a[1] == b[1] and b[2] == a[2] + 1
+        ]
+        if not steps:
+            return {"ettr": None, "why": "fewer than two consecutive iterations were observed"}
+        t_iter = sorted(steps)[len(steps) // 2]
+        iterations = max(it for _, _, it in p) + 1
+        wall = time.time() - self._started
+        return {
+            "ettr": iterations * t_iter / wall,
+            "iterations": iterations,
+            "median_iteration_s": t_iter,
+            "wall_s": wall,
+        }
+
     def summary(self, last_gen: int) -> dict:
         return {
+            "measured": self.ettr(),
             "config": asdict(self.cfg),
             "generations": last_gen + 1,
             "failures": len(self.records),

@@ -72,6 +72,7 @@ class Checkpointer:
         # Saves finish on a background thread with collectives of their own: a separate
         # group keeps them from interleaving with training's all-reduces.
         self.pg = dist.new_group(backend="gloo")
+        self.agree_pg = dist.new_group(backend="gloo")  # interval agreement, main thread
 
     def _state(self, job) -> dict[str, torch.Tensor]:
         st = job.up.state
@@ -98,7 +99,13 @@ class Checkpointer:
         if self.fixed is None and t_iter:
             p = blocking_s / t_iter
             young = young_interval(p, self.ff_mttf_s, t_iter)
-            self.interval = max(1, round(young)) if math.isfinite(young) else 10**9
+            mine = max(1, round(young)) if math.isfinite(young) else 10**9
+            # Every rank must save at the same iterations (a save is collective), but each
+            # measured its own costs: agree on the largest interval. Same call on every
+            # rank at the same iteration, in the main thread, on a group of its own.
+            agreed = torch.tensor([float(mine)])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.agree_pg)
+            self.interval = int(agreed.item())
         self.saves.append({"iteration": t, "blocking_s": blocking_s, "interval": self.interval})
         self._prune()
 

@@ -1,0 +1,63 @@
+"""The checkpointer across ranks: ranks that measure different costs still save at the
+same iterations (a save is collective; a mismatch would deadlock), and a restore loads
+exactly what was saved."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from faultkit.job import free_port
+from leto.runtime.checkpoint import Checkpointer, latest
+
+
+def _job(rank: int, value: float):
+    flat = {"param": torch.full((64,), value), "exp_avg": torch.full((64,), -value)}
+    state = SimpleNamespace(flat=flat, local_valid=64)
+    return SimpleNamespace(up=SimpleNamespace(state=state), rank=rank)
+
+
+def _worker(rank: int, world: int, port: int, root: str, q) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    # An MTTF this short gives intervals of a few iterations, apart by the cost ratio.
+    ck = Checkpointer(root, rank, mttf_s=0.2, hof_ratio=0.0)
+    job = _job(rank, 1.0)
+    for t in range(12):
+        time.sleep(0.01 * (1 + 4 * rank))  # rank 1 measures 5x longer iterations
+        job.up.state.flat["param"].fill_(float(t))
+        ck.after_iteration(t, job)
+    ck.close()
+    q.put((rank, [s["iteration"] for s in ck.saves]))
+    dist.destroy_process_group()
+
+
+def test_ranks_with_different_costs_save_at_the_same_iterations(tmp_path):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, str(tmp_path), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0, f"a rank exited {p.exitcode}"
+    assert got[0] == got[1], f"ranks saved at different iterations: {got}"
+    path, it = latest(tmp_path)
+    assert it == got[0][-1], (it, got)
+    loaded = {"rank0.param": torch.empty(64), "rank1.exp_avg": torch.empty(64)}
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(loaded, checkpoint_id=path, no_dist=True)
+    assert torch.equal(loaded["rank0.param"], torch.full((64,), float(it))), loaded["rank0.param"]
+    assert torch.equal(loaded["rank1.exp_avg"], torch.full((64,), -1.0))
