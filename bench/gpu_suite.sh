@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|faultkit|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|faultkit|runtime|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -34,5 +34,11 @@ fi
 if [[ $what == faultkit || $what == all ]]; then
   python3 -m faultkit.cli matrix --device cuda --world-size 1 --iterations 4 \
     --phases update,parity-copy,grad-parity 2>&1 | tee "$OUT/faultkit_matrix_cuda.txt" || rc=1
+fi
+if [[ $what == runtime || $what == all ]]; then
+  # HOF recovery on one H200 (NCCL, world size 1) with a >= 1 B-parameter GPT.
+  python3 -m bench.recovery_speed --device cuda --nproc-per-node 1 --iterations 8 --fail-at 5 \
+    --checkpoint-interval 4 --json-out "$OUT/recovery_speed_cuda.json" \
+    --model --n-layer 20 --n-embd 2048 --n-head 16 --chunk-units 64 2>&1 | tee "$OUT/recovery_speed_cuda.txt" || rc=1
 fi
 exit $rc

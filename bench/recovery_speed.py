@@ -55,7 +55,7 @@ def run_variant(work: Path, level: str, recovery: str, args, faults) -> dict:
         "--shadow-level", level, "--recovery", recovery, "--log-dir", str(work / "logs"),
         "--checkpoint-interval", str(args.checkpoint_interval), *args.pool_flags,
         str(REPO / "examples" / "train_gpt.py"), "--iterations", str(args.iterations),
-        "--out", str(work / "out"),
+        "--out", str(work / "out"), *args.model,
     ]  # fmt: skip
     env = dict(os.environ, LETO_FAULT_PLAN=json.dumps(faults))
     p = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1200)
@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rank", type=int, default=0, help="the rank that fails")
     ap.add_argument("--checkpoint-interval", type=int, default=4, help="iterations")
     ap.add_argument("--json-out", default=None, help="write results as JSON here")
+    ap.add_argument(
+        "--model",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="extra flags for examples/train_gpt.py (e.g. --n-layer 20 --n-embd 2048)",
+    )
     args = ap.parse_args(argv)
     args.pool_flags = (
         ["--page-bytes", "16384", "--data-pages", "16", "--tier1-pages", "4"]

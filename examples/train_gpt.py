@@ -36,10 +36,20 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     ap.add_argument("--seed", type=int, default=0, help="seed of data, dropout and weights")
     ap.add_argument("--out", default="leto-run/train", help="loss logs and verifiers traces")
+    ap.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
+    ap.add_argument("--n-embd", type=int, default=64, help="model width")
+    ap.add_argument("--n-head", type=int, default=2, help="attention heads")
+    ap.add_argument("--chunk-units", type=int, default=2, help="updater chunk size (units)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    gcfg = GPTConfig(block=args.seq_len, n_layer=2, n_head=2, n_embd=64, dropout=0.1)
+    gcfg = GPTConfig(
+        block=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=0.1,
+    )
 
     def prepare():  # runs while a shadow is parked (L2 and up): no pool access here
         with torch.device("meta"):
@@ -59,7 +69,7 @@ def main() -> int:
             ctx.rank,
             ctx.world_size,
             out,
-            UpdaterConfig(chunk_units=2),
+            UpdaterConfig(chunk_units=args.chunk_units),
             heartbeat=ctx.heartbeat,
         )
         t = job.resume(ctx.report, checkpoints=ctx.checkpoint_dir)
