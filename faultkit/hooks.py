@@ -42,6 +42,8 @@ POINTS = (
     "update.store",
     "update.tier2",
 )
+# Outside an iteration: "resume" (key 0) fires once per start, in the middle of a
+# recovery — after the pool's pages are rebuilt, before the ranks agree where to resume.
 ONCE_PER_ITERATION = frozenset(
     {"gather", "compute.forward", "compute.backward", "allreduce", "sync"}
 )

@@ -189,3 +189,17 @@ def test_a_state_manager_that_dies_falls_back_to_the_checkpoint_exactly(tmp_path
     assert [r["class"] for r in summary["recoveries"]] == ["FF"], summary["recoveries"]
     v = compare(tmp_path / "ref" / "out", work / "out")
     assert v.exact, v.describe()
+
+
+def test_a_second_failure_during_the_recovery_is_recovered_exactly(reference, tmp_path):
+    """Rank 1's promoted trainer dies while recovering (pages rebuilt, the job-wide rule
+    not yet agreed); the next shadows take over and the run is still exact."""
+    faults = [
+        {"generation": 0, "rank": 0, "at": "update.optimizer@2#1"},
+        {"generation": 1, "rank": 1, "at": "resume@0#1"},
+    ]
+    (summary,) = leto_run(tmp_path, "L2", faults)
+    assert summary["failures"] == 2, summary
+    assert [r["failed_ranks"] for r in summary["recoveries"]] == [[0], [1]], summary
+    v = compare(reference, tmp_path / "out")
+    assert v.exact, v.describe()

@@ -71,6 +71,9 @@ class RetainedTraining:
             else:
                 self.up.initialize(self.init_fn)
             m = self.up.marker.state
+        # A failure in the middle of a recovery (pages rebuilt, the job-wide rule not yet
+        # agreed): faultkit's "resume@0".
+        point("resume", 0)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, m)
         action, t = decide(gathered)
