@@ -16,8 +16,10 @@ A fatal failure (a trainer exits ``EXIT_FATAL``: its retained state is beyond pa
 or a state manager dies) falls back to checkpoints: every rank restarts cold on a
 fresh pool from the newest complete DCP checkpoint.
 
-Not covered yet (runtime issue): restarting a dead L3 shadow (its generation's process group would need
-re-forming), failures that strike during a recovery.
+A failure during a recovery is one more failure of the new generation.
+
+Not covered yet (runtime issue): restarting a dead L3 shadow (its generation's process
+group would need re-forming).
 """
 
 from __future__ import annotations
