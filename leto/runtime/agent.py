@@ -142,7 +142,7 @@ class Agent:
             for cl in cells:
                 cl.stop()
             try:
-                self._collect(gen)
+                self._collect()
             finally:
                 # Node 0 hosts the store: it stays up until every agent has collected.
                 store.add("leto/collected", 1)
@@ -269,7 +269,7 @@ class Agent:
             }
         )
 
-    def _collect(self, last_gen: int) -> None:
+    def _collect(self) -> None:
         """Trainer-side timings of each recovery, as the promoted trainers reported."""
         for rec in self.records:
             g = rec["generation"] + 1

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from leto.memory.config import ENV_POOL_TOKEN, PoolConfig
@@ -150,11 +149,3 @@ class Cell:
         self.fence()
         self.drop_shadow()
         self.sm.stop()
-
-    def wait_active(self, timeout_s: float) -> int:
-        deadline = time.monotonic() + timeout_s
-        while self.active.poll() is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank} did not exit within {timeout_s} s")
-            time.sleep(0.01)
-        return self.active.returncode

@@ -350,7 +350,7 @@ class Updater:
             y = scratch_buffer(gi, x)
             units, pages, undo = self._chunk(gi, j)
             fresh_undo = False
-            scratch_ready = None
+            scratch_event, scratch_copied = None, False
             if m.step is Step.START:
                 with self._span("undo copy"):
                     self._runs_copy(units, to_undo=True, hook_it=it)
@@ -361,7 +361,7 @@ class Updater:
                 # needs nothing from the optimizer, so it runs beside it.
                 with self._side():
                     self._copy_pages(self.buf[y], self.buf[x])
-                scratch_ready = self._side_done() or True
+                scratch_event, scratch_copied = self._side_done(), True
                 with self._span("optimizer"):
                     if not fresh_undo:
                         # Resuming after a crash: the chunk may be half updated, so start
@@ -371,10 +371,10 @@ class Updater:
                 m = self._write(m.but(step=Step.UPDATE_DONE))
             if m.step is Step.UPDATE_DONE:
                 with self._span("parity update"):
-                    if scratch_ready is None:  # resumed after the optimizer: copy now
+                    if scratch_copied:
+                        self._wait(scratch_event)
+                    else:  # resumed after the optimizer: copy now
                         self._copy_pages(self.buf[y], self.buf[x])
-                    elif scratch_ready is not True:
-                        self._wait(scratch_ready)
                     point("update.parity", it)
                     first, _ = self.state.chunk_pages(gi, units)
                     code.tier1.update(self.buf[y], first, undo, pages, group=g.gid)
