@@ -33,7 +33,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from faultkit.job import free_port
+from leto.runtime.store import free_port
 from verifiers import compare
 from verifiers.trace import read_run
 

@@ -49,6 +49,8 @@ def _config(args: argparse.Namespace):
         world_size=args.world_size,
         device=args.device,
         every=getattr(args, "every", 0),
+        shadow_level=args.shadow_level,
+        abort_after_blocks=getattr(args, "abort_after_blocks", 3),
     )
 
 
@@ -71,7 +73,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
     try:
         phases = tuple(args.phases.split(",")) if args.phases else None
-        rows = matrix(_config(args), phases=phases)
+        rows = matrix(_config(args), phases=phases, modes=tuple(args.modes.split(",")))
     except (ValueError, RuntimeError) as e:
         print(f"faultkit matrix: {e}", file=sys.stderr)
         return 2
@@ -124,7 +126,7 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
 def _verdict_table(v: dict, title: str) -> int:
     verdict = "[bold green]EXACT[/]" if v["exact"] else "[bold red]NOT EXACT[/]"
     if v["fatal"]:
-        verdict = "[bold red]FATAL FAILURE[/] (NOT EXACT)"
+        verdict = f"[bold yellow]FATAL FAILURE, checkpoint fallback[/], {verdict}"
     t = Table(title=f"{title}: {verdict}")
     t.add_column("item")
     t.add_column("value")
@@ -143,7 +145,7 @@ def _verdict_table(v: dict, title: str) -> int:
             else "-",
         ),
         (
-            "recovery (cold restart to training, slowest rank)",
+            f"recovery (failure to training, slowest rank; shadows {v['shadow_level']})",
             f"{v['recovery_s']:.2f} s" if v["recovery_s"] else "-",
         ),
         ("first divergence", v["first_divergence"] or "none"),
@@ -152,6 +154,15 @@ def _verdict_table(v: dict, title: str) -> int:
             f"reference {v['reference_run_s']:.1f} s, faulted {v['faulted_run_s']:.1f} s, in {v['workdir']}",
         ),
     ]
+    for a in v.get("kernel_abort") or []:
+        state = "partial output" if a["partial"] else "complete: fewer blocks than N"
+        rows.append(
+            (
+                "kernel abort",
+                f"{a['mechanism']}: {a['after_blocks']} of {a['blocks_launched']} blocks ran "
+                f"({state}), then SIGKILL",
+            )
+        )
     if v["fatal_detail"]:
         rows.append(("fatal", v["fatal_detail"]))
     for k, val in rows:
@@ -176,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--phase",
         default="update",
-        help="compute, allreduce, grad-parity, sync, update, parity-copy, tier2 or any",
+        help="compute, allreduce, grad-parity, sync, update, parity, parity-copy, tier2 or any",
     )
     p.add_argument(
         "--pages",
@@ -193,8 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mode",
         default="kill",
-        help="kill (SIGKILL at the phase) or copy-corrupt (garble the parity copy in progress, "
-        "then SIGKILL; phases grad-parity and parity-copy); kernel-abort is not built yet",
+        help="kill (SIGKILL at the phase), copy-corrupt (garble the parity copy in progress, "
+        "then SIGKILL; phases grad-parity, parity-copy) or kernel-abort (the next of Leto's "
+        "kernels stops after --abort-after-blocks blocks and the rank dies with it in "
+        "flight; phases grad-parity, update, parity, parity-copy, tier2)",
+    )
+    p.add_argument(
+        "--abort-after-blocks",
+        type=int,
+        default=3,
+        help="kernel-abort: blocks of the aborted kernel that run",
     )
     p.add_argument(
         "--every", type=int, default=0, help="one fault every K iterations (0: one, mid-run)"
@@ -209,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the job and of the fault draw")
     p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--shadow-level", default="L2", help="leto run's shadows: L1, L2, L3, off")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(fn=cmd_inject)
 
@@ -217,15 +237,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0, help="seed of the job and the fault draws")
         p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks")
         p.add_argument("--device", default="cpu", help="cpu or cuda")
+        p.add_argument("--shadow-level", default="L2", help="leto run's shadows: L1, L2, L3, off")
         p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser(
         "matrix",
-        help="every phase x {0, H1} pages x host parity page x {kill, copy-corrupt}, "
+        help="every phase x {0, H1} pages x host parity page x modes, "
         "against one fault-free reference (exit 0 only if all EXACT)",
     )
     job_flags(p)
     p.add_argument("--phases", default=None, help="comma-separated subset of phases (default all)")
+    p.add_argument(
+        "--modes",
+        default="kill,copy-corrupt",
+        help="comma-separated modes: kill, copy-corrupt, kernel-abort",
+    )
     p.set_defaults(fn=cmd_matrix)
     register_plan(sub)
     p = sub.add_parser("run-plan", help="replay a failure schedule (JSON) against the example job")

@@ -12,7 +12,10 @@ Mode ``copy-corrupt`` (``LETO_FAULT_MODE``) fills the destination of the copy in
 progress at the point with random bytes, then SIGKILLs: only points that pass ``dest``
 (the parity copies) support it.
 
-Not covered: crashes in the middle of a GPU kernel (that is ``nvbit_tools``), hangs.
+Mode ``kernel-abort`` arms the trip-wire (``nvbit_tools.tripwire``) instead: the next
+of Leto's own kernels (codec, parity copy, optimizer landing) stops after
+``LETO_TRIPWIRE_BLOCKS`` blocks (default 3) and the process is SIGKILLed with it in
+flight. Mode ``hang`` SIGSTOPs the process (only a monitor notices).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import os
 import signal
 
 ENV_FAULT_AT = "LETO_FAULT_AT"
-ENV_FAULT_MODE = "LETO_FAULT_MODE"  # kill (default) or copy-corrupt
-MODES = ("raise", "kill", "copy-corrupt", "hang")
+ENV_FAULT_MODE = "LETO_FAULT_MODE"  # kill (default), copy-corrupt, kernel-abort, hang
+MODES = ("raise", "kill", "copy-corrupt", "kernel-abort", "hang")
 
 # Every named point, in the order an iteration reaches them. The updater's points fire
 # once per gradient group (grad_parity), per protection group (update.load/store/tier2)
@@ -113,6 +116,12 @@ def point(name: str, iteration: int, dest=None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "kernel-abort":
+        from nvbit_tools import tripwire
+
+        blocks = int(os.environ.get(tripwire.ENV_BLOCKS, tripwire.DEFAULT_BLOCKS))
+        tripwire.arm(blocks)  # the next of Leto's kernels stops, then the process dies
+        return
     if mode == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)  # stopped, not dead: only a monitor notices
         return

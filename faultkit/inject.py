@@ -1,21 +1,24 @@
 """``faultkit inject``, ``faultkit matrix`` and ``faultkit run-plan``: fault-free
-reference runs and faulted runs of the example job, then a verdict from ``verifiers`` —
-EXACT when every rank's loss and every retained tensor match bit for bit at every
-iteration.
+reference runs and faulted runs of the example job under ``leto run``, then a verdict
+from ``verifiers`` — EXACT when every rank's loss and every retained tensor match bit
+for bit at every iteration.
 
-Runs in the faultkit process; the job's ranks and state managers are separate processes
-(``faultkit.job``, the stop-gap launcher until ``leto run``). A fault: rank ``rank``
-dies at the injection point of ``phase`` (mode ``kill``: SIGKILL there; mode
-``copy-corrupt``: random bytes into the destination of the parity copy in progress,
-then SIGKILL); every other rank is killed wherever it is; then ``pages`` device pages
-are lost in *each* protection group of the model state of every rank (spread over its
-parameters and moments), ``host_parity_pages`` tier-1 host pages of the first group, and
-a gradient page; every rank restarts cold and recovers. One fault in the middle
-iteration, or one every ``every`` iterations.
+Runs in the faultkit process; the job is ``leto run examples/train_gpt.py``
+(``faultkit.job``): its agent, state managers, trainers and shadows are the runtime's.
+A fault: rank ``rank`` fails at the injection point of ``phase`` — mode ``kill``:
+SIGKILL there; ``copy-corrupt``: random bytes into the destination of the parity copy
+in progress, then SIGKILL; ``kernel-abort``: the next of Leto's own kernels (parity
+copy, optimizer landing, parity update, tier-2 encode) stops after N blocks and the
+rank is SIGKILLed with it in flight (``nvbit_tools.tripwire``; emulated on the CPU
+build). The agents detect the death, fence every trainer; ``pages`` device pages are
+lost in *each* protection group of every rank (spread over parameters and moments),
+``host_parity_pages`` tier-1 host pages of the first group, and a gradient page; then
+the shadows are promoted and recover in place. More pages than parity covers is a
+fatal failure: the runtime falls back to its newest checkpoint (or the initial state)
+and the verdict says so. One fault in the middle iteration, or one every ``every``.
 
-Not covered: mode ``kernel-abort`` (the trip-wire in the project's kernels is not built
-yet: on CUDA, kill mode already SIGKILLs with kernels in flight), faults while
-recovering, checkpoint fallback after a fatal failure (reported, not recovered).
+Not covered: kernel-abort of torch's own kernels (forward, backward, all-reduce): use
+kill on ``--device cuda``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from faultkit.job import JobFault, run_job
-from faultkit.loss import lose_pages
 from faultkit.schedule import Schedule
 from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
@@ -39,11 +41,16 @@ PHASES = {
     "grad-parity": "grad_parity",
     "sync": "sync",
     "update": "update.optimizer",
+    "parity": "update.parity",
     "parity-copy": "update.store",
     "tier2": "update.tier2",
 }
 # Phases whose injection point is in the middle of a parity copy (copy-corrupt needs one).
 COPY_PHASES = ("grad-parity", "parity-copy")
+# Phases followed by one of Leto's own kernels (kernel-abort stops it after N blocks):
+# the grad-parity copy, the optimizer's landing, the parity update, the parity store,
+# the tier-2 encode.
+KERNEL_PHASES = ("grad-parity", "update", "parity", "parity-copy", "tier2")
 MODES = ("kill", "copy-corrupt", "kernel-abort")
 
 
@@ -62,6 +69,8 @@ class InjectConfig:
     data_pages: int = 64  # D of the job's pools (small pages keep the CPU build quick)
     page_bytes: int = 16384
     every: int = 0  # 0: one fault in the middle iteration; K: one every K iterations
+    shadow_level: str = "L2"  # leto run's shadows (off: cold restarts in place)
+    abort_after_blocks: int = 3  # kernel-abort: blocks of the kernel that run
 
 
 def _phase(cfg: InjectConfig, phase: str, salt: int = 0) -> str:
@@ -73,11 +82,11 @@ def _phase(cfg: InjectConfig, phase: str, salt: int = 0) -> str:
 
 
 def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
-    if mode == "kernel-abort":
+    if mode == "kernel-abort" and phase not in KERNEL_PHASES:
         raise ValueError(
-            "--mode kernel-abort is not available: the trip-wire in the project's kernels "
-            "(nvbit_tools) is not built yet; on --device cuda, --mode kill already SIGKILLs "
-            "the rank with its kernels in flight"
+            f"--mode kernel-abort needs a phase that runs one of Leto's kernels "
+            f"({', '.join(KERNEL_PHASES)}), not {phase!r}: torch's own kernels are not "
+            "instrumented (use --mode kill on --device cuda)"
         )
     if mode not in MODES:
         raise ValueError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -92,21 +101,10 @@ def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
         raise ValueError(f"--every {cfg.every}: expected 0 or 1..{cfg.iterations - 1}")
 
 
-def _loser(cfg: InjectConfig, lost: dict, pages: int, host_pages: int, salt: int = 0):
-    rng = random.Random(cfg.seed * 7_919 + salt + 1)
-
-    def lose(rank: int, f) -> None:
-        for k, v in lose_pages(f, pages, host_pages, rng).items():
-            lost[k] += v
-
-    return lose
-
-
-def _job(cfg: InjectConfig):
+def _job(cfg: InjectConfig) -> tuple[TrainConfig, PoolConfig]:
     train = TrainConfig(
         iterations=cfg.iterations,
         seed=cfg.seed,
-        device=cfg.device,
         keep_tensors=cfg.device == "cpu",  # small CPU job: name the byte offset
     )
     pool = PoolConfig(
@@ -116,58 +114,71 @@ def _job(cfg: InjectConfig):
         tier1_pages=cfg.tier1_pages,
         allow_fault_injection=True,
     )
-    if cfg.device != "cpu":
-        return train, lambda r: PoolConfig(**{**asdict(pool), "device": f"cuda:{r}"})
     return train, pool
+
+
+def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
+    train, pool = _job(cfg)
+    t0 = time.perf_counter()
+    env = {"LETO_TRIPWIRE_BLOCKS": str(cfg.abort_after_blocks)}
+    got = run_job(
+        cfg.world_size, train, out, faults, pool=pool, device=cfg.device,
+        shadow_level=cfg.shadow_level, allow_failure=bool(faults), env=env,
+    )  # fmt: skip
+    got["run_s"] = time.perf_counter() - t0
+    return got
 
 
 def reference_run(cfg: InjectConfig, work: Path) -> dict:
     """The fault-free run every faulted run of the same job is compared with."""
-    train, pool_of = _job(cfg)
-    t0 = time.perf_counter()
-    ref = run_job(cfg.world_size, train, work / "reference", pool=pool_of)
-    ref["run_s"] = time.perf_counter() - t0
-    return ref
+    return _run(cfg, work / "reference")
 
 
-def faulted_run(
-    cfg: InjectConfig, faults: list[JobFault], lost: dict, ref: dict, work: Path, label: str
-) -> dict:
-    train, pool_of = _job(cfg)
-    t0 = time.perf_counter()
-    got = run_job(
-        cfg.world_size, train, work / label, faults=faults, pool=pool_of, allow_failure=True
-    )
-    t_faulted = time.perf_counter() - t0
-    failed = [r for r, c in enumerate(got["codes"]) if c != 0]
-    status = got["pool_status"]
-    rebuilt = sum(s["rebuilt_pages_total"] for s in status)
-    pending = sum(len(v) for s in status for g in s["groups"] for v in g["pending"].values())
-    verdict = None if failed else compare(Path(ref["out"]), Path(got["out"]))
-    recovery = [r["resume_s"] for r in got["recovery"] if r]
-    exact = not failed and verdict.exact and pending == 0
+def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path, label: str):
+    got = _run(cfg, work / label, faults)
+    recs = got.get("recoveries", [])
+    ff = [r for r in recs if r["class"] == "FF"]
+    ok = got["code"] == 0
+    pools = [p for p in got.get("pools", []) if "error" not in p]
+    rebuilt = sum(p["rebuilt_pages_total"] for p in pools)
+    pending = sum(len(v) for p in pools for g in p["groups"] for v in g["pending"].values())
+    lost = {k: sum(r.get("pages_lost", {}).get(k, 0) for r in recs) for k in ("device", "host")}
+    verdict = compare(Path(ref["out"]), Path(got["out"])) if ok else None
+    exact = ok and verdict.exact and pending == 0
+    hof = [r for r in recs if r["class"] == "HOF"]
+    # A HOF's time to training again: the slowest rank's resume after the detection.
+    recovery = [r["recovery_s"] for r in hof if "recovery_s" in r]
+    if ff:
+        back = [t["next_iteration"] for r in ff for t in r.get("trainers", {}).values()]
+        detail = (
+            f"{len(ff)} fatal failure(s) (more lost pages than parity covers): every rank "
+            f"restarted on fresh pools from the checkpoint fallback, at iteration "
+            f"{min(back) if back else '?'}"
+        )
+    elif not ok:
+        detail = f"leto run exited {got['code']} (logs in {work / label / 'logs'})"
+    else:
+        detail = None
     return {
         "exact": exact,
-        "fatal": bool(failed),
-        "fatal_detail": (
-            f"ranks {failed} could not recover their retained state (more lost pages than parity "
-            "covers): the checkpoint fallback arrives with the runtime issue"
-            if failed
-            else None
-        ),
+        "fatal": bool(ff) or not ok,
+        "fatal_detail": detail,
         "points": [f.at for f in faults],
-        "injections": got["injections"],
-        "recoveries": 0 if failed else got["injections"],
+        "injections": len(recs),
+        "recoveries": len(recs) if ok else 0,
         "pages_lost_device": lost["device"],
         "pages_lost_host": lost["host"],
+        # After a fatal failure the fresh pools rebuilt nothing: the checkpoint did.
         "pages_rebuilt": rebuilt,
-        "host_pages_rebuilt": lost["host"] if not failed and pending == 0 else 0,
-        "poison_mechanism": status[0]["mechanism"] if status else None,
-        "first_divergence": None if failed else verdict.describe(),
-        "verdict": None if failed else verdict.as_dict(),
+        "host_pages_rebuilt": lost["host"] if exact and not ff else 0,
+        "poison_mechanism": pools[0]["mechanism"] if pools else None,
+        "kernel_abort": got.get("aborts") or None,
+        "shadow_level": cfg.shadow_level,
+        "first_divergence": verdict.describe() if verdict else None,
+        "verdict": verdict.as_dict() if verdict else None,
         "recovery_s": max(recovery) if recovery else None,
         "reference_run_s": ref.get("run_s"),
-        "faulted_run_s": t_faulted,
+        "faulted_run_s": got["run_s"],
         "workdir": str(work),
     }
 
@@ -183,19 +194,19 @@ def inject(cfg: InjectConfig, workdir: Path | None = None, reference: dict | Non
     _check(cfg, phase, cfg.mode)
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-"))
     ref = reference or reference_run(cfg, work)
-    lost = {"device": 0, "host": 0}
     faults = [
         # nth=1: the first chunk/group, reached whatever the model's size and page size
         JobFault(
             cfg.rank,
             f"{PHASES[_phase(cfg, cfg.phase, k)]}@{it}#1",
             cfg.mode,
-            _loser(cfg, lost, cfg.pages, cfg.host_parity_pages, k),
+            lose_pages=cfg.pages,
+            host_parity_pages=cfg.host_parity_pages,
         )
         for k, it in enumerate(_iterations(cfg))
     ]
     label = f"faulted-{phase}-{cfg.mode}-p{cfg.pages}-h{cfg.host_parity_pages}"
-    res = faulted_run(cfg, faults, lost, ref, work, label)
+    res = faulted_run(cfg, faults, ref, work, label)
     return {
         **res,
         "phase": phase,
@@ -206,18 +217,26 @@ def inject(cfg: InjectConfig, workdir: Path | None = None, reference: dict | Non
 
 
 def matrix(
-    base: InjectConfig, workdir: Path | None = None, phases: tuple[str, ...] | None = None
+    base: InjectConfig,
+    workdir: Path | None = None,
+    phases: tuple[str, ...] | None = None,
+    modes: tuple[str, ...] = ("kill", "copy-corrupt"),
 ) -> list[dict]:
     """Every phase x {0, H1} lost pages per group x host parity page lost or not x
-    {kill, copy-corrupt} (copy-corrupt where the phase copies parity), against one
-    shared fault-free reference."""
+    ``modes`` (copy-corrupt where the phase copies parity, kernel-abort where it runs
+    one of Leto's kernels), against one shared fault-free reference."""
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-matrix-"))
     ref = reference_run(base, work)
     rows = []
     for phase in phases or tuple(PHASES):
         _phase(base, phase)  # a clear error for an unknown name
-        for mode in ("kill", "copy-corrupt"):
+        for mode in modes:
             if mode == "copy-corrupt" and phase not in COPY_PHASES:
+                continue
+            if mode == "kernel-abort" and phase not in KERNEL_PHASES:
                 continue
             for pages in (0, base.tier1_pages):
                 for host in (0, 1):
@@ -245,7 +264,6 @@ def run_plan(schedule: Schedule, base: InjectConfig, iteration_s: float, workdir
         )
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-plan-"))
     ref = reference_run(base, work)
-    lost = {"device": 0, "host": 0}
     faults, seen = [], set()
     for k, p in enumerate(replay):
         f = p.failure
@@ -261,12 +279,13 @@ def run_plan(schedule: Schedule, base: InjectConfig, iteration_s: float, workdir
                 f.rank,
                 f"{PHASES[phase]}@{p.iteration}#1",
                 mode,
-                _loser(base, lost, pages, f.host_parity_pages, k),
+                lose_pages=pages,
+                host_parity_pages=f.host_parity_pages,
             )
         )
-    # The launcher injects in order: sort by iteration, stable on schedule order.
-    faults.sort(key=lambda fl: int(fl.at.split("@")[1].split("#")[0]))
-    res = faulted_run(base, faults, lost, ref, work, "plan")
+    # One failure per generation, in order: sort by iteration, stable on schedule order.
+    faults.sort(key=lambda fl: fl.iteration)
+    res = faulted_run(base, faults, ref, work, "plan")
     res["not_replayed"] = len(placed) - len(replay)
     res["ff"] = sum(p.failure.kind == "FF" for p in replay)
     return res

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from faultkit.job import free_port
+from leto.runtime.store import free_port
 from leto.runtime.checkpoint import Checkpointer, latest
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from faultkit.hooks import POINTS
-from faultkit.job import free_port
+from leto.runtime.store import free_port
 from verifiers import compare
 
 REPO = Path(__file__).resolve().parents[1]

@@ -44,6 +44,7 @@ class Agent:
         self.level = cfg.level()
         self.faults = json.loads(os.environ.get(ENV_FAULT_PLAN, "[]"))
         self.records: list[dict] = []
+        self.pools: list[dict] = []  # each local pool's final status
         self.shadow_restarts = 0
         self._beats: dict[int, tuple] = {}
         self._progress: list[tuple[float, int, int]] = []  # (time, generation, iteration)
@@ -139,6 +140,7 @@ class Agent:
                     job_store.wait_count(store, "leto/done", c.nnodes, c.timeout_s, "every node")
                     break
         finally:
+            self.pools = [self._pool_status(cl) for cl in cells]
             for cl in cells:
                 cl.stop()
             try:
@@ -155,6 +157,21 @@ class Agent:
                 json.dumps(self.summary(gen), indent=2)
             )
         return code
+
+    def _pool_status(self, cl: Cell) -> dict:
+        """The pool's final status (pages found lost, rebuilt, pending) for the summary;
+        a dead state manager is reported, not waited for."""
+        from leto.memory.client import PoolClient
+
+        if cl.sm.proc.poll() is not None:
+            return {"rank": cl.rank, "error": f"state manager exited {cl.sm.proc.poll()}"}
+        try:
+            with PoolClient.connect(
+                cl.sm.socket_path, cl.sm.token, role="observer", timeout_s=10
+            ) as c:
+                return {"rank": cl.rank, **c.status()}
+        except Exception as e:  # the summary reports it; the run's outcome stands
+            return {"rank": cl.rank, "error": f"{type(e).__name__}: {e}"}
 
     def _hung(self, gen: int) -> list[Cell]:
         """Cells whose live trainer's heartbeat has not moved for hang_timeout_s (before
@@ -192,7 +209,7 @@ class Agent:
         job_store.wait_count(
             store, f"leto/gen{gen}/fenced", c.nnodes, c.timeout_s, "every node to fence"
         )
-        self._lose(gen)
+        lost = self._lose(gen)
         new = gen + 1
         if self.level == "off":
             for cl in self.cells:
@@ -215,17 +232,22 @@ class Agent:
                 "promotion_s": t_promoted - t0,
                 "level": self.level,
                 "local_ranks": [cl.rank for cl in self.cells],
+                "pages_lost": lost,
             }
         )
 
-    def _lose(self, gen: int) -> None:
+    def _lose(self, gen: int) -> dict:
         """A fault plan's page losses for this failure, on every local rank's pool, while
-        no trainer runs (faultkit's mechanism: the pools must allow fault injection)."""
+        no trainer runs (faultkit's mechanism: the pools must allow fault injection):
+        ``lose_pages`` random data pages per protection group, ``host_parity_pages``
+        tier-1 pages, and ``inject``, explicit ``[kind, name, [pages]]`` losses."""
         plan = [f for f in self.faults if f["generation"] == gen]
         pages = sum(f.get("lose_pages", 0) for f in plan)
         host = sum(f.get("host_parity_pages", 0) for f in plan)
-        if not (pages or host):
-            return
+        explicit = [e for f in plan for e in f.get("inject", [])]
+        lost = {"device": 0, "host": 0}
+        if not (pages or host or explicit):
+            return lost
         import random
 
         from faultkit.loss import lose_pages
@@ -234,7 +256,13 @@ class Agent:
         for cl in self.cells:
             rng = random.Random(gen * 1_000 + cl.rank)
             with PoolClient.connect(cl.sm.socket_path, cl.sm.token, role="faultkit") as f:
-                lose_pages(f, pages, host, rng)
+                if pages or host:
+                    for k, v in lose_pages(f, pages, host, rng).items():
+                        lost[k] += v
+                for kind, name, idx in explicit:
+                    f.inject_loss(kind, name, list(idx))
+                    lost["host" if kind.startswith("tier") else "device"] += len(idx)
+        return lost
 
     def _fallback(self, gen: int) -> None:
         """A fatal failure: every rank restarts cold on a fresh pool from the newest
@@ -316,4 +344,5 @@ class Agent:
             "failures": len(self.records),
             "shadow_restarts": self.shadow_restarts,
             "recoveries": self.records,
+            "pools": self.pools,
         }

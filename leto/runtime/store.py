@@ -41,3 +41,12 @@ def wait_count(store: dist.Store, key: str, n: int, timeout_s: float, what: str)
 def pg_store(store: dist.Store, generation: int) -> dist.PrefixStore:
     """Where generation ``generation``'s trainers form their process group."""
     return dist.PrefixStore(f"leto/gen{generation}/pg/", store)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a job store or a test's process group)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -57,6 +57,7 @@ from leto.update.layout import RetainedModel
 from leto.update.marker import Auth, Marker, MarkerState, Phase, Step, StreamOrderedWrites
 from leto.update.optim import AdamWConfig, MuonConfig, adamw_piece, clip_coefficient, muon_layer
 from leto.update.schedule import WarmupCosine
+from nvbit_tools import tripwire
 
 MARKER_NAME = "rmu.marker"
 
@@ -244,6 +245,8 @@ class Updater:
         for i, (d, s) in enumerate(zip(dst, src, strict=True)):
             if hook is not None and i == half:
                 point(hook, it, dest=dst)  # a crash here leaves the copy half done
+                if tripwire.armed():  # faultkit kernel-abort: the rest lands partially
+                    tripwire.land(dst[i:], src[i:])
             d.copy_(s, non_blocking=True)  # async only between the GPU and page-locked memory
 
     # -- the iteration --------------------------------------------------------------
@@ -426,27 +429,39 @@ class Updater:
                     raise AssertionError(f"layer {slot.name} was cut into pieces")
                 if k == 0 and len(pieces) == 1:
                     point("update.optimizer", it)
+                names = ["param", "exp_avg"] + (["master"] if self.state.master else [])
+                live = {n: f[n][a:b].view(slot.shape) for n in names}
+                out = {n: v.clone() for n, v in live.items()} if tripwire.armed() else live
                 muon_layer(
                     self.cfg.muon,
                     lr=lr * self.cfg.muon.lr_scale,
-                    param=f["param"][a:b].view(slot.shape),
+                    param=out["param"],
                     grad=self.state.grad[a:b].view(slot.shape),
-                    momentum=f["exp_avg"][a:b].view(slot.shape),
+                    momentum=out["exp_avg"],
                     clip=clip,
-                    master=f["master"][a:b].view(slot.shape) if self.state.master else None,
+                    master=out.get("master"),
                 )
+                if out is not live:  # kernel-abort: see the AdamW piece below
+                    tripwire.land([live[n] for n in names], [out[n] for n in names])
                 continue
+            names = ["param", "exp_avg", "exp_avg_sq"] + (["master"] if self.state.master else [])
+            live = {n: f[n][a:b] for n in names}
+            # faultkit kernel-abort: torch's AdamW computes into scratch and the result
+            # lands through the trip-wire, which stops after N blocks (nvbit_tools).
+            out = {n: v.clone() for n, v in live.items()} if tripwire.armed() else live
             adamw_piece(
                 self.cfg.adamw,
                 lr=lr,
                 step=it + 1,
-                param=f["param"][a:b],
+                param=out["param"],
                 grad=self.state.grad[a + self.state.shard_start : b + self.state.shard_start],
-                exp_avg=f["exp_avg"][a:b],
-                exp_avg_sq=f["exp_avg_sq"][a:b],
+                exp_avg=out["exp_avg"],
+                exp_avg_sq=out["exp_avg_sq"],
                 clip=clip,
-                master=f["master"][a:b] if self.state.master else None,
+                master=out.get("master"),
             )
+            if out is not live:
+                tripwire.land([live[n] for n in names], [out[n] for n in names])
 
     def _update_group_in_place(self, it: int, gi: int, m: MarkerState, clip: torch.Tensor) -> None:
         """Ablation: no undo, no incremental parity (Fig. 12's 'pool and parity only')."""

@@ -17,6 +17,7 @@ import torch
 
 from leto.erasure.field import mul_vec
 from leto.erasure.kernels.api import Coefficients, GFKernel
+from nvbit_tools import tripwire
 
 _BYTES = np.arange(256, dtype=np.int64)
 
@@ -46,6 +47,14 @@ class CpuKernel(GFKernel):
         xor_with: Sequence[torch.Tensor] | None = None,
         accumulate: bool = False,
     ) -> None:
+        if tripwire.armed():  # faultkit kernel-abort: emulate a kernel stopped mid-way
+            tmp = [o.clone() for o in outputs]
+            self._matmul(coeffs, inputs, tmp, col_offset, xor_with, accumulate)
+            tripwire.land(outputs, tmp, columns=True)
+        self._matmul(coeffs, inputs, outputs, col_offset, xor_with, accumulate)
+
+    @staticmethod
+    def _matmul(coeffs, inputs, outputs, col_offset, xor_with, accumulate) -> None:
         lo, hi = split_tables(coeffs)
         n_sym = outputs[0].numel() // 2
         rows = len(outputs)

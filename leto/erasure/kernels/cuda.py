@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from leto.erasure.kernels.api import Coefficients, GFKernel
+from nvbit_tools import tripwire
 
 ROWS_PER_BLOCK = 16
 THREADS = 256
@@ -46,7 +47,8 @@ def _load_module():
             "was not substituted because the pages are on the GPU"
         ) from e
     source = resources.files("leto.erasure.kernels").joinpath("gf_matmul.cu").read_text()
-    return cupy, cupy.RawModule(code=source, options=("-std=c++17",))
+    opts = ("-std=c++17", f"-I{tripwire.include_dir()}")  # tripwire.cuh
+    return cupy, cupy.RawModule(code=source, options=opts)
 
 
 class CudaKernel(GFKernel):
@@ -120,21 +122,7 @@ class CudaKernel(GFKernel):
         return table
 
     def _launch_ctx(self, device: torch.device):
-        cp = self._cupy
-        stream = torch.cuda.current_stream(device)
-
-        class _Ctx:
-            def __enter__(s):
-                s.dev = cp.cuda.Device(device.index)
-                s.dev.__enter__()
-                s.stream = cp.cuda.Stream.from_external(stream)
-                s.stream.__enter__()
-
-            def __exit__(s, *exc):
-                s.stream.__exit__(*exc)
-                s.dev.__exit__(*exc)
-
-        return _Ctx()
+        return tripwire.launch_on_torch_stream(device)
 
     def matmul(
         self,
@@ -163,6 +151,7 @@ class CudaKernel(GFKernel):
         n_rb = -(-r // ROWS_PER_BLOCK)
         threads = self.threads if vec == 8 else THREADS
         grid = (-(-n_items // threads), n_rb)
+        tw = tripwire.launch_arg(device, grid[0] * grid[1])  # 0 unless faultkit armed it
         with self._launch_ctx(device):
             self._fn["v8" if vec == 8 else "v1"](
                 grid,
@@ -178,5 +167,8 @@ class CudaKernel(GFKernel):
                     np.int64(n_items),
                     np.int32(r),
                     np.int32(1 if accumulate else 0),
+                    np.uint64(tw),
                 ),
             )
+        if tw:
+            tripwire.fire(device)  # SIGKILL with this kernel in flight

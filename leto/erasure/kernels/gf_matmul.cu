@@ -13,7 +13,13 @@
 // Tables are staged STAGE pages at a time and double-buffered: while a stage is being
 // used, the next one is loaded into the other buffer, with one barrier per stage.
 //
+// Trip-wire (nvbit_tools/tripwire.cuh): with a non-null ``tw`` (faultkit's kernel-abort
+// mode) only the first N blocks since arming run; the rest are held until the process
+// is killed. Null costs one uniform branch.
+//
 // Not covered: aliasing between inputs and outputs (the caller forbids it).
+
+#include "tripwire.cuh"
 
 #define ROWS 16
 #define PAIRS 8
@@ -107,7 +113,9 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
                                             const unsigned long long* __restrict__ out_ptrs,
                                             const unsigned int* __restrict__ tables,
                                             int n_inputs, int table_cols, int col_offset,
-                                            long long n_items, int n_rows, int accumulate) {
+                                            long long n_items, int n_rows, int accumulate,
+                                            LetoTripwire* tw) {
+  if (tw && !tripwire_enter(tw)) return;
   __shared__ __align__(16) unsigned int tab[2][STAGE * WORDS_PER_PAGE];
   const int rb = blockIdx.y;
   const unsigned int* T = tables + ((long long)rb * table_cols + col_offset) * WORDS_PER_PAGE;
@@ -164,35 +172,39 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
     }
     __syncthreads();
   }
-  if (!active) return;
+  if (active) {
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    const int row = rb * ROWS + r;
-    if (row >= n_rows) break;
-    unsigned char* out = reinterpret_cast<unsigned char*>(out_ptrs[row]);
-    Vec<SYMS> o;
-    if (accumulate) o.load(out, item);
+    for (int r = 0; r < ROWS; ++r) {
+      const int row = rb * ROWS + r;
+      if (row >= n_rows) break;
+      unsigned char* out = reinterpret_cast<unsigned char*>(out_ptrs[row]);
+      Vec<SYMS> o;
+      if (accumulate) o.load(out, item);
 #pragma unroll
-    for (int s = 0; s < SYMS; ++s) {
-      unsigned int v = (acc[s][r >> 1] >> (16 * (r & 1))) & 0xFFFFu;
-      o.set(s, accumulate ? (o.sym(s) ^ v) : v);
+      for (int s = 0; s < SYMS; ++s) {
+        unsigned int v = (acc[s][r >> 1] >> (16 * (r & 1))) & 0xFFFFu;
+        o.set(s, accumulate ? (o.sym(s) ^ v) : v);
+      }
+      o.store(out, item);
     }
-    o.store(out, item);
   }
+  if (tw) tripwire_leave(tw);
 }
 
 extern "C" __global__ void __launch_bounds__(256) gf_matmul_v8(
     const unsigned long long* in_ptrs, const unsigned long long* in2_ptrs,
     const unsigned long long* out_ptrs, const unsigned int* tables, int n_inputs,
-    int table_cols, int col_offset, long long n_items, int n_rows, int accumulate) {
+    int table_cols, int col_offset, long long n_items, int n_rows, int accumulate,
+    LetoTripwire* tw) {
   matmul_body<8>(in_ptrs, in2_ptrs, out_ptrs, tables, n_inputs, table_cols, col_offset,
-                 n_items, n_rows, accumulate);
+                 n_items, n_rows, accumulate, tw);
 }
 
 extern "C" __global__ void __launch_bounds__(256) gf_matmul_v1(
     const unsigned long long* in_ptrs, const unsigned long long* in2_ptrs,
     const unsigned long long* out_ptrs, const unsigned int* tables, int n_inputs,
-    int table_cols, int col_offset, long long n_items, int n_rows, int accumulate) {
+    int table_cols, int col_offset, long long n_items, int n_rows, int accumulate,
+    LetoTripwire* tw) {
   matmul_body<1>(in_ptrs, in2_ptrs, out_ptrs, tables, n_inputs, table_cols, col_offset,
-                 n_items, n_rows, accumulate);
+                 n_items, n_rows, accumulate, tw);
 }
