@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|faultkit|runtime|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|faultkit|runtime|preinit|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -40,5 +40,10 @@ if [[ $what == runtime || $what == all ]]; then
   python3 -m bench.recovery_speed --device cuda --nproc-per-node 1 --iterations 8 --fail-at 5 \
     --checkpoint-interval 4 --json-out "$OUT/recovery_speed_cuda.json" \
     --model --n-layer 20 --n-embd 2048 --n-head 16 --chunk-units 64 2>&1 | tee "$OUT/recovery_speed_cuda.txt" || rc=1
+fi
+if [[ $what == preinit || $what == all ]]; then
+  # Issue 8: the allocation-path hook on real device memory, footprints per level, latency.
+  python3 -m pytest -p no:cacheprovider -q -s tests/test_preinit_gpu.py 2>&1 | tee "$OUT/preinit_gpu_tests.txt" || rc=1
+  python3 -m bench.preinit_footprint --repeats 3 --json-out "$OUT/preinit_footprint.json" 2>&1 | tee "$OUT/preinit_footprint.txt" || rc=1
 fi
 exit $rc
