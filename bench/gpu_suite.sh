@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|faultkit|runtime|preinit|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|abort|faultkit|faultkit-abort|runtime|preinit|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -30,6 +30,15 @@ if [[ $what == rmu || $what == rmu-bench || $what == all ]]; then
     --iters 2 --warmup 1 --json-out "$OUT/rmu_memory_cuda.json" 2>&1 | tee "$OUT/rmu_memory_cuda.txt" || rc=1
   python3 -m bench.rmu_overhead --device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 8 --seq 1024 \
     --iters 4 --warmup 2 --json-out "$OUT/rmu_overhead_cuda.json" 2>&1 | tee "$OUT/rmu_overhead_cuda.txt" || rc=1
+fi
+if [[ $what == abort || $what == all ]]; then
+  # The trip-wire in Leto's kernels (codec, copy) and the example job under leto run on the GPU.
+  python3 -m pytest -p no:cacheprovider -q tests/test_tripwire.py tests/test_codec_gpu.py \
+    tests/test_dp_gpu.py 2>&1 | tee "$OUT/abort_gpu_tests.txt" || rc=1
+fi
+if [[ $what == faultkit-abort || $what == all ]]; then
+  python3 -m faultkit.cli matrix --device cuda --world-size 1 --iterations 4 \
+    --modes kernel-abort 2>&1 | tee "$OUT/faultkit_matrix_abort_cuda.txt" || rc=1
 fi
 if [[ $what == faultkit || $what == all ]]; then
   python3 -m faultkit.cli matrix --device cuda --world-size 1 --iterations 4 \

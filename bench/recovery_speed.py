@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,8 @@ def run_variant(work: Path, level: str, recovery: str, args, faults) -> dict:
     ]  # fmt: skip
     env = dict(os.environ, LETO_FAULT_PLAN=json.dumps(faults))
     p = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1200)
+    # A 1 B-parameter model's checkpoints are ~12 GB each: keep the disk for the next.
+    shutil.rmtree(work / "logs" / "checkpoints", ignore_errors=True)
     if p.returncode != 0:
         raise RuntimeError(f"{level}/{recovery} failed ({p.returncode}): {p.stderr[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])

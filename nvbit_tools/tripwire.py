@@ -205,7 +205,7 @@ def fire(device: torch.device) -> None:
     if device.type == "cuda":
         state, flags, _ = _cuda[device.index]
         done_all = torch.cuda.Event()
-        done_all.record()
+        done_all.record(torch.cuda.current_stream(device))
         view = flags.numpy()  # reads the pinned page every time
         deadline = time.monotonic() + FIRE_TIMEOUT_S
         complete = False

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from leto.runtime.store import free_port
 from leto.runtime.checkpoint import Checkpointer, latest
+from leto.runtime.store import free_port
 
 
 def _job(rank: int, value: float):

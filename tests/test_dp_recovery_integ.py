@@ -1,8 +1,10 @@
-"""Exact recovery of data-parallel training on CPU (gloo), without shadows.
+"""Exact recovery of data-parallel training on CPU (gloo) under ``leto run`` with
+shadows off: the in-place recovery by cold-started trainers.
 
-Each test kills one rank at a named point of an iteration; the harness then kills the
-other ranks wherever they are, optionally loses pages, and starts every rank again
-cold. Losses and every retained tensor must equal the fault-free run byte for byte.
+Each test kills one rank at a named point of an iteration; the agent fences the other
+ranks wherever they are, the fault plan loses pages, and every rank starts again cold
+on its surviving pool. Losses and every retained tensor must equal the fault-free run
+byte for byte.
 """
 
 from __future__ import annotations
@@ -11,54 +13,62 @@ import pytest
 import torch
 
 from faultkit import hooks
-from faultkit.job import first_difference, run_job
+from faultkit.job import JobFault, first_difference, run_job
 from leto.workload.train import TrainConfig
 
-CFG = TrainConfig(iterations=4)
-ZERO1 = TrainConfig(iterations=4, zero1=True)
+pytestmark = pytest.mark.timeout(400)  # the module's references: three leto runs
+CFG = TrainConfig(iterations=4, save_state=True)
+ZERO1 = TrainConfig(iterations=4, zero1=True, save_state=True)
 POINTS = [p for p in hooks.POINTS if p != "gather"]  # gather: ZeRO-1 only
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    runs = {w: run_job(w, CFG, tmp_path_factory.mktemp(f"ref{w}")) for w in (2, 4)}
-    runs["zero1"] = run_job(2, ZERO1, tmp_path_factory.mktemp("refz1"))
+    runs = {w: run(w, CFG, tmp_path_factory.mktemp(f"ref{w}")) for w in (2, 4)}
+    runs["zero1"] = run(2, ZERO1, tmp_path_factory.mktemp("refz1"))
     return runs
 
 
-def lose_h1_pages_and_a_parity_page(rank, f):
-    # Group 0 of the allocation set: units 0-4 (param, exp_avg, exp_avg_sq pages 0-4).
-    f.inject_loss("data", "param", [0, 3])
-    f.inject_loss("data", "exp_avg", [1, 4])  # 4 = H1 pages of group 0
-    f.inject_loss("tier1", 1, [2])  # and a host parity page of group 1
-    f.inject_loss("data", "grad", [rank])
+def run(world, cfg, out, fault=None, lose=()):
+    faults = [JobFault(fault[0], fault[1], inject=lose)] if fault else []
+    return run_job(world, cfg, out, faults, shadow_level="off")
+
+
+# Group 0 of the allocation set: units 0-4 (param, exp_avg, exp_avg_sq pages 0-4): H1 = 4
+# pages of group 0, a host parity page of group 1 and a gradient page, on every rank.
+LOSE_H1_PAGES_AND_A_PARITY_PAGE = (
+    ("data", "param", (0, 3)),
+    ("data", "exp_avg", (1, 4)),
+    ("tier1", 1, (2,)),
+    ("data", "grad", (1,)),
+)
 
 
 @pytest.mark.parametrize("point", POINTS)
 def test_kill_one_rank_anywhere_world_2(reference, tmp_path, point):
     victim = POINTS.index(point) % 2
     nth = 1 if point in hooks.ONCE_PER_ITERATION else 2  # later groups/chunks: a mid-update state
-    got = run_job(2, CFG, tmp_path, fault=(victim, f"{point}@2#{nth}"))
-    assert got["restarted"]
+    got = run(2, CFG, tmp_path, fault=(victim, f"{point}@2#{nth}"))
+    assert got["injections"] == 1 and got["recoveries"][0]["failed_ranks"] == [victim]
     assert first_difference(reference[2], got) is None, first_difference(reference[2], got)
 
 
 @pytest.mark.parametrize("point", ["update.optimizer", "grad_parity", "update.store"])
 def test_kill_with_lost_pages_world_2(reference, tmp_path, point):
-    got = run_job(2, CFG, tmp_path, fault=(0, f"{point}@1#1"), lose=lose_h1_pages_and_a_parity_page)
+    got = run(2, CFG, tmp_path, fault=(0, f"{point}@1#1"), lose=LOSE_H1_PAGES_AND_A_PARITY_PAGE)
     assert first_difference(reference[2], got) is None, first_difference(reference[2], got)
 
 
 @pytest.mark.parametrize("victim,point", [(3, "update.parity"), (1, "allreduce")])
 def test_kill_one_rank_world_4(reference, tmp_path, victim, point):
-    got = run_job(
-        4, CFG, tmp_path, fault=(victim, f"{point}@2#1"), lose=lose_h1_pages_and_a_parity_page
+    got = run(
+        4, CFG, tmp_path, fault=(victim, f"{point}@2#1"), lose=LOSE_H1_PAGES_AND_A_PARITY_PAGE
     )
     assert first_difference(reference[4], got) is None, first_difference(reference[4], got)
 
 
 def test_fault_free_runs_are_reproducible(reference, tmp_path):
-    again = run_job(2, CFG, tmp_path)
+    again = run(2, CFG, tmp_path)
     assert first_difference(reference[2], again) is None
     assert len(reference[2]["losses"][0]) == CFG.iterations
 
@@ -81,9 +91,7 @@ def test_zero1_equals_replicated_bit_for_bit(reference, tmp_path):
 
 @pytest.mark.parametrize("point", ["gather", "update.optimizer", "update.store", "sync"])
 def test_zero1_kill_anywhere_with_lost_pages(reference, tmp_path, point):
-    got = run_job(
-        2, ZERO1, tmp_path, fault=(1, f"{point}@2#1"), lose=lose_h1_pages_and_a_parity_page
-    )
+    got = run(2, ZERO1, tmp_path, fault=(1, f"{point}@2#1"), lose=LOSE_H1_PAGES_AND_A_PARITY_PAGE)
     assert first_difference(reference["zero1"], got) is None, first_difference(
         reference["zero1"], got
     )

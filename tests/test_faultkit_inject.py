@@ -6,13 +6,19 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+# Each case is a fault-free and a faulted `leto run` of the job (two agents' worth of
+# processes on two cores).
+pytestmark = pytest.mark.timeout(600)
+
 
 def inject(*args: str, cmd: str = "inject") -> tuple[int, str, str]:
     r = subprocess.run(
         [sys.executable, "-m", "faultkit.cli", cmd, *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=540,
     )
     return r.returncode, r.stdout, r.stderr
 
@@ -30,11 +36,13 @@ def test_update_phase_with_16_lost_pages_per_group_is_exact():
     )
 
 
-def test_more_pages_than_parity_covers_ends_in_the_fatal_path():
-    code, out, _ = inject("--phase", "parity-copy", "--pages", "17", "--json")
+def test_more_pages_than_parity_covers_takes_the_fatal_path_and_says_so():
+    code, out, err = inject("--phase", "parity-copy", "--pages", "17", "--json")
     v = json.loads(out)
-    assert code == 1 and v["fatal"] and not v["exact"]
-    assert "checkpoint fallback" in v["fatal_detail"]
+    assert v["fatal"] and "checkpoint fallback" in v["fatal_detail"], v
+    # The fallback restarts from the newest checkpoint (none yet: the initial state),
+    # recomputes, and must still end bit-exact.
+    assert code == 0 and v["exact"], v["first_divergence"]
 
 
 def test_host_parity_pages_and_another_rank():
@@ -57,8 +65,8 @@ def test_host_parity_pages_and_another_rank():
 def test_bad_options_are_refused_with_a_reason():
     code, _, err = inject("--phase", "nowhere")
     assert code == 2 and "--phase 'nowhere'" in err
-    code, _, err = inject("--mode", "kernel-abort")
-    assert code == 2 and "kernel-abort is not available" in err
+    code, _, err = inject("--mode", "kernel-abort", "--phase", "sync")
+    assert code == 2 and "kernel-abort needs a phase that runs one of Leto's kernels" in err
     code, _, err = inject("--mode", "copy-corrupt", "--phase", "update")
     assert code == 2 and "needs a phase that copies parity" in err
     code, _, err = inject("--every", "9", "--iterations", "6")
@@ -78,6 +86,20 @@ def test_copy_corrupt_of_the_parity_store_with_lost_pages_is_exact():
     assert code == 0, err
     v = json.loads(out)
     assert v["exact"] and v["mode"] == "copy-corrupt" and v["pages_rebuilt"] > 32, v
+
+
+def test_kernel_abort_of_the_parity_update_with_lost_pages_is_exact():
+    """The parity-update kernel stops after 3 blocks (CPU emulation of the trip-wire),
+    the rank dies with it in flight, 16 pages per group are lost: still exact."""
+    code, out, err = inject(
+        "--phase", "parity", "--mode", "kernel-abort", "--pages", "16", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    v = json.loads(out)
+    assert v["exact"] and v["pages_rebuilt"] == v["pages_lost_device"] > 32, v
+    (abort,) = v["kernel_abort"]
+    assert abort["partial"] and abort["after_blocks"] == 3 and abort["blocks_launched"] > 3
+    assert "emulation" in abort["mechanism"]
 
 
 def test_copy_corrupt_writes_random_bytes_over_the_destination():
@@ -116,4 +138,5 @@ def test_run_plan_replays_a_schedule_and_an_ff_ends_in_the_fatal_path(tmp_path):
         str(tmp_path / "ff.json"), "--iteration-s", "10", "--json", cmd="run-plan"
     )
     v = json.loads(out)
-    assert code == 1 and v["fatal"] and v["ff"] == 1, v
+    assert v["fatal"] and v["ff"] == 1 and "checkpoint fallback" in v["fatal_detail"], v
+    assert code == 0 and v["exact"], v["first_divergence"]

@@ -29,7 +29,10 @@ def _disarmed():
 
 def _pages(n, nbytes, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).to(device) for _ in range(n)]
+    return [
+        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).to(device)
+        for _ in range(n)
+    ]
 
 
 def test_disarmed_operations_never_fire():
