@@ -5,6 +5,7 @@ frozen config or a module's public function, one flag to one field.
     leto pool status     allocations, pages, groups, failed and rebuilt pages of a pool
     leto sim ...         ETTR model and failure simulator (docs/sim.md)
     leto run ...         launch a script like torchrun, with shadows and in-place recovery
+    leto bench ettr ...  measured ETTR: Leto vs Gemini-style vs torchrun + DCP (bench/ettr.py)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 import leto
+from leto.bench_cli import register as register_bench
 from leto.erasure import FIELD_POLY
 from leto.sim.cli import register as register_sim
 
@@ -253,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script", help="the training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
     p.set_defaults(fn=cmd_run)
+    register_bench(sub)
     return ap
 
 
