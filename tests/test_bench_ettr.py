@@ -117,13 +117,14 @@ def test_fault_plan_spends_two_generations_on_a_leto_ff():
 # -- measurements --------------------------------------------------------------------------
 
 
-def test_measured_ettr_is_reference_time_over_training_wall_time():
+def test_measured_ettr_is_productive_time_over_training_wall_time():
     # 10 iterations of 1 s, one 5 s stall between 4 and 5: wall 1 + 9 + 5 = 15 s.
     hist = [(t, 10.0 + t + (5.0 if t >= 5 else 0.0)) for t in range(10)]
-    m = ettr.measured_ettr(hist, 10, t_ref_s=1.0)
+    m = ettr.measured_ettr(hist, 10)
     assert m["ettr"] == pytest.approx(10 / 15) and m["t_iter_s"] == pytest.approx(1.0), m
+    assert m["training_wall_s"] == pytest.approx(15.0), m
     with pytest.raises(InvalidInput, match="last iteration 10"):
-        ettr.measured_ettr(hist, 11, t_ref_s=1.0)
+        ettr.measured_ettr(hist, 11)
 
 
 def _summary(records):
@@ -182,12 +183,12 @@ def test_predict_replays_failures_at_their_progress_points():
     # then runs 12 iterations to 20: done at 27.5 s. ETTR 20 / 27.5.
     fails = [{"iteration": 10, "rank": 0, "kind": "HOF", "path": "checkpoint"}]
     fails[0] |= {"init_s": 5.0, "in_iteration_fraction": 0.5}
-    p = ettr.predict(fails, TORCHRUN, 1.0, 0.0, 4, 20, 2, t_ref_s=1.0)
+    p = ettr.predict(fails, TORCHRUN, 1.0, 0.0, 4, 20, 2)
     assert p["inputs"]["failures_at_s"] == pytest.approx([10.5]), p
     assert p["ettr"] == pytest.approx(20 / 27.5, rel=1e-6), p
     # Leto's in-place path: no rollback, only the half iteration redone.
     fails[0] |= {"path": "in-place", "init_s": 0.5}
-    p = ettr.predict(fails, LETO_SPEC, 1.0, 0.0, 20, 20, 2, t_ref_s=1.0)
+    p = ettr.predict(fails, LETO_SPEC, 1.0, 0.0, 20, 20, 2)
     assert p["ettr"] == pytest.approx(20 / 21.0, rel=1e-6), p
     assert p["inputs"]["t_init_hof_s"] == 0.5 and p["inputs"]["t_init_s"] == 0.0, p
 
