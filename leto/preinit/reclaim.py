@@ -417,8 +417,10 @@ _LIBS_LOCK = threading.Lock()
 
 
 def cuda_include_dir() -> Path | None:
-    """A directory holding cuda_runtime_api.h: the pip CUDA runtime that torch uses
-    first (its version matches torch's), then the toolkit."""
+    """A directory holding a complete set of CUDA runtime headers: the pip CUDA runtime
+    that torch uses first (its version matches torch's), then the toolkit. Seen on the
+    H200: pip's ``nvidia/cu13/include`` has cuda_runtime.h but not crt/host_config.h,
+    so a directory counts only with both."""
     cands: list[Path] = []
     for sp in sys.path:
         nv = Path(sp) / "nvidia"
@@ -429,7 +431,8 @@ def cuda_include_dir() -> Path | None:
             cands.append(Path(os.environ[env]) / "include")
     cands.append(Path("/usr/local/cuda/include"))
     cands += sorted(Path("/usr/local").glob("cuda-*/include"), reverse=True)
-    return next((c for c in cands if (c / "cuda_runtime_api.h").is_file()), None)
+    need = ("cuda_runtime_api.h", "crt/host_config.h")
+    return next((c for c in cands if all((c / n).is_file() for n in need)), None)
 
 
 def compile_flags(cuda: bool) -> list[str]:

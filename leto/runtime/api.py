@@ -38,6 +38,7 @@ from leto.runtime.config import (
     ENV_GENERATION,
     ENV_HOF_RATIO,
     ENV_MTTF_S,
+    ENV_PG_ATTEMPT,
     ENV_POOL_SOCKET,
     ENV_PROMOTE_FD,
     ENV_ROLE,
@@ -147,7 +148,9 @@ def init(prepare=None) -> Context:
         elif name == "pg":
             dist.init_process_group(
                 backend,
-                store=job_store.pg_store(store, generation),
+                store=job_store.pg_store(
+                    store, generation, int(os.environ.get(ENV_PG_ATTEMPT, "0"))
+                ),
                 rank=rank,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),

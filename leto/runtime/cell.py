@@ -24,6 +24,7 @@ from leto.runtime.config import (
     ENV_GENERATION,
     ENV_HOF_RATIO,
     ENV_MTTF_S,
+    ENV_PG_ATTEMPT,
     ENV_POOL_SOCKET,
     ENV_PROMOTE_FD,
     ENV_ROLE,
@@ -45,6 +46,7 @@ class Cell:
         self.shadow: subprocess.Popen | None = None
         self.shadow_generation = -1
         self._shadow_pipe: int | None = None
+        self.pg_attempt = 0  # the agent's checkpoint fallbacks so far
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -71,6 +73,7 @@ class Cell:
                 ENV_CHECKPOINT_INTERVAL: str(cfg.checkpoint_interval),
                 ENV_MTTF_S: str(cfg.mttf_s),
                 ENV_HOF_RATIO: str(cfg.hof_ratio),
+                ENV_PG_ATTEMPT: str(self.pg_attempt),
             }
         )
         for k in ("LETO_FAULT_AT", "LETO_FAULT_MODE"):

@@ -20,6 +20,7 @@ ENV_CHECKPOINT_DIR = "LETO_CHECKPOINT_DIR"
 ENV_CHECKPOINT_INTERVAL = "LETO_CHECKPOINT_INTERVAL"  # 0: Young's formula
 ENV_MTTF_S = "LETO_MTTF_S"
 ENV_HOF_RATIO = "LETO_HOF_RATIO"
+ENV_PG_ATTEMPT = "LETO_PG_ATTEMPT"  # checkpoint fallbacks so far (process-group namespace)
 
 LEVELS = ("off", "L1", "L2", "L3")
 

@@ -38,9 +38,11 @@ def wait_count(store: dist.Store, key: str, n: int, timeout_s: float, what: str)
         time.sleep(0.01)
 
 
-def pg_store(store: dist.Store, generation: int) -> dist.PrefixStore:
-    """Where generation ``generation``'s trainers form their process group."""
-    return dist.PrefixStore(f"leto/gen{generation}/pg/", store)
+def pg_store(store: dist.Store, generation: int, attempt: int = 0) -> dist.PrefixStore:
+    """Where generation ``generation``'s trainers form their process group. ``attempt``
+    counts checkpoint fallbacks: trainers started cold after one must not meet the
+    addresses that dropped L3 shadows of the same generation left in the store."""
+    return dist.PrefixStore(f"leto/gen{generation}/pg{attempt}/", store)
 
 
 def free_port() -> int:
