@@ -28,7 +28,7 @@ from leto.memory.config import PoolConfig
 from leto.runtime.store import free_port
 from leto.workload.train import TrainConfig
 from nvbit_tools.tripwire import ENV_LOG
-from verifiers import compare
+from verifiers import EVENT_INJECTION, EVENT_RECOVERED, Recorder, compare
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -130,6 +130,7 @@ def run_job(
         "losses": [],
         "states": [],
     }
+    _mark(out / "train", faults, summary.get("recoveries", []))
     if p.returncode != 0:
         return result
     for r in range(world):
@@ -145,6 +146,25 @@ def run_job(
         if cfg.save_state:
             result["states"].append(torch.load(out / "train" / f"rank{r}.state.pt"))
     return result
+
+
+def _mark(train_out: Path, faults, records: list[dict]) -> None:
+    """The verifiers marks of each failure (for ``verifiers report``), at the agent's
+    times: the injection when the agent detected it, on the failed rank; the recovery
+    when every rank trained again, on each rank. A fatal failure's in-place attempt
+    and its checkpoint fallback are one record each."""
+    if not train_out.is_dir():
+        return
+    todo = list(faults)
+    for rec in records:
+        t0 = rec["detected_at"]
+        if rec["class"] == "HOF" and todo:
+            f = todo.pop(0)
+            with Recorder(train_out, f.rank, clock=lambda t=t0: t) as victim:
+                victim.mark(EVENT_INJECTION, f.iteration, point=f.at, mode=f.mode)
+        for r, tr in rec.get("trainers", {}).items():
+            with Recorder(train_out, int(r), clock=lambda t=tr["time"]: t) as mark:
+                mark.mark(EVENT_RECOVERED, tr["next_iteration"], since=t0, failure=rec["class"])
 
 
 def first_difference(a: dict, b: dict) -> str | None:

@@ -1,14 +1,17 @@
-"""nvbit_tools: kernel-level abort instrumentation.
+"""nvbit_tools: kernel-level aborts.
+
+``nvbit_tools.tripwire`` is what runs: Leto's own kernels (the erasure codec's
+GF(2^16) kernel for parity encode/update and tier 2, the parity copies, the
+optimizer's landing of each chunk) honour a trip-wire that lets the first N blocks run
+and holds the rest while the process is SIGKILLed, so the output is genuinely partial.
+faultkit selects it with ``--mode kernel-abort``. On the CPU backend the same calls
+are an emulation (tile by tile), and say so.
 
 NVBit is not installed on the machines this project runs on and cannot be fetched, so
-no NVBit code is built here. What exists instead: ``faultkit`` mode ``kill`` on
-``--device cuda`` SIGKILLs a rank with its kernels (optimizer, parity update, parity
-copy) in flight, which FACTS.md measured to leave genuinely torn output.
-
-Not built yet: the trip-wire in Leto's own kernels (an abort flag read with a
-system-scope load of host-mapped memory, stopping blocks after the N-th). An NVBit
-aborter would plug into the same interface: a tool library injected with
-``LD_PRELOAD`` that, armed by ``LETO_FAULT_AT``, instruments the named kernel's exit
-paths to return early after N blocks and then raises SIGKILL from its host callback —
-faultkit would select it as ``--mode kernel-abort``, exactly where the trip-wire goes.
+no NVBit code is built here. An NVBit aborter would plug into the same interface: a
+tool library injected with ``LD_PRELOAD`` that, when faultkit's hook calls
+``tripwire.arm(n)`` (through a shared flag the tool reads), instruments the next
+launched kernel's entry so blocks after the n-th spin, and whose host callback then
+calls ``tripwire.fire`` — covering torch's own kernels (forward, backward, NCCL) that
+the trip-wire cannot reach.
 """

@@ -119,6 +119,16 @@ def test_a_fault_every_two_iterations_is_exact():
     v = json.loads(out)
     assert v["exact"] and v["injections"] == v["recoveries"] == 2, v
     assert len(v["points"]) == 2 and v["points"][0].endswith("@2#1"), v["points"]
+    # verifiers report draws from the marks: one injection and one recovery window each
+    from pathlib import Path
+
+    from verifiers.report import recovery_windows
+    from verifiers.trace import read_run
+
+    (faulted,) = [d for d in Path(v["workdir"]).iterdir() if d.name.startswith("faulted-")]
+    windows = recovery_windows(read_run(faulted / "train"), 0)
+    assert [w.iteration for w in windows] == [2, 4], windows
+    assert all(w.end_s is not None and w.end_s > w.start_s for w in windows), windows
 
 
 def test_run_plan_replays_a_schedule_and_an_ff_ends_in_the_fatal_path(tmp_path):
