@@ -65,7 +65,7 @@ def main() -> int:
             heartbeat=ctx.heartbeat,
         )
         t = job.resume(ctx.report, checkpoints=ctx.checkpoint_dir)
-        ctx.resumed(t, resume_s=time.time() - t_resume)
+        ctx.resumed(t, resume_s=time.time() - t_resume, **job.timings)
         ckpt = ctx.checkpointer()  # insurance against fatal failures only
         while t < cfg.iterations:
             job.begin(t)

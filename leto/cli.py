@@ -172,14 +172,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         else f"ETTR not measured: {m['why']}"
     )
     t = Table(title=f"leto run: {summary['failures']} failure(s), shadows {cfg.level()}; {ettr}")
-    for col in ("generation", "failed ranks", "fencing", "promotion", "recovery (to training)"):
+    cols = ("generation", "class", "failed ranks", "fencing", "promotion", "trainer steps, s (slowest rank)", "recovery (to training)")  # fmt: skip
+    for col in cols:
         t.add_column(col)
+    steps = {
+        "deferred_init_s": "init",
+        "attach_localize_s": "attach",
+        "map_retained_s": "map",
+        "reconstruct_s": "rebuild",
+        "agree_s": "agree",
+        "finish_update_s": "finish",
+    }
     for r in summary["recoveries"]:
+        tr = list(r.get("trainers", {}).values())
+        slow = max(tr, key=lambda x: x.get("resume_s", 0), default={})
         t.add_row(
             str(r["generation"]),
+            r["class"],
             str(r.get("failed_ranks", "?")),
             f"{r['fencing_s'] * 1e3:.0f} ms",
             f"{r['promotion_s'] * 1e3:.0f} ms",
+            " ".join(f"{v} {slow[k]:.2f}" for k, v in steps.items() if k in slow) or "-",
             f"{r['recovery_s']:.2f} s" if "recovery_s" in r else "-",
         )
     Console().print(t)

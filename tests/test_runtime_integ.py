@@ -92,6 +92,8 @@ def test_two_failures_recover_exactly_at_each_shadow_level(reference, tmp_path, 
     for rec, f in zip(summary["recoveries"], faults, strict=True):
         assert rec["failed_ranks"] == [f["rank"]], (rec, f)
         assert set(rec["trainers"]) == {"0", "1"}, rec  # both ranks resumed and said so
+        steps = {"map_retained_s", "reconstruct_s", "agree_s", "finish_update_s"}
+        assert all(steps <= set(t) for t in rec["trainers"].values()), rec["trainers"]
         roles = {t["role"] for t in rec["trainers"].values()}
         assert roles == ({"active"} if level == "off" else {"promoted"}), roles
 

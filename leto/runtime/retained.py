@@ -14,6 +14,7 @@ Not covered: gradient accumulation over micro-batches, tensor/pipeline paralleli
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -49,7 +50,10 @@ class RetainedTraining:
         self.model = model
         self.init_fn = init_fn
         shard = (rank, world) if zero1 else None
+        t0 = time.time()
         self.up = Updater(client, model, schedule, updater or UpdaterConfig(), shard=shard)
+        # The recovery record's steps on the trainer's side (the agent adds its own).
+        self.timings: dict[str, float] = {"map_retained_s": time.time() - t0}
         self.device = self.up.device
         self._grad_ptr = next(model.parameters()).grad.data_ptr()
         self.rec = Recorder(self.out, rank, keep_tensors=keep_tensors) if record else None
@@ -59,7 +63,10 @@ class RetainedTraining:
         """Recover this rank, apply the job-wide rule; returns the next iteration. On a
         fresh pool the newest complete checkpoint under ``checkpoints`` (if any) is
         loaded, else ``init_fn`` runs."""
+        t0 = time.time()
         m = self.up.recover(report)
+        self._settle()
+        self.timings["reconstruct_s"] = time.time() - t0
         restored = False
         if m is None:
             from leto.runtime.checkpoint import latest, restore
@@ -74,15 +81,26 @@ class RetainedTraining:
         # A failure in the middle of a recovery (pages rebuilt, the job-wide rule not yet
         # agreed): faultkit's "resume@0".
         point("resume", 0)
+        t0 = time.time()
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, m)
         action, t = decide(gathered)
+        t1 = time.time()
+        self.timings["agree_s"] = t1 - t0
         if action == "finish" and m.next_iteration() == t:
             self.up.finish(m)
             self._log(t, self.up.marker.state)
         elif m.phase is Phase.DONE and m.iteration >= 0 and not restored:
             self._log(m.iteration, m)  # a crash between the marker and the log line
+        self._settle()
+        self.timings["finish_update_s"] = time.time() - t1
         return t + 1 if action == "finish" else t
+
+    def _settle(self) -> None:
+        """Wait for the device, so a recovery step's time includes its kernels (only on
+        the recovery path)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def begin(self, t: int) -> None:
         if self.heartbeat is not None:
