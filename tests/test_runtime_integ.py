@@ -120,9 +120,12 @@ def _shadow_pids() -> list[int]:
     return found
 
 
-def test_a_shadow_that_dies_while_parked_is_replaced(reference, tmp_path):
+@pytest.mark.parametrize("level", ["L1", "L3"])
+def test_a_shadow_that_dies_while_parked_is_replaced(reference, tmp_path, level):
+    """At L3 the dead shadow's process group is gone with it: every shadow of that
+    generation restarts in a fresh namespace, and the promotion still works."""
     faults = [{"generation": 0, "rank": 0, "at": "update.commit@4#1"}]
-    (p,) = leto_run(tmp_path, "L1", faults, wait=False)
+    (p,) = leto_run(tmp_path, level, faults, wait=False)
     deadline = time.monotonic() + 60
     while not (pids := _shadow_pids()) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -18,8 +18,8 @@ fresh pool from the newest complete DCP checkpoint.
 
 A failure during a recovery is one more failure of the new generation.
 
-Not covered yet (runtime issue): restarting a dead L3 shadow (its generation's process
-group would need re-forming).
+A parked shadow that dies is replaced; at L3 every node restarts all shadows of that
+generation in a fresh process-group namespace (``_replace_dead_shadows``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class Agent:
         self.records: list[dict] = []
         self.pools: list[dict] = []  # each local pool's final status
         self.shadow_restarts = 0
+        self._reshadows: dict[int, int] = {}  # generation -> L3 shadow restarts seen
         self._beats: dict[int, tuple] = {}
         self._progress: list[tuple[float, int, int]] = []  # (time, generation, iteration)
         self._started = time.time()
@@ -131,10 +132,7 @@ class Agent:
                     gen += 1
                     reported = False
                     continue
-                for cl in cells:  # a parked shadow that died is replaced (L1/L2)
-                    if cl.shadow is not None and cl.shadow.poll() is not None:
-                        self.shadow_restarts += 1
-                        cl.start_shadow(cl.shadow_generation, self.level)
+                self._replace_dead_shadows(gen)
                 if all(cl.active.poll() == 0 for cl in cells):
                     store.add("leto/done", 1)
                     job_store.wait_count(store, "leto/done", c.nnodes, c.timeout_s, "every node")
@@ -157,6 +155,29 @@ class Agent:
                 json.dumps(self.summary(gen), indent=2)
             )
         return code
+
+    def _replace_dead_shadows(self, gen: int) -> None:
+        """A parked shadow that died is replaced. At L1/L2 alone; at L3 its process group
+        is gone with it, so every node restarts all shadows of the next generation in a
+        fresh process-group namespace (a counter in the store tells the other nodes)."""
+        dead = [cl for cl in self.cells if cl.shadow is not None and cl.shadow.poll() is not None]
+        if self.level != "L3":
+            for cl in dead:
+                self.shadow_restarts += 1
+                cl.start_shadow(cl.shadow_generation, self.level)
+            return
+        key = f"leto/gen{gen + 1}/reshadow"
+        if dead:
+            self.store.add(key, 1)
+        n = job_store.counter(self.store, key)
+        if n > self._reshadows.get(gen + 1, 0):
+            self._reshadows[gen + 1] = n
+            for cl in self.cells:
+                cl.drop_shadow()
+            for cl in self.cells:
+                self.shadow_restarts += 1
+                cl.pg_attempt = f"{cl.fallbacks}.{n}"
+                cl.start_shadow(gen + 1, self.level)
 
     def _pool_status(self, cl: Cell) -> dict:
         """The pool's final status (pages found lost, rebuilt, pending) for the summary;
@@ -282,7 +303,8 @@ class Agent:
             # The dropped L3 shadows formed their group under the next generation; the
             # cold trainers must not find those addresses (seen in a trace replay: gloo
             # connectFullMesh refused).
-            cl.pg_attempt += 1
+            cl.fallbacks += 1
+            cl.pg_attempt = f"{cl.fallbacks}.0"
         new = gen + 1
         for cl in self.cells:
             cl.start_active(new, self._fault(new, cl.rank))

@@ -148,9 +148,7 @@ def init(prepare=None) -> Context:
         elif name == "pg":
             dist.init_process_group(
                 backend,
-                store=job_store.pg_store(
-                    store, generation, int(os.environ.get(ENV_PG_ATTEMPT, "0"))
-                ),
+                store=job_store.pg_store(store, generation, os.environ.get(ENV_PG_ATTEMPT, "0.0")),
                 rank=rank,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),

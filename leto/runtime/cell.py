@@ -46,7 +46,10 @@ class Cell:
         self.shadow: subprocess.Popen | None = None
         self.shadow_generation = -1
         self._shadow_pipe: int | None = None
-        self.pg_attempt = 0  # the agent's checkpoint fallbacks so far
+        # Process-group namespace of the trainers it starts: "<fallbacks>.<L3 restarts>"
+        # (leto.runtime.store.pg_store); a restarted group never meets a dropped one.
+        self.fallbacks = 0
+        self.pg_attempt = "0.0"
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
 

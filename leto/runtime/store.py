@@ -38,10 +38,10 @@ def wait_count(store: dist.Store, key: str, n: int, timeout_s: float, what: str)
         time.sleep(0.01)
 
 
-def pg_store(store: dist.Store, generation: int, attempt: int = 0) -> dist.PrefixStore:
+def pg_store(store: dist.Store, generation: int, attempt: str = "0.0") -> dist.PrefixStore:
     """Where generation ``generation``'s trainers form their process group. ``attempt``
-    counts checkpoint fallbacks: trainers started cold after one must not meet the
-    addresses that dropped L3 shadows of the same generation left in the store."""
+    ("<checkpoint fallbacks>.<L3 shadow restarts>"): trainers started again must not
+    meet the addresses that dropped L3 shadows of the same generation left in the store."""
     return dist.PrefixStore(f"leto/gen{generation}/pg{attempt}/", store)
 
 
