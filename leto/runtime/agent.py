@@ -173,7 +173,7 @@ class Agent:
         if n > self._reshadows.get(gen + 1, 0):
             self._reshadows[gen + 1] = n
             for cl in self.cells:
-                cl.drop_shadow()
+                cl.drop_shadow(grace_s=0)
             for cl in self.cells:
                 self.shadow_restarts += 1
                 cl.pg_attempt = f"{cl.fallbacks}.{n}"
@@ -292,7 +292,7 @@ class Agent:
         t0 = time.time()
         for cl in self.cells:
             cl.fence()
-            cl.drop_shadow()  # its generation's process group (L3) has no future
+            cl.drop_shadow(grace_s=0)  # its generation's process group (L3) has no future
         t_fenced = time.time()
         store.add(f"leto/gen{gen}/fenced", 1)
         job_store.wait_count(

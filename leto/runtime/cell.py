@@ -134,13 +134,17 @@ class Cell:
             p.send_signal(signal.SIGKILL)
             p.wait(timeout=self.cfg.timeout_s)
 
-    def drop_shadow(self) -> None:
+    def drop_shadow(self, grace_s: float = 5.0) -> None:
+        """A parked shadow exits by itself on EOF; one still initializing is killed after
+        ``grace_s`` (0 on a recovery path: a shadow holds no state worth waiting for)."""
         if self._shadow_pipe is not None:
-            os.close(self._shadow_pipe)  # EOF: a parked shadow exits by itself
+            os.close(self._shadow_pipe)
             self._shadow_pipe = None
         if self.shadow is not None:
             try:
-                self.shadow.wait(timeout=5)
+                if grace_s <= 0:
+                    raise subprocess.TimeoutExpired(self.shadow.args, 0)
+                self.shadow.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 self.shadow.kill()
                 self.shadow.wait(timeout=self.cfg.timeout_s)
