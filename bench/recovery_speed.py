@@ -35,6 +35,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from leto.runtime.config import ENV_PROFILE_RECOVERY
 from leto.runtime.store import free_port
 from verifiers import compare
 from verifiers.trace import read_run
@@ -60,6 +61,8 @@ def run_variant(work: Path, level: str, recovery: str, args, faults) -> dict:
         "--out", str(work / "out"), *args.model,
     ]  # fmt: skip
     env = dict(os.environ, LETO_FAULT_PLAN=json.dumps(faults))
+    if args.profile_recovery:
+        env[ENV_PROFILE_RECOVERY] = str(Path(args.profile_recovery).resolve() / work.name)
     p = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1200)
     # A 1 B-parameter model's checkpoints are ~12 GB each: keep the disk for the next.
     shutil.rmtree(work / "logs" / "checkpoints", ignore_errors=True)
@@ -91,6 +94,12 @@ def main(argv: list[str] | None = None) -> dict:
         nargs=argparse.REMAINDER,
         default=[],
         help="extra flags for examples/train_gpt.py (e.g. --n-layer 20 --n-embd 2048)",
+    )
+    ap.add_argument(
+        "--profile-recovery",
+        default=None,
+        metavar="DIR",
+        help="cProfile each recovering trainer into DIR/<variant>/ (LETO_PROFILE_RECOVERY)",
     )
     ap.add_argument(
         "--variants",

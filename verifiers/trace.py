@@ -5,8 +5,10 @@ rank) and the readers (``compare.py``, ``report.py``, in whatever process verifi
 One file per rank, ``rank{r}.trace.jsonl``, one JSON object per line, appended only:
 
 * a *record* (``"kind": "record"``): one completed iteration: its loss (float and
-  ``float.hex``), wall time, and per retained tensor its dtype, shape, byte count and
-  SHA-256 of its raw bytes; ``tensors_file`` names the saved tensors, if kept;
+  ``float.hex``), wall time (when the iteration's state was final, before hashing), and
+  per retained tensor its dtype, shape, byte count and digest of its raw bytes (field
+  ``sha256``; scheme ``sha256-tree-16MiB`` from ``digest.py`` since trace version 2);
+  ``tensors_file`` names the saved tensors, if kept;
 * a *mark* (``"kind": "mark"``): an event such as an injection or a recovery.
 
 An iteration may be recorded more than once (a rank redoes it after recovery); the
@@ -21,7 +23,6 @@ gives, and durability across power loss (lines are flushed to the kernel, not fs
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -31,8 +32,9 @@ from pathlib import Path
 import torch
 
 from leto.errors import InvalidInput
+from verifiers.digest import digest
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2  # 2: tensor digests are sha256-tree-16MiB (digest.py)
 TRACE_GLOB = "rank*.trace.jsonl"
 _TRACE_NAME = re.compile(r"rank(\d+)\.trace\.jsonl")
 
@@ -60,7 +62,7 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(tensor_bytes(t).numpy().tobytes()).hexdigest()
+    return digest(t)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -181,6 +183,13 @@ def read_trace(path: Path) -> Trace:
         try:
             obj = json.loads(raw)
             kind = obj["kind"]
+            if kind == "record" and obj.get("v") != TRACE_VERSION:
+                trace.notes.append(
+                    f"{path}: line {i} is a record of trace version {obj.get('v')!r}, whose "
+                    f"tensor digests this reader (version {TRACE_VERSION}) cannot compare; "
+                    "ignored"
+                )
+                continue
             if kind == "record":
                 rec = _parse_record(obj, i)
             elif kind == "mark":

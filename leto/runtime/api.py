@@ -40,6 +40,7 @@ from leto.runtime.config import (
     ENV_MTTF_S,
     ENV_PG_ATTEMPT,
     ENV_POOL_SOCKET,
+    ENV_PROFILE_RECOVERY,
     ENV_PROMOTE_FD,
     ENV_ROLE,
     ENV_SHADOW_LEVEL,
@@ -61,6 +62,7 @@ class Context:
     prepared: object = None
     timings: dict = field(default_factory=dict)
     store: dist.Store | None = None
+    profiler: object = None  # cProfile.Profile of this recovery (LETO_PROFILE_RECOVERY)
 
     @property
     def checkpoint_dir(self) -> str | None:
@@ -93,6 +95,21 @@ class Context:
         rec["role"] = self.role
         key = f"leto/gen{self.generation}/rank{self.rank}/resumed"
         self.store.set(key, json.dumps(rec))
+        if self.profiler is not None:
+            self._write_profile()
+
+    def _write_profile(self) -> None:
+        import io
+        import pstats
+        from pathlib import Path
+
+        self.profiler.disable()
+        buf = io.StringIO()
+        pstats.Stats(self.profiler, stream=buf).sort_stats("cumulative").print_stats(60)
+        d = Path(os.environ[ENV_PROFILE_RECOVERY])
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"rank{self.rank}.gen{self.generation}.profile.txt").write_text(buf.getvalue())
+        self.profiler = None
 
 
 def _warm_device(device: torch.device) -> None:
@@ -138,6 +155,15 @@ def init(prepare=None) -> Context:
     )
     done: set[str] = set()
     prepared = None
+    profiler = None
+
+    def profile_recovery() -> None:
+        nonlocal profiler
+        if os.environ.get(ENV_PROFILE_RECOVERY):
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
 
     def step(name: str) -> None:
         nonlocal prepared
@@ -164,10 +190,13 @@ def init(prepare=None) -> Context:
         timings["parked_after_s"] = time.time() - t0
         msg = _park(int(os.environ[ENV_PROMOTE_FD]), timeout_s)
         timings["promoted_at"] = time.time()
+        profile_recovery()
         if msg.get("fault_at"):
             from faultkit.hooks import arm, parse
 
             arm(*parse(msg["fault_at"]), mode=msg.get("fault_mode", "kill"))
+    elif generation > 0:
+        profile_recovery()  # a trainer restarted cold
     t_deferred = time.time()
     for name in order:
         if name not in done:
@@ -192,4 +221,5 @@ def init(prepare=None) -> Context:
         prepared=prepared,
         timings=timings,
         store=store,
+        profiler=profiler,
     )

@@ -21,6 +21,9 @@ ENV_CHECKPOINT_INTERVAL = "LETO_CHECKPOINT_INTERVAL"  # 0: Young's formula
 ENV_MTTF_S = "LETO_MTTF_S"
 ENV_HOF_RATIO = "LETO_HOF_RATIO"
 ENV_PG_ATTEMPT = "LETO_PG_ATTEMPT"  # checkpoint fallbacks so far (process-group namespace)
+# A directory: a restarted or promoted trainer profiles (cProfile) its recovery, from
+# promotion (or process start) to ``Context.resumed``, into rank<r>.gen<g>.profile.txt.
+ENV_PROFILE_RECOVERY = "LETO_PROFILE_RECOVERY"
 
 LEVELS = ("off", "L1", "L2", "L3")
 

@@ -1,0 +1,86 @@
+"""verifiers.digest: the block-tree SHA-256 of a tensor's raw bytes.
+
+The oracle is written out here from hashlib alone (one block at a time, in order), so a
+wrong block boundary, a block hashed twice or skipped, or a staging buffer reused
+before its hash finished gives a different digest. The GPU test checks the staged,
+overlapped CUDA path against the same oracle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verifiers import Recorder, read_run
+from verifiers import digest as D
+
+
+def oracle(data: bytes) -> str:
+    leaves = b"".join(
+        hashlib.sha256(data[i : i + D.BLOCK]).digest() for i in range(0, len(data), D.BLOCK)
+    )
+    return hashlib.sha256(leaves).hexdigest()
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+
+
+def random_bytes(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize("n", [0, 1, D.BLOCK - 1, D.BLOCK, D.BLOCK + 1, 3 * D.BLOCK + 17])
+def test_digest_matches_the_block_oracle_at_block_boundaries(n):
+    t = random_bytes(n, n)
+    assert D.digest(t) == oracle(as_bytes(t))
+
+
+@given(st.integers(0, 3 * D.BLOCK - 1))
+@settings(max_examples=12, deadline=None)
+def test_one_flipped_bit_anywhere_changes_the_digest(pos):
+    t = random_bytes(3 * D.BLOCK, 7)
+    before = D.digest(t)
+    t[pos] ^= 1
+    assert D.digest(t) != before
+    assert D.digest(t) == oracle(as_bytes(t))
+
+
+def test_dtype_shape_and_non_contiguous_views_hash_their_row_major_bytes():
+    x = torch.randn(64, 33, dtype=torch.float32).t()  # not contiguous
+    assert D.digest(x) == oracle(as_bytes(x))
+    assert D.digest(torch.tensor(1.5, dtype=torch.bfloat16)) == oracle(
+        torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    )
+
+
+def test_a_record_is_timed_before_hashing_and_older_trace_versions_are_refused(tmp_path):
+    times = iter([100.0, 200.0])
+    with Recorder(tmp_path, 0, clock=lambda: next(times)) as rec:
+        obj = rec.record(0, 1.0, {"p": torch.ones(4)})
+    assert obj["wall_time"] == 100.0 and obj["digest_s"] >= 0
+    old = dict(obj, v=1, iteration=1)
+    with open(tmp_path / "rank0.trace.jsonl", "a") as f:
+        f.write(json.dumps(old) + "\n")
+    trace = read_run(tmp_path).traces[0]
+    assert sorted(trace.records) == [0]
+    assert any("trace version 1" in n for n in trace.notes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [0, 5, D.STAGE - 1, 2 * D.STAGE + D.BLOCK + 3, 9 * D.STAGE + 1])
+def test_cuda_digest_stages_and_overlaps_without_changing_the_result(n):
+    # 9 stages > N_STAGES: every pinned buffer is reused while others are being hashed.
+    cpu = random_bytes(n, n + 1)
+    src = cpu.cuda()
+    gpu = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # keeps the current stream busy, so the write below
+    gpu.copy_(src)  # is still queued when the digest's side-stream copies are issued
+    assert D.digest(gpu) == D.digest(cpu) == oracle(as_bytes(cpu))
