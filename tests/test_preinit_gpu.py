@@ -136,7 +136,11 @@ def test_with_the_hook_the_shadow_is_reclaimed_and_the_allocation_succeeds():
     assert ev["outcome"] == "released" and ev["killed"], ev
     assert ev["free_after_bytes"] - ev["free_before_bytes"] >= r["held"], ev
     assert ev["latency_s"] > 0, ev
+    # The driver frees the memory while the process exits, before its pidfd turns
+    # readable: "released" often comes first and the exit is never observed (None).
+    exit_s = ev["exit_latency_s"]
+    exit_txt = "not observed before" if exit_s is None else f"seen after {exit_s * 1e3:.1f} ms"
     print(
         f"reclamation: {r['held'] / GiB:.1f} GiB back in {ev['latency_s'] * 1e3:.1f} ms "
-        f"(exit seen after {ev['exit_latency_s'] * 1e3:.1f} ms)"
+        f"(exit {exit_txt})"
     )

@@ -156,12 +156,14 @@ def allocation_granularity(device_index: int = 0) -> int:
 
 
 class CudaPage:
-    """One ``cuMemCreate`` allocation; ``handle`` is None once released."""
+    """One ``cuMemCreate`` allocation; ``handle`` is None once released. ``fd`` is its
+    exported POSIX fd, kept open so each attach only dups it."""
 
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "fd")
 
     def __init__(self, handle):
         self.handle = handle
+        self.fd: int | None = None
 
 
 def _live(page: CudaPage):
@@ -214,11 +216,20 @@ class CudaPageOwner(_OnDevice, PageOwner):
             _call("unmapping scratch", d.cuMemUnmap, s, pb)
 
     def export_fd(self, handle: CudaPage) -> int:
-        self._dev.make_current()
-        export, what = self._dev.d.cuMemExportToShareableHandle, "exporting a page as an fd"
-        return int(_call(what, export, _live(handle), self._dev.fd_type, 0))
+        # Exported once and dup'ed after: a recovering trainer attaches every page, and
+        # 7,371 exports took ~0.4 s of a 1 B-parameter model's recovery on the H200.
+        if handle.fd is None:
+            self._dev.make_current()
+            export, what = self._dev.d.cuMemExportToShareableHandle, "exporting a page as an fd"
+            handle.fd = int(_call(what, export, _live(handle), self._dev.fd_type, 0))
+        _live(handle)
+        return os.dup(handle.fd)
 
     def release(self, handle: CudaPage) -> None:
+        if handle.fd is not None:
+            # The fd references the memory too: a lost page must not survive through it.
+            os.close(handle.fd)
+            handle.fd = None
         if handle.handle is not None:
             self._dev.make_current()
             _call("cuMemRelease", self._dev.d.cuMemRelease, handle.handle)
