@@ -55,8 +55,11 @@ if [[ $what == runtime || $what == all ]]; then
     --model --n-layer 20 --n-embd 2048 --n-head 16 --chunk-units 64 2>&1 | tee "$OUT/recovery_speed_cuda.txt" || rc=1
 fi
 if [[ $what == preinit || $what == all ]]; then
-  # Issue 8: the allocation-path hook on real device memory, footprints per level, latency.
-  python3 -m pytest -p no:cacheprovider -q -s tests/test_preinit_gpu.py 2>&1 | tee "$OUT/preinit_gpu_tests.txt" || rc=1
+  # Issue 8: footprints per level and reclamation latency, the allocation-path hook on real
+  # device memory, and leto run --shadow-level auto end to end (with those footprints).
   python3 -m bench.preinit_footprint --repeats 3 --json-out "$OUT/preinit_footprint.json" 2>&1 | tee "$OUT/preinit_footprint.txt" || rc=1
+  LETO_TEST_FOOTPRINTS="$OUT/preinit_footprint.json" python3 -m pytest -p no:cacheprovider -q -s \
+    tests/test_preinit_gpu.py tests/test_preinit_runtime_gpu.py --basetemp "$OUT/preinit_runs" 2>&1 | tee "$OUT/preinit_gpu_tests.txt" || rc=1
+  find "$OUT/preinit_runs" -name '*.pt' -delete 2>/dev/null
 fi
 exit $rc

@@ -31,6 +31,28 @@ from leto.workload.gpt import GPT, init_weights
 from leto.workload.train import add_arguments, from_args
 
 
+def grow_demand(ctx, cfg) -> list[torch.Tensor]:
+    """Memory pressure for the preinitialization demo: grow this rank's device memory
+    past what is free while its shadow is parked, in chunks (each a cache miss the
+    allocation hook sees). Without the controller this OOMs; with it the shadow is
+    reclaimed first. Outside ``job.compute()``: the updater's lent buffers stay out."""
+    parked = ctx.wait_shadow_parked(timeout_s=120)
+    free = ctx.device_free_bytes()
+    target = free + int(cfg.demand_beyond_free_mib * 2**20)
+    chunk = max(1, int(cfg.demand_chunk_mib * 2**20))
+    print(
+        f"rank {ctx.rank}: demand {target / 2**30:.2f} GiB with {free / 2**30:.2f} GiB free "
+        f"(shadow parked: {parked})",
+        flush=True,
+    )
+    held, total = [], 0
+    while total < target:
+        n = min(chunk, target - total)
+        held.append(torch.empty(n, dtype=torch.uint8, device=ctx.device).fill_(1))
+        total += n
+    return held
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
@@ -67,8 +89,11 @@ def main() -> int:
         t = job.resume(ctx.report, checkpoints=ctx.checkpoint_dir)
         ctx.resumed(t, resume_s=time.time() - t_resume, **job.timings)
         ckpt = ctx.checkpointer()  # insurance against fatal failures only
+        demand = None
         while t < cfg.iterations:
             job.begin(t)
+            if t == cfg.demand_at and demand is None:
+                demand = grow_demand(ctx, cfg)
             torch.manual_seed(((cfg.seed * 7_919) + t) * 104_729 + ctx.rank)  # dropout
             x, y = (
                 v.to(ctx.device) for v in batch(cfg.seed, t, ctx.rank, cfg.batch_size, cfg.seq_len)

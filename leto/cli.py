@@ -154,9 +154,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             hof_ratio=args.hof_ratio,
             recovery=args.recovery,
             log_dir=args.log_dir,
+            max_failures=args.max_failures,
+            device_memory_bytes=args.device_memory_bytes,
+            preinit_footprints=args.preinit_footprints,
+            preinit_margin_bytes=int(args.preinit_margin_mib * (1 << 20)),
+            reclaim_below_bytes=int(args.reclaim_below_mib * (1 << 20)),
         )
     except ValueError as e:
         print(f"leto run: {e}", file=sys.stderr)
+        return 2
+    if not Path(args.script).is_file():
+        print(
+            f"leto run: training script {args.script} does not exist; nothing started",
+            file=sys.stderr,
+        )
         return 2
     agent = Agent(cfg, [args.script, *args.script_args])
     code = agent.run()
@@ -171,8 +182,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         if m["ettr"] is not None
         else f"ETTR not measured: {m['why']}"
     )
-    t = Table(title=f"leto run: {summary['failures']} failure(s), shadows {cfg.level()}; {ettr}")
-    cols = ("generation", "class", "failed ranks", "fencing", "promotion", "trainer steps, s (slowest rank)", "recovery (to training)")  # fmt: skip
+    shadows = cfg.level()
+    if summary.get("preinit"):
+        p = summary["preinit"]
+        shadows = "auto → " + ", ".join(
+            f"rank {r} {v['level'] or 'none'} ({v['reclamations']} reclaimed)" for r, v in p.items()
+        )
+        if any(v["emulated_device"] for v in p.values()):
+            shadows += " [emulated device memory]"
+    t = Table(title=f"leto run: {summary['failures']} failure(s), shadows {shadows}; {ettr}")
+    cols = ("generation", "class", "shadow level", "failed ranks", "fencing", "promotion", "trainer steps, s (slowest rank)", "recovery (to training)")  # fmt: skip
     for col in cols:
         t.add_column(col)
     steps = {
@@ -189,6 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         t.add_row(
             str(r["generation"]),
             r["class"],
+            str(r.get("level") or "none (cold)"),
             str(r.get("failed_ranks", "?")),
             f"{r['fencing_s'] * 1e3:.0f} ms",
             f"{r['promotion_s'] * 1e3:.0f} ms",
@@ -256,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="iterations between checkpoints; 0: Young's formula with the FF-only MTTF",
     )
+    p.add_argument(
+        "--max-failures", type=int, default=100, help="stop the job after this many failures"
+    )
     p.add_argument("--mttf-s", type=float, default=3600.0, help="expected MTTF (for Young)")
     p.add_argument("--hof-ratio", type=float, default=0.5, help="expected HOF fraction")
     p.add_argument(
@@ -263,6 +286,31 @@ def build_parser() -> argparse.ArgumentParser:
         default="in-place",
         help="in-place (Leto) or checkpoint (every failure restarts from the last checkpoint, "
         "as torchrun + DCP would: the baseline)",
+    )
+    p.add_argument(
+        "--device-memory-bytes",
+        type=int,
+        default=0,
+        help="--shadow-level auto: device memory the trainer and its shadow share (0: the "
+        "GPU's total; on --device cpu a positive value emulates a device of that size)",
+    )
+    p.add_argument(
+        "--preinit-footprints",
+        default="",
+        help="--shadow-level auto: JSON of each level's device bytes (bench/preinit_footprint.py "
+        "writes it; default: the paper's A100 figures)",
+    )
+    p.add_argument(
+        "--preinit-margin-mib",
+        type=float,
+        default=2048,
+        help="auto: free memory kept above the peak",
+    )
+    p.add_argument(
+        "--reclaim-below-mib",
+        type=float,
+        default=1024,
+        help="auto: the allocation hook reclaims the shadow when device free memory is below this",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("script", help="the training script")

@@ -239,15 +239,27 @@ class Controller:
             )
         return None
 
+    def sample(self, t_s: float, active_bytes: int) -> None:
+        """A sample that only moves the peak: in a live run the allocation hook applies
+        the reclamation gate itself (``reclaim.py``), so the agent tracks, not decides."""
+        if active_bytes < 0:
+            raise InvalidInput(f"active_bytes must be >= 0, got {active_bytes}")
+        self.last_active_bytes = active_bytes
+        self.peak_bytes = max(self.peak_bytes, active_bytes)
+
     def on_reclaim(
         self,
         t_s: float,
         free_before_bytes: int | None = None,
         free_after_bytes: int | None = None,
         latency_s: float | None = None,
+        active_bytes: int | None = None,
     ) -> Decision:
         """The shadow was killed and its memory released: the replacement's level (strictly
-        lower than the reclaimed one; None means no shadow until the next recovery)."""
+        lower than the reclaimed one; None means no shadow until the next recovery).
+        ``active_bytes``: the demand that caused it, if newer than the last sample."""
+        if active_bytes is not None:
+            self.sample(t_s, active_bytes)
         level = None if self.level is None else self.fitting_level(self.peak_bytes, self.level)
         if self.level is None:
             why = "a reclamation with no shadow: nothing to relaunch"

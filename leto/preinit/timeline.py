@@ -131,7 +131,7 @@ class Timeline:
         from matplotlib.figure import Figure
 
         t = [s.t_s for s in self.samples]
-        t0 = t[0]
+        t0 = min([t[0], *(m.t_s for m in self.marks)])  # a launch precedes the first sample
         xs = [x - t0 for x in t]
         active = [s.active_bytes / GiB for s in self.samples]
         both = [(s.active_bytes + s.shadow_bytes) / GiB for s in self.samples]

@@ -33,7 +33,7 @@ from pathlib import Path
 from leto.memory.config import PoolConfig
 from leto.runtime import store as job_store
 from leto.runtime.cell import Cell
-from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
+from leto.runtime.config import ENV_FAULT_PLAN, ENV_PREINIT, RunConfig
 
 EXIT_FATAL = 13  # a trainer's retained state cannot be restored: checkpoint needed
 
@@ -50,6 +50,9 @@ class Agent:
         self._beats: dict[int, tuple] = {}
         self._progress: list[tuple[float, int, int]] = []  # (time, generation, iteration)
         self._started = time.time()
+        self.levels = None  # preinit.levels.Levels under --shadow-level auto (controlled)
+        self._reclaims_seen: dict[tuple[int, int], int] = {}  # (generation, rank) -> count
+        self._dead_since: dict[int, tuple] = {}  # shadow pid -> (trainer beat, monotonic)
 
     def _fault(self, generation: int, rank: int) -> dict | None:
         for f in self.faults:
@@ -83,9 +86,12 @@ class Agent:
         gen = 0
         code = 0
         try:
+            self._setup_levels()
             for cell in cells:
                 cell.start_active(0, self._fault(0, cell.rank))
-            if self.level != "off":
+            if self.levels is not None:
+                self.level = self.levels.start(1, c.timeout_s)
+            if self.level not in ("off", None):
                 for cell in cells:
                     cell.start_shadow(1, self.level)
             reported = False
@@ -138,6 +144,9 @@ class Agent:
                     job_store.wait_count(store, "leto/done", c.nnodes, c.timeout_s, "every node")
                     break
         finally:
+            if self.levels is not None:
+                Path(c.log_dir).mkdir(parents=True, exist_ok=True)
+                self.levels.write(Path(c.log_dir))
             self.pools = [self._pool_status(cl) for cl in cells]
             for cl in cells:
                 cl.stop()
@@ -159,25 +168,94 @@ class Agent:
     def _replace_dead_shadows(self, gen: int) -> None:
         """A parked shadow that died is replaced. At L1/L2 alone; at L3 its process group
         is gone with it, so every node restarts all shadows of the next generation in a
-        fresh process-group namespace (a counter in the store tells the other nodes)."""
+        fresh process-group namespace (a counter in the store tells the other nodes).
+
+        Under the controller a shadow the trainer's hook reclaimed is not a crash: its
+        rank's level goes down, and every node restarts its shadows at the new job
+        level (the same counter)."""
         dead = [cl for cl in self.cells if cl.shadow is not None and cl.shadow.poll() is not None]
-        if self.level != "L3":
+        key = f"leto/gen{gen + 1}/reshadow"
+        if self.levels is not None:
+            crashed, reclaimed = self._classify_dead(gen, dead)
+            if reclaimed:
+                self.store.add(key, 1)
+            dead = crashed
+        if self.level != "L3" and self.levels is None:
             for cl in dead:
                 self.shadow_restarts += 1
                 cl.start_shadow(cl.shadow_generation, self.level)
             return
-        key = f"leto/gen{gen + 1}/reshadow"
-        if dead:
+        if dead and self.level == "L3":
             self.store.add(key, 1)
+        elif dead:  # below L3 a crashed shadow is replaced alone
+            for cl in dead:
+                self.shadow_restarts += 1
+                cl.start_shadow(cl.shadow_generation, self.level)
         n = job_store.counter(self.store, key)
         if n > self._reshadows.get(gen + 1, 0):
             self._reshadows[gen + 1] = n
+            if self.levels is not None:
+                self.level = self.levels.job_level(gen + 1)
             for cl in self.cells:
                 cl.drop_shadow(grace_s=0)
+            if self.level in ("off", None):
+                return  # the controller found no level that fits: none until a recovery
             for cl in self.cells:
                 self.shadow_restarts += 1
                 cl.pg_attempt = f"{cl.fallbacks}.{n}"
                 cl.start_shadow(gen + 1, self.level)
+
+    def _classify_dead(self, gen: int, dead: list[Cell]) -> tuple[list[Cell], list[Cell]]:
+        """(crashed, reclaimed) among dead shadows; one not yet known either way (its
+        trainer reports reclamations before its next beat) is in neither."""
+        from leto.preinit.guard import reclaims_key
+
+        crashed, reclaimed = [], []
+        for cl in dead:
+            key = reclaims_key(gen, cl.rank)
+            n = job_store.counter(self.store, key)
+            seen = self._reclaims_seen.get((gen, cl.rank), 0)
+            events = [json.loads(self.store.get(f"{key}/{k}")) for k in range(seen + 1, n + 1)]
+            self._reclaims_seen[(gen, cl.rank)] = n
+            mine = [e for e in events if e["pid"] == cl.shadow.pid]
+            if mine:
+                for e in mine:
+                    self.levels.on_reclaim(cl.rank, gen + 1, e)
+                self._dead_since.pop(cl.shadow.pid, None)
+                cl.drop_shadow(grace_s=0)  # reaped; the restart below replaces it
+                reclaimed.append(cl)
+                continue
+            beat = self._beats.get(cl.rank, ((None, None), 0))[0]
+            first = self._dead_since.setdefault(cl.shadow.pid, (beat, time.monotonic()))
+            if beat != first[0] or time.monotonic() - first[1] > self.cfg.hang_timeout_s:
+                self._dead_since.pop(cl.shadow.pid, None)
+                crashed.append(cl)  # the trainer moved on without reporting it: a crash
+        return crashed, reclaimed
+
+    def _setup_levels(self) -> None:
+        """``--shadow-level auto``: the controller's per-rank state and the guard
+        configuration every trainer gets (on a GPU or an emulated CPU device)."""
+        c = self.cfg
+        if not c.controlled:
+            return
+        from leto.preinit.guard import GuardConfig
+        from leto.preinit.levels import Levels
+        from leto.preinit.policy import PolicyConfig
+
+        emulated = c.device == "cpu"
+        capacity = c.device_memory_bytes or _device_total_bytes(self.cells[0].local_rank)
+        fp = c.footprints()
+        pcfg = PolicyConfig(
+            capacity_bytes=capacity,
+            footprints=fp,
+            margin_bytes=c.preinit_margin_bytes,
+            reclaim_below_bytes=c.reclaim_below_bytes,
+        )
+        ranks = [cl.rank for cl in self.cells]
+        self.levels = Levels(self.store, ranks, c.world_size, pcfg, emulated)
+        guard = GuardConfig(fp, c.reclaim_below_bytes, capacity, emulated).to_json()
+        for cl in self.cells:
+            cl.extra_env[ENV_PREINIT] = guard
 
     def _pool_status(self, cl: Cell) -> dict:
         """The pool's final status (pages found lost, rebuilt, pending) for the summary;
@@ -208,6 +286,8 @@ class Agent:
                 self._beats[cl.rank] = ((gen, beat), now)
                 if cl is self.cells[0] and beat is not None and beat != b"done":
                     self._progress.append((time.time(), gen, int(beat)))
+                if self.levels is not None and beat is not None:
+                    self._observe_memory(gen, cl)
                 continue
             # Before the first beat (start-up, recovery) and after the last (finishing:
             # final barrier, checkpoint flush) only the general timeout applies.
@@ -219,6 +299,20 @@ class Agent:
         # of it at most: the stuck one has the oldest beat.
         oldest = min((b for b, _ in hung), default=None)
         return [cl for b, cl in hung if b == oldest]
+
+    def _observe_memory(self, gen: int, cl: Cell) -> None:
+        from leto.preinit.guard import memory_key
+
+        key = memory_key(gen, cl.rank)
+        if self.store.check([key]):
+            self.levels.observe(cl.rank, json.loads(self.store.get(key)))
+
+    def _next_level(self, new: int) -> None:
+        """After a recovery into generation ``new``: the level of its successors'
+        shadows (the controller may raise it)."""
+        if self.levels is not None:
+            self.level = self.levels.on_recovery(new + 1, self.cfg.timeout_s)
+            self._dead_since.clear()
 
     def _recover(self, gen: int) -> None:
         c, store = self.cfg, self.store
@@ -232,17 +326,21 @@ class Agent:
         )
         lost = self._lose(gen)
         new = gen + 1
-        if self.level == "off":
+        promoted = self.level
+        if self.level in ("off", None):
             for cl in self.cells:
+                cl.drop_shadow(grace_s=0)
                 cl.start_active(new, self._fault(new, cl.rank))
         else:
             for cl in self.cells:
                 if cl.shadow is None or cl.shadow.poll() is not None:
                     cl.start_shadow(new, self.level)  # none ready: promote a fresh one
                 cl.promote(self._fault(new, cl.rank))
+        t_promoted = time.time()
+        self._next_level(new)
+        if self.level not in ("off", None):
             for cl in self.cells:
                 cl.start_shadow(new + 1, self.level)
-        t_promoted = time.time()
         self.records.append(
             {
                 "generation": gen,
@@ -251,7 +349,7 @@ class Agent:
                 "fencing_s": t_fenced - t0,
                 "all_nodes_fenced_s": time.time() - t0,
                 "promotion_s": t_promoted - t0,
-                "level": self.level,
+                "level": promoted,
                 "local_ranks": [cl.rank for cl in self.cells],
                 "pages_lost": lost,
             }
@@ -308,7 +406,8 @@ class Agent:
         new = gen + 1
         for cl in self.cells:
             cl.start_active(new, self._fault(new, cl.rank))
-        if self.level != "off":
+        self._next_level(new)
+        if self.level not in ("off", None):
             for cl in self.cells:
                 cl.start_shadow(new + 1, self.level)
         self.records.append(
@@ -371,4 +470,15 @@ class Agent:
             "shadow_restarts": self.shadow_restarts,
             "recoveries": self.records,
             "pools": self.pools,
+            "preinit": self.levels.summary() if self.levels is not None else None,
         }
+
+
+def _device_total_bytes(index: int) -> int:
+    """The GPU's memory through the driver API: no CUDA context in the agent."""
+    from leto.memory.backends.cuda import _call, _driver
+
+    d = _driver()
+    _call("cuInit", d.cuInit, 0)
+    dev = _call(f"cuDeviceGet({index})", d.cuDeviceGet, index)
+    return int(_call("cuDeviceTotalMem", d.cuDeviceTotalMem, dev))

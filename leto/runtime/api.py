@@ -40,6 +40,7 @@ from leto.runtime.config import (
     ENV_MTTF_S,
     ENV_PG_ATTEMPT,
     ENV_POOL_SOCKET,
+    ENV_PREINIT,
     ENV_PROFILE_RECOVERY,
     ENV_PROMOTE_FD,
     ENV_ROLE,
@@ -63,6 +64,7 @@ class Context:
     timings: dict = field(default_factory=dict)
     store: dist.Store | None = None
     profiler: object = None  # cProfile.Profile of this recovery (LETO_PROFILE_RECOVERY)
+    guard: object = None  # preinit.guard.Guard under --shadow-level auto (made at first beat)
 
     @property
     def checkpoint_dir(self) -> str | None:
@@ -86,8 +88,46 @@ class Context:
     def heartbeat(self, iteration: int | str) -> None:
         """Progress for the agent's hang detection: the iteration, once per iteration;
         ``"done"`` when the loop is over (the final barrier and checkpoint flush are then
-        held to the general timeout, not the hang timeout)."""
+        held to the general timeout, not the hang timeout). Under ``--shadow-level auto``
+        the preinitialization guard reports first (memory, reclamations)."""
+        if iteration != "done" and os.environ.get(ENV_PREINIT):
+            self._guard().beat()
         self.store.set(f"leto/gen{self.generation}/rank{self.rank}/beat", str(iteration))
+
+    def _guard(self):
+        if self.guard is None:
+            # Made at the first beat, not in init: the hook's build and load stay off the
+            # recovery path.
+            from leto.preinit.guard import Guard, GuardConfig
+
+            cfg = GuardConfig.from_json(os.environ[ENV_PREINIT])
+            self.guard = Guard(self.store, self.rank, self.generation, self.device, cfg)
+        return self.guard
+
+    def device_free_bytes(self) -> int:
+        """Free device memory as the preinitialization hook sees it: cudaMemGetInfo, or
+        the emulated device's on CPU (``--device-memory-bytes``)."""
+        if os.environ.get(ENV_PREINIT):
+            return self._guard().free_bytes()
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        raise InvalidInput(
+            "a CPU run has no device memory to measure; give leto run --shadow-level auto "
+            "--device-memory-bytes N for an emulated device"
+        )
+
+    def wait_shadow_parked(self, timeout_s: float) -> dict | None:
+        """Block until the next generation's shadow of this rank has parked (its pid and
+        level), or ``timeout_s`` passed (None: shadows are off or none fits)."""
+        from leto.preinit.guard import parked_key
+
+        key = parked_key(self.generation + 1, self.rank)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.store.check([key]):
+                return json.loads(self.store.get(key))
+            time.sleep(0.05)
+        return None
 
     def resumed(self, next_iteration: int, **timings: float) -> None:
         """Tell the agent this rank trains again (the recovery record's last step)."""
@@ -196,6 +236,11 @@ def init(prepare=None) -> Context:
         for name in order[:ahead]:
             step(name)
         timings["parked_after_s"] = time.time() - t0
+        # Tells the active trainer's preinitialization guard whom to reclaim, and when
+        # this shadow's memory is all there.
+        from leto.preinit.guard import parked_key
+
+        store.set(parked_key(generation, rank), json.dumps({"pid": os.getpid(), "level": level}))
         msg = _park(int(os.environ[ENV_PROMOTE_FD]), timeout_s)
         timings["promoted_at"] = time.time()
         profile_recovery()

@@ -50,6 +50,7 @@ class Cell:
         # (leto.runtime.store.pg_store); a restarted group never meets a dropped one.
         self.fallbacks = 0
         self.pg_attempt = "0.0"
+        self.extra_env: dict[str, str] = {}  # e.g. the preinitialization guard's config
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -79,6 +80,7 @@ class Cell:
                 ENV_PG_ATTEMPT: str(self.pg_attempt),
             }
         )
+        env.update(self.extra_env)
         for k in ("LETO_FAULT_AT", "LETO_FAULT_MODE"):
             env.pop(k, None)
         return env

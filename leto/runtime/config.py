@@ -24,6 +24,7 @@ ENV_PG_ATTEMPT = "LETO_PG_ATTEMPT"  # checkpoint fallbacks so far (process-group
 # A directory: a restarted or promoted trainer profiles (cProfile) its recovery, from
 # promotion (or process start) to ``Context.resumed``, into rank<r>.gen<g>.profile.txt.
 ENV_PROFILE_RECOVERY = "LETO_PROFILE_RECOVERY"
+ENV_PREINIT = "LETO_PREINIT"  # --shadow-level auto: the trainer's guard configuration (JSON)
 
 LEVELS = ("off", "L1", "L2", "L3")
 
@@ -53,6 +54,13 @@ class RunConfig:
     # "in-place" (Leto), or "checkpoint": every failure restarts all ranks cold from the
     # newest checkpoint on fresh pools — the torchrun + DCP baseline, for comparisons.
     recovery: str = "in-place"
+    # --shadow-level auto (issue 8): the preinitialization controller's inputs. Device
+    # memory the active trainer and its shadow share: 0 = the device's total (a GPU);
+    # on the CPU a positive value makes an emulated device of that size.
+    device_memory_bytes: int = 0
+    preinit_footprints: str = ""  # JSON {l1_bytes, l2_bytes, l3_bytes}; "": the paper's
+    preinit_margin_bytes: int = 2 << 30  # kept free above the active peak when choosing
+    reclaim_below_bytes: int = 1 << 30  # the allocation hook's gate (device free memory)
 
     def __post_init__(self) -> None:
         if self.shadow_level not in LEVELS and self.shadow_level != "auto":
@@ -61,6 +69,16 @@ class RunConfig:
             raise ValueError(f"--recovery {self.recovery!r}: use in-place or checkpoint")
         if self.nnodes < 1 or self.nproc_per_node < 1:
             raise ValueError("--nnodes and --nproc-per-node must be at least 1")
+        if self.device_memory_bytes < 0:
+            raise ValueError(f"--device-memory-bytes {self.device_memory_bytes} is negative")
+        if not 0 <= self.reclaim_below_bytes <= self.preinit_margin_bytes:
+            raise ValueError(
+                f"need 0 <= reclaim-below ({self.reclaim_below_bytes} B) <= preinit margin "
+                f"({self.preinit_margin_bytes} B): a shadow launched with less margin than "
+                "the reclamation gate would be reclaimed at once"
+            )
+        if self.shadow_level == "auto":
+            self.footprints()  # a bad file fails here, before anything starts
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
 
@@ -74,6 +92,33 @@ class RunConfig:
         return os.path.abspath(self.checkpoint_dir or os.path.join(self.log_dir, "checkpoints"))
 
     def level(self) -> str:
-        """``auto``: the highest level (issue 8's controller lowers it under memory
-        pressure)."""
+        """``auto``: the highest level; the controller (``controlled``) then chooses."""
         return "L3" if self.shadow_level == "auto" else self.shadow_level
+
+    def footprints(self):
+        """Each level's device bytes for the controller: ``preinit_footprints`` (a JSON
+        object, or ``bench/preinit_footprint.py``'s output with it under "footprints"),
+        else the paper's figures."""
+        import json
+
+        from leto.preinit.policy import Footprints
+
+        if not self.preinit_footprints:
+            return Footprints()
+        try:
+            with open(self.preinit_footprints) as f:
+                d = json.load(f)
+            return Footprints.from_dict(d.get("footprints", d))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"--preinit-footprints {self.preinit_footprints}: {type(e).__name__}: {e} "
+                "(want JSON with l1_bytes, l2_bytes, l3_bytes)"
+            ) from None
+
+    @property
+    def controlled(self) -> bool:
+        """Whether the preinitialization controller chooses shadow levels: ``auto`` on a
+        GPU, or on the CPU with an emulated device (``device_memory_bytes``)."""
+        return self.shadow_level == "auto" and (
+            self.device != "cpu" or self.device_memory_bytes > 0
+        )

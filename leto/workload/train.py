@@ -33,6 +33,13 @@ class TrainConfig:
     record: bool = True  # verifiers trace: loss + SHA-256 of retained tensors per iteration
     keep_tensors: bool = False  # also save them, so a divergence names its byte offset
     save_state: bool = False  # every retained tensor to rank{r}.state.pt at the end
+    # Memory pressure (the preinitialization demo): at iteration demand_at (-1: never),
+    # once this rank's shadow has parked, the job's device memory grows past the free
+    # memory by demand_beyond_free_mib, in allocations of demand_chunk_mib, held to the
+    # end. Training math is unchanged.
+    demand_at: int = -1
+    demand_beyond_free_mib: float = 512.0
+    demand_chunk_mib: float = 256.0
 
     def gpt(self) -> GPTConfig:
         return GPTConfig(
