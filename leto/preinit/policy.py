@@ -1,7 +1,7 @@
 """The preinitialization controller's policy: which level a shadow runs at (paper §6).
 
 Pure and deterministic: no torch, no CUDA, no clock. It runs wherever the caller runs it
-(the agent, once wired); every input is an argument and every output a ``Decision``
+(the agent: ``levels.py``); every input is an argument and every output a ``Decision``
 appended to ``Controller.decisions``, so a memory trace replayed through it gives the
 same decisions on any machine.
 
@@ -25,11 +25,12 @@ Rules:
 * After a recovery (a new generation): the next shadow gets the highest fitting level
   for the peak observed during the generation that just ended — it may go up.
 
-Wiring (what the agent calls)::
+Use (``levels.py`` in the agent; ``simulate`` below)::
 
     ctl = Controller(PolicyConfig(capacity_bytes=total, footprints=measured))
     d = ctl.start(t)                      # level of the first shadow: d.level_to
-    ctl.observe(t, active_bytes)          # per sample; a RECLAIM decision means "kill it"
+    ctl.observe(t, active_bytes)          # simulation: a RECLAIM decision means "kill it"
+    ctl.sample(t, active_bytes)           # live: the hook applies the gate; track the peak
     d = ctl.on_reclaim(t, free_before_bytes=..., free_after_bytes=..., latency_s=...)
     d = ctl.on_recovery(t, generation)    # level of the next generation's shadow
     ctl.level                             # what ``leto run`` shows

@@ -1,7 +1,7 @@
 """A memory timeline of one rank: active and active + shadow device memory over time,
 with level changes and reclamations marked (the paper's Fig. 13).
 
-Runs wherever samples are taken (the trainer or the agent, once wired; ``simulate`` in
+Runs wherever samples are taken (the agent: ``levels.py``; ``simulate`` in
 ``policy.py`` on the CPU). Owns the JSON format (versioned) and the PNG plot (matplotlib's
 ``Figure`` with the Agg canvas, never pyplot: no global backend state, no display).
 Sampling itself is the caller's: this module stores what it is given and checks that time

@@ -145,7 +145,9 @@ class Context:
 
         self.profiler.disable()
         buf = io.StringIO()
-        pstats.Stats(self.profiler, stream=buf).sort_stats("cumulative").print_stats(60)
+        stats = pstats.Stats(self.profiler, stream=buf)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(40)
         d = Path(os.environ[ENV_PROFILE_RECOVERY])
         d.mkdir(parents=True, exist_ok=True)
         (d / f"rank{self.rank}.gen{self.generation}.profile.txt").write_text(buf.getvalue())
