@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 
 from faultkit.job import JobFault, run_job
+from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
 from verifiers import compare
 
 pytestmark = pytest.mark.gpu
 
 ITERS = 10
+POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_injection=True)
 DEMAND = dict(demand_at=3, demand_beyond_free_mib=512, demand_chunk_mib=256)
 
 
@@ -36,14 +38,14 @@ def _footprints() -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    run_job(1, TrainConfig(iterations=ITERS), out, device="cuda", shadow_level="off")
+    run_job(1, TrainConfig(iterations=ITERS), out, pool=POOL, device="cuda", shadow_level="off")
     return out / "train"
 
 
 def test_without_the_controller_the_parked_l3_shadow_makes_the_trainer_oom(tmp_path):
     cfg = TrainConfig(iterations=ITERS, **DEMAND)
     got = run_job(
-        1, cfg, tmp_path, device="cuda", shadow_level="L3", allow_failure=True,
+        1, cfg, tmp_path, pool=POOL, device="cuda", shadow_level="L3", allow_failure=True,
         extra=("--max-failures", "1"),
     )  # fmt: skip
     log = (tmp_path / "logs" / "rank0.gen0.active.log").read_text()
@@ -56,7 +58,10 @@ def test_under_the_controller_the_shadow_is_reclaimed_the_job_is_exact_and_a_hof
 ):
     cfg = TrainConfig(iterations=ITERS, **DEMAND)
     faults = [JobFault(0, "update.optimizer@7#1")]
-    got = run_job(1, cfg, tmp_path, faults, device="cuda", shadow_level="auto", extra=_footprints())
+    got = run_job(
+        1, cfg, tmp_path, faults, pool=POOL, device="cuda", shadow_level="auto",
+        extra=_footprints(),
+    )  # fmt: skip
     logs = Path(tmp_path / "logs")
     gen0 = (logs / "rank0.gen0.active.log").read_text()
     assert "OutOfMemoryError" not in gen0, gen0[-3000:]
