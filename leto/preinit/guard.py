@@ -26,7 +26,6 @@ headroom for that reason).
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -34,6 +33,7 @@ import torch
 
 from leto.errors import InvalidInput
 from leto.preinit.policy import Footprints
+from leto.proc import alive
 from leto.runtime.config import ENV_PREINIT  # noqa: F401  (the agent sets it: GuardConfig JSON)
 
 
@@ -142,7 +142,7 @@ class Guard:
         else:
             free, total = torch.cuda.mem_get_info(self.device)
         shadow = 0
-        if self._pid is not None and _alive(self._pid):
+        if self._pid is not None and alive(self._pid):
             shadow = self.cfg.footprints.of(self._level)
         return {
             "t": time.time(),
@@ -174,18 +174,3 @@ class Guard:
             self.emu.active_bytes = max(0, _rss_anon() - self._rss0)
             return self.emu.free_bytes()
         return torch.cuda.mem_get_info(self.device)[0]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (killed, not yet reaped by its agent) holds no device memory.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -240,17 +240,11 @@ class Agent:
             return
         from leto.preinit.guard import GuardConfig
         from leto.preinit.levels import Levels
-        from leto.preinit.policy import PolicyConfig
 
         emulated = c.device == "cpu"
         capacity = c.device_memory_bytes or _device_total_bytes(self.cells[0].local_rank)
-        fp = c.footprints()
-        pcfg = PolicyConfig(
-            capacity_bytes=capacity,
-            footprints=fp,
-            margin_bytes=c.preinit_margin_bytes,
-            reclaim_below_bytes=c.reclaim_below_bytes,
-        )
+        pcfg = c.policy(capacity)
+        fp = pcfg.footprints
         ranks = [cl.rank for cl in self.cells]
         self.levels = Levels(self.store, ranks, c.world_size, pcfg, emulated)
         guard = GuardConfig(fp, c.reclaim_below_bytes, capacity, emulated).to_json()

@@ -71,14 +71,8 @@ class RunConfig:
             raise ValueError("--nnodes and --nproc-per-node must be at least 1")
         if self.device_memory_bytes < 0:
             raise ValueError(f"--device-memory-bytes {self.device_memory_bytes} is negative")
-        if not 0 <= self.reclaim_below_bytes <= self.preinit_margin_bytes:
-            raise ValueError(
-                f"need 0 <= reclaim-below ({self.reclaim_below_bytes} B) <= preinit margin "
-                f"({self.preinit_margin_bytes} B): a shadow launched with less margin than "
-                "the reclamation gate would be reclaimed at once"
-            )
         if self.shadow_level == "auto":
-            self.footprints()  # a bad file fails here, before anything starts
+            self.policy(capacity_bytes=1)  # bad footprints or margins fail before anything starts
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
 
@@ -114,6 +108,17 @@ class RunConfig:
                 f"--preinit-footprints {self.preinit_footprints}: {type(e).__name__}: {e} "
                 "(want JSON with l1_bytes, l2_bytes, l3_bytes)"
             ) from None
+
+    def policy(self, capacity_bytes: int):
+        """The controller's configuration for a device of ``capacity_bytes``."""
+        from leto.preinit.policy import PolicyConfig
+
+        return PolicyConfig(
+            capacity_bytes=capacity_bytes,
+            footprints=self.footprints(),
+            margin_bytes=self.preinit_margin_bytes,
+            reclaim_below_bytes=self.reclaim_below_bytes,
+        )
 
     @property
     def controlled(self) -> bool:

@@ -36,6 +36,7 @@ from leto.memory.backends.host import HostPageOwner
 from leto.memory.config import SOCKET_NAME, AllocationKind, PoolConfig
 from leto.memory.errors import AllocationMismatch, PoolError, PoolProtocolError
 from leto.memory.state_manager.table import Table
+from leto.proc import alive
 
 SOCKET_BUFFER_BYTES = 1 << 20
 
@@ -75,20 +76,6 @@ def _raise_nofile_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class StateManager:
@@ -305,7 +292,7 @@ class StateManager:
     def _fence(self, peer: Peer, takeover: bool) -> None:
         """Make sure no previous trainer can still write before a new one owns the pool."""
         old = self.owner_pid
-        if old is None or old == peer.pid or not _process_alive(old):
+        if old is None or old == peer.pid or not alive(old):
             return
         if not takeover:
             raise Refused(
@@ -321,7 +308,7 @@ class StateManager:
                 return
             raise
         try:
-            while _process_alive(old):
+            while alive(old):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Refused(

@@ -1,0 +1,22 @@
+"""Process liveness, for whoever watches a process it did not start (no torch here: the
+state manager imports it)."""
+
+from __future__ import annotations
+
+import os
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (killed, not yet reaped) counts as dead — its
+    memory and device contexts are gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
