@@ -139,6 +139,45 @@ def test_a_crashed_shadow_is_replaced_at_the_same_level_not_taken_for_a_reclamat
     assert compare(reference, out / "train").exact
 
 
+def test_two_agents_agree_on_the_lower_level_and_recover_through_it(reference, tmp_path):
+    """Two agents as two nodes (one rank each) over loopback: a reclamation on either
+    lowers the job-wide level on both through the store, and the HOF promotes both
+    nodes' L1 shadows together."""
+    from faultkit.job import POOL, SCRIPT, _pool_flags
+    from leto.runtime.store import free_port
+
+    cfg = TrainConfig(
+        iterations=ITERS, demand_at=3, demand_beyond_free_mib=200, demand_chunk_mib=64
+    )
+    port = free_port()
+    plan = [{"generation": 0, "rank": 1, "at": "update.optimizer@9#1"}]
+    env = dict(os.environ, LETO_FAULT_PLAN=json.dumps(plan))
+    procs = []
+    for node in (0, 1):
+        cmd = [
+            sys.executable, "-m", "leto.cli", "run", "--json", "--nnodes", "2",
+            "--node-rank", str(node), "--nproc-per-node", "1", "--master-port", str(port),
+            "--shadow-level", "auto", "--log-dir", str(tmp_path / f"node{node}"),
+            *_pool_flags(POOL), *_auto(tmp_path), str(SCRIPT), *cfg.flags(),
+            "--out", str(tmp_path / "train"),
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    summaries = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-2000:]
+        summaries.append(json.loads(out.strip().splitlines()[-1]))
+    assert compare(reference, tmp_path / "train").exact
+    for s in summaries:
+        (rec,) = s["recoveries"]
+        assert rec["level"] == "L1", rec  # both nodes promoted the lowered level
+    relaunches = [
+        d for s in summaries for v in s["preinit"].values() for d in v["decisions"]
+        if d["action"] == "relaunch"
+    ]  # fmt: skip
+    assert relaunches and all(d["level_to"] == "L1" for d in relaunches), relaunches
+
+
 def test_leto_run_refuses_a_bad_footprints_file(tmp_path):
     bad = tmp_path / "fp.json"
     bad.write_text('{"l1_bytes": 5}')

@@ -19,10 +19,11 @@ is its own, as ``leto run`` places them: local rank r on cuda:r).
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
-from leto.preinit.policy import LEVELS, Action, Controller, Decision, PolicyConfig, level_index
+from leto.preinit.policy import LEVELS, Action, Controller, Decision, MiB, PolicyConfig, level_index
 from leto.preinit.timeline import Timeline
 from leto.runtime import store as job_store
 
@@ -51,6 +52,22 @@ class Levels:
 
     def _log(self, rank: int, d: Decision) -> Decision:
         self.timelines[rank].record(d)
+        # Live, on the agent's stderr: what leto run's user sees as it happens.
+        figures = ""
+        if d.free_before_bytes is not None and d.free_after_bytes is not None:
+            back = (d.free_after_bytes - d.free_before_bytes) / MiB
+            figures = f"; {back:.0f} MiB back"
+            if d.latency_s is not None:
+                figures += f" in {d.latency_s * 1e3:.0f} ms"
+        device = "emulated device" if self.emulated else "device"
+        print(
+            f"leto preinit: rank {rank} gen {d.generation} {d.action.value}: shadow "
+            f"{d.level_from or '-'} -> {d.level_to or 'none'} ({d.reason}; {device} "
+            f"{d.capacity_bytes / MiB:.0f} MiB, active peak {d.active_peak_bytes / MiB:.0f} "
+            f"MiB{figures})",
+            file=sys.stderr,
+            flush=True,
+        )
         return d
 
     # -- publishing ---------------------------------------------------------------
