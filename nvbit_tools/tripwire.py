@@ -218,11 +218,13 @@ def fire(device: torch.device) -> None:
                     f"trip-wire: {_after} blocks did not finish within {FIRE_TIMEOUT_S} s"
                 )
             time.sleep(0.0005)
+        launched = _launched.get(device.index, 0)
         report = {
             "mechanism": MECHANISM["cuda"],
             "after_blocks": _after,
-            "blocks_launched": _launched.get(device.index, 0),
-            "partial": not complete,
+            "blocks_launched": launched,
+            # Exactly N blocks launched: the flag rises with nothing held back.
+            "partial": not complete and launched > _after,
         }
     else:
         report = {

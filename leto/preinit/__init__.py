@@ -1,3 +1,4 @@
 """OOM-free preinitialization (paper §6): the controller's policy (``policy``), the
-allocation-path reclamation hook (``reclaim``) and the memory timeline (``timeline``).
-See docs/preinit.md."""
+allocation-path reclamation hook (``reclaim``), the memory timeline (``timeline``), and
+their wiring into ``leto run --shadow-level auto``: the agent's per-rank controllers
+(``levels``) and the active trainer's guard (``guard``). See docs/preinit.md."""
