@@ -185,8 +185,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     shadows = cfg.level()
     if summary.get("preinit"):
         p = summary["preinit"]
-        shadows = "auto → " + ", ".join(
-            f"rank {r} {v['level'] or 'none'} ({v['reclamations']} reclaimed)" for r, v in p.items()
+        shadows = f"auto → {summary.get('shadow_level') or 'none'} now; " + ", ".join(
+            f"rank {r} chose {v['level'] or 'none'} ({v['reclamations']} reclaimed)"
+            for r, v in p.items()
         )
         if any(v["emulated_device"] for v in p.values()):
             shadows += " [emulated device memory]"

@@ -72,6 +72,7 @@ def test_memory_pressure_lowers_the_level_a_hof_recovers_through_it_and_it_rises
     # Both HOFs promoted the lowered level's shadows (the second generation's shadows
     # were chosen after the first recovery from the demand peak: still L1).
     assert [r["level"] for r in recs] == ["L1", "L1"], recs
+    assert got["shadow_level"] == "L3", got["shadow_level"]  # raised after the recoveries
     pre = got["preinit"]
     # The first rank whose hook reclaims lowers the job level; the agent then restarts
     # every rank's shadow at it (the other rank's hook may find nothing left to reclaim).

@@ -118,7 +118,7 @@ class Levels:
         replacement's level and publish it. True when the job level went down."""
         before = self.job_level(generation)
         ev = event or {}
-        if event is not None:  # the allocation hook's (the agent's own is a RECLAIM decision)
+        if event is not None:  # the allocation hook's report of the kill
             self.timelines[rank].mark(
                 ev["wall_time_s"] - self.t0,
                 "reclamation",

@@ -19,6 +19,7 @@ API::
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -162,7 +163,10 @@ class Timeline:
         ax.set_ylabel("device memory (GiB)")
         ax.set_title(title or f"rank {self.rank}: memory and shadow levels")
         ax.legend(loc="lower right", fontsize=7)
-        fig.tight_layout()
+        with warnings.catch_warnings():
+            # Labels near the edges can defeat tight_layout; the figure is still complete.
+            warnings.simplefilter("ignore", UserWarning)
+            fig.tight_layout()
         path = Path(path)
         fig.savefig(path, dpi=120)
         return path

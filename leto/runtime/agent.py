@@ -465,6 +465,7 @@ class Agent:
             "recoveries": self.records,
             "pools": self.pools,
             "preinit": self.levels.summary() if self.levels is not None else None,
+            "shadow_level": self.level,  # of the parked shadows now (None: none fits)
         }
 
 
