@@ -2,8 +2,9 @@
 
 A record hashes every retained tensor of every iteration. A 1 B-parameter model keeps
 ~16 GB of state (parameters, gradients, two moments), and one SHA-256 stream runs at
-~1–2 GB/s, so a plain digest took 15 s per record on the H200 host and dominated the
-measured recovery. The digest here is a one-level hash tree, ``sha256-tree-16MiB``:
+~1 GB/s (this VM; more with SHA extensions), so a plain digest costs seconds to tens of
+seconds per record: most of the third session's 23.2 s H200 recovery, which took 1.99 s
+with this scheme (docs/benchmarks.md). The digest here is a one-level hash tree, ``sha256-tree-16MiB``:
 the SHA-256 of the concatenated SHA-256 digests of consecutive 16 MiB blocks of the
 raw bytes. Every byte is still hashed with SHA-256 (a change anywhere changes its
 block's digest and so the tensor's), and blocks hash on all cores: hashlib releases

@@ -34,7 +34,7 @@ import torch
 from leto.errors import InvalidInput
 from leto.preinit.policy import Footprints
 from leto.proc import alive
-from leto.runtime.config import ENV_PREINIT  # noqa: F401  (the agent sets it: GuardConfig JSON)
+from leto.runtime.config import ENV_PREINIT  # the agent sets it: GuardConfig JSON
 
 
 def parked_key(generation: int, rank: int) -> str:
@@ -108,6 +108,10 @@ class Guard:
             return None
         return self._pid, self._level
 
+    def _emulate_active(self) -> None:
+        # The emulated device's active memory: this trainer's anonymous RSS growth.
+        self.emu.active_bytes = max(0, _rss_anon() - self._rss0)
+
     def _arm(self) -> None:
         key = parked_key(self.generation + 1, self.rank)
         if not self.store.check([key]):
@@ -137,7 +141,7 @@ class Guard:
         """This trainer's device memory now: ``active_bytes`` excludes the armed
         shadow's footprint while it lives."""
         if self.emu is not None:
-            self.emu.active_bytes = max(0, _rss_anon() - self._rss0)
+            self._emulate_active()
             free, total = self.emu.free_bytes(), self.cfg.capacity_bytes
         else:
             free, total = torch.cuda.mem_get_info(self.device)
@@ -156,7 +160,7 @@ class Guard:
     def beat(self) -> None:
         self._arm()
         if self.emu is not None:
-            self.emu.active_bytes = max(0, _rss_anon() - self._rss0)
+            self._emulate_active()
             self.hook.on_cache_miss()  # the emulated allocation path (see the docstring)
         self.store.set(memory_key(self.generation, self.rank), json.dumps(self.memory()))
         for ev in self.hook.events(self._reported):
@@ -171,6 +175,6 @@ class Guard:
         the parked shadow, if any, already accounted."""
         self._arm()
         if self.emu is not None:
-            self.emu.active_bytes = max(0, _rss_anon() - self._rss0)
+            self._emulate_active()
             return self.emu.free_bytes()
         return torch.cuda.mem_get_info(self.device)[0]

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from leto.preinit.policy import LEVELS, Action, Controller, Decision, MiB, PolicyConfig, level_index
+from leto.preinit.policy import Action, Controller, Decision, MiB, PolicyConfig, level_index
 from leto.preinit.timeline import Timeline
 from leto.runtime import store as job_store
 
@@ -174,4 +174,4 @@ class Levels:
         return out
 
 
-__all__ = ["LEVELS", "Levels", "level_key", "levels_key", "NONE"]
+__all__ = ["Levels", "level_key", "levels_key", "NONE"]
