@@ -22,6 +22,7 @@ import torch.distributed as dist
 import leto
 from faultkit.hooks import point
 from leto.errors import FatalFailure
+from leto.proc import alive
 from leto.runtime.agent import EXIT_FATAL
 from leto.runtime.retained import RetainedTraining
 from leto.update.rmu import UpdaterConfig
@@ -50,6 +51,15 @@ def grow_demand(ctx, cfg) -> list[torch.Tensor]:
         n = min(chunk, target - total)
         held.append(torch.empty(n, dtype=torch.uint8, device=ctx.device).fill_(1))
         total += n
+    # The beat reports a reclamation (on the emulated CPU device it is also where the
+    # allocation path runs); the report is what makes the agent relaunch the shadow.
+    ctx.heartbeat(cfg.demand_at)
+    if parked is not None and not alive(parked["pid"]):
+        # Reclaimed. The demo goes on once the relaunched (lower-level) shadow has parked,
+        # so a later fault meets a parked shadow, not one still starting: that would time
+        # the shadow's start-up, not its recovery. Bounded below the hang timeout.
+        again = ctx.wait_shadow_parked(timeout_s=30, other_than=parked["pid"])
+        print(f"rank {ctx.rank}: shadow relaunched and parked: {again}", flush=True)
     return held
 
 

@@ -13,6 +13,7 @@ paper's footprints are used.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def test_under_the_controller_the_shadow_is_reclaimed_the_job_is_exact_and_a_hof
         1, cfg, tmp_path, faults, pool=POOL, device="cuda", shadow_level="auto",
         extra=_footprints(),
     )  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(got, indent=1, default=str))
     logs = Path(tmp_path / "logs")
     gen0 = (logs / "rank0.gen0.active.log").read_text()
     assert "OutOfMemoryError" not in gen0, gen0[-3000:]
@@ -78,6 +80,8 @@ def test_under_the_controller_the_shadow_is_reclaimed_the_job_is_exact_and_a_hof
     print(
         f"reclamation: {(d['free_after_bytes'] - d['free_before_bytes']) / 2**20:.0f} MiB back "
         f"in {d['latency_s'] * 1e3:.1f} ms; relaunched at {d['level_to']}; "
-        f"HOF through it: {rec.get('recovery_s', float('nan')):.2f} s"
+        f"HOF through it: {rec.get('recovery_s', float('nan')):.2f} s (fencing "
+        f"{rec['fencing_s']:.2f} s, promotion {rec['promotion_s']:.2f} s; trainer steps "
+        f"{json.dumps(rec.get('trainers'))})"
     )
     assert (logs / "rank0.memory.png").stat().st_size > 0

@@ -107,7 +107,10 @@ class Levels:
     def observe(self, rank: int, report: dict) -> None:
         """A trainer's memory report (``guard.Guard.memory``): moves the rank's peak and
         extends its timeline. The reclamation itself is the trainer's allocation hook."""
-        t = self._t()
+        # When the trainer measured (same node, same clock), not when the agent looked.
+        t = report["t"] - self.t0 if "t" in report else self._t()
+        seen = self.timelines[rank].samples
+        t = max(t, seen[-1].t_s) if seen else t  # wall clocks may step back
         active = int(report["active_bytes"])
         self.ctl[rank].sample(t, active)
         level = report.get("shadow_level")

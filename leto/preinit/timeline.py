@@ -159,6 +159,9 @@ class Timeline:
                 ax.text(x, top * 0.94, " recovery", fontsize=7, rotation=90, va="top")
             if m.kind in ("launch", "level", "recovery"):
                 ax.text(x, top, f" {m.level_to or 'none'}", fontsize=8, va="bottom")
+        # Every mark inside the axes: a launch before the first sample would otherwise
+        # put its label outside and squeeze the plot.
+        ax.set_xlim(0, max([*xs, *(m.t_s - t0 for m in self.marks)]) * 1.03 + 1e-3)
         ax.set_xlabel("time (s)")
         ax.set_ylabel("device memory (GiB)")
         ax.set_title(title or f"rank {self.rank}: memory and shadow levels")

@@ -52,6 +52,7 @@ class Agent:
         self._started = time.time()
         self.levels = None  # preinit.levels.Levels under --shadow-level auto (controlled)
         self._reclaims_seen: dict[tuple[int, int], int] = {}  # (generation, rank) -> count
+        self._memory_seen: dict[int, bytes] = {}  # rank -> its trainer's last memory report
         self._dead_since: dict[int, tuple] = {}  # shadow pid -> (trainer beat, monotonic)
 
     def _fault(self, generation: int, rank: int) -> dict | None:
@@ -276,12 +277,12 @@ class Agent:
             key = f"leto/gen{gen}/rank{cl.rank}/beat"
             beat = self.store.get(key) if self.store.check([key]) else None
             last = self._beats.get(cl.rank)
+            if self.levels is not None and beat is not None:
+                self._observe_memory(gen, cl)  # a trainer may report again within a beat
             if last is None or last[0] != (gen, beat):
                 self._beats[cl.rank] = ((gen, beat), now)
                 if cl is self.cells[0] and beat is not None and beat != b"done":
                     self._progress.append((time.time(), gen, int(beat)))
-                if self.levels is not None and beat is not None:
-                    self._observe_memory(gen, cl)
                 continue
             # Before the first beat (start-up, recovery) and after the last (finishing:
             # final barrier, checkpoint flush) only the general timeout applies.
@@ -299,7 +300,10 @@ class Agent:
 
         key = memory_key(gen, cl.rank)
         if self.store.check([key]):
-            self.levels.observe(cl.rank, json.loads(self.store.get(key)))
+            raw = self.store.get(key)
+            if self._memory_seen.get(cl.rank) != raw:  # each report once
+                self._memory_seen[cl.rank] = raw
+                self.levels.observe(cl.rank, json.loads(raw))
 
     def _next_level(self, new: int) -> None:
         """After a recovery into generation ``new``: the level of its successors'

@@ -116,16 +116,20 @@ class Context:
             "--device-memory-bytes N for an emulated device"
         )
 
-    def wait_shadow_parked(self, timeout_s: float) -> dict | None:
+    def wait_shadow_parked(self, timeout_s: float, other_than: int | None = None) -> dict | None:
         """Block until the next generation's shadow of this rank has parked (its pid and
-        level), or ``timeout_s`` passed (None: shadows are off or none fits)."""
+        level), or ``timeout_s`` passed (None: shadows are off or none fits). With
+        ``other_than`` (a pid), only a different shadow counts: the one the agent
+        relaunched after that one was reclaimed."""
         from leto.preinit.guard import parked_key
 
         key = parked_key(self.generation + 1, self.rank)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.store.check([key]):
-                return json.loads(self.store.get(key))
+                parked = json.loads(self.store.get(key))
+                if parked["pid"] != other_than:
+                    return parked
             time.sleep(0.05)
         return None
 
