@@ -61,14 +61,14 @@ if [[ $what == preinit || $what == all ]]; then
   LETO_TEST_FOOTPRINTS="$OUT/preinit_footprint.json" python3 -m pytest -p no:cacheprovider -q -s \
     tests/test_preinit_gpu.py tests/test_preinit_runtime_gpu.py --basetemp "$OUT/preinit_runs" 2>&1 | tee "$OUT/preinit_gpu_tests.txt" || rc=1
   find "$OUT/preinit_runs" -name '*.pt' -delete 2>/dev/null
-  # The device tool returns shallow files only: the summaries and memory timelines, flat.
+  # The device tool returns a few shallow files only: the controlled run's summary and
+  # memory timeline, flat.
   mkdir -p "$OUT/preinit_art"
-  for d in "$OUT"/preinit_runs/*/; do
-    n=$(basename "$d")
-    [[ -f $d/summary.json ]] && cp "$d/summary.json" "$OUT/preinit_art/$n.summary.json"
-    for f in "$d"/logs/rank*.memory.* "$d"/logs/rank*.log; do
-      [[ -f $f ]] && cp "$f" "$OUT/preinit_art/$n.$(basename "$f")"
-    done
+  for d in "$OUT"/preinit_runs/test_under_the_controller*0/; do
+    [[ -d $d ]] || continue
+    cp "$d/summary.json" "$OUT/preinit_art/summary.json" 2>/dev/null
+    cp "$d"/logs/rank0.memory.json "$d"/logs/rank0.memory.png "$OUT/preinit_art/" 2>/dev/null
   done
+  [[ $rc == 0 ]] && rm -rf "$OUT/preinit_runs"  # kept for a look when something failed
 fi
 exit $rc

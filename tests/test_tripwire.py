@@ -164,3 +164,17 @@ def test_gpu_codec_kernel_stops_after_n_blocks():
     kept = new.eq(was).all(dim=2).all(dim=0)
     assert int(done.sum()) == 7 and bool((done | kept).all())
     assert e.value.report["blocks_launched"] == nbytes // block
+
+
+@pytest.mark.gpu
+def test_gpu_exactly_n_blocks_is_not_partial():
+    dev = torch.device("cuda", 0)
+    n = 5 * tripwire.CUDA_TILE
+    src = [torch.full((n,), 7, dtype=torch.uint8, device=dev)]
+    dst = [torch.zeros(n, dtype=torch.uint8, device=dev)]
+    tripwire.arm(5, kill=False)
+    with pytest.raises(tripwire.TripwireFired) as e:
+        tripwire.land(dst, src)
+    assert torch.equal(dst[0], src[0]), "all N blocks ran"
+    assert e.value.report["blocks_launched"] == 5
+    assert e.value.report["partial"] is False, "nothing was held back"
