@@ -106,9 +106,10 @@ def test_bad_block_count_is_refused():
 
 
 @pytest.mark.gpu
-def test_gpu_copy_kernel_holds_blocks_after_n():
+@pytest.mark.parametrize("launched", [64, 5])  # held back after N = 5; exactly N: whole
+def test_gpu_copy_kernel_holds_blocks_after_n(launched):
     dev = torch.device("cuda", 0)
-    n = 64 * tripwire.CUDA_TILE
+    n = launched * tripwire.CUDA_TILE
     src = [torch.full((n,), 7, dtype=torch.uint8, device=dev)]
     dst = [torch.zeros(n, dtype=torch.uint8, device=dev)]
     tripwire.arm(5, kill=False)
@@ -119,8 +120,8 @@ def test_gpu_copy_kernel_holds_blocks_after_n():
     untouched = tiles.eq(0).all(dim=1)
     assert int(full.sum()) == 5, "exactly N blocks ran"
     assert bool((full | untouched).all()), "a block wrote all of its tile or nothing"
-    assert e.value.report["partial"] is True
-    assert e.value.report["blocks_launched"] == 64
+    assert e.value.report["partial"] is (launched > 5), "partial only if blocks were held"
+    assert e.value.report["blocks_launched"] == launched
 
 
 @pytest.mark.gpu
@@ -164,17 +165,3 @@ def test_gpu_codec_kernel_stops_after_n_blocks():
     kept = new.eq(was).all(dim=2).all(dim=0)
     assert int(done.sum()) == 7 and bool((done | kept).all())
     assert e.value.report["blocks_launched"] == nbytes // block
-
-
-@pytest.mark.gpu
-def test_gpu_exactly_n_blocks_is_not_partial():
-    dev = torch.device("cuda", 0)
-    n = 5 * tripwire.CUDA_TILE
-    src = [torch.full((n,), 7, dtype=torch.uint8, device=dev)]
-    dst = [torch.zeros(n, dtype=torch.uint8, device=dev)]
-    tripwire.arm(5, kill=False)
-    with pytest.raises(tripwire.TripwireFired) as e:
-        tripwire.land(dst, src)
-    assert torch.equal(dst[0], src[0]), "all N blocks ran"
-    assert e.value.report["blocks_launched"] == 5
-    assert e.value.report["partial"] is False, "nothing was held back"
