@@ -243,6 +243,28 @@ def test_levels_take_the_lowest_rank_lower_within_a_generation_and_rise_after_re
     assert a.on_recovery(3, timeout_s=5) == "L3"  # the new generation's peak left room
 
 
+def test_a_rank_that_chose_higher_goes_below_the_level_its_shadow_really_had():
+    """Rank 0 chose L3 but the job runs L2 (rank 1 chose it): when rank 0's L2 shadow is
+    reclaimed, the replacement goes below L2 — not L2 again, below its own choice — even
+    though by the observed peak L2 would fit."""
+    store = dist.HashStore()
+    fp = Footprints(0, 200 * MiB, 400 * MiB)
+    cfg = PolicyConfig(1024 * MiB, fp, margin_bytes=128 * MiB, reclaim_below_bytes=64 * MiB)
+    a = Levels(store, [0], 2, cfg, emulated=True)
+    b = Levels(store, [1], 2, cfg, emulated=True)
+    b._publish(1, 1, "L2")
+    assert a.start(1, timeout_s=5) == "L2"
+    assert a.summary()["0"]["level"] == "L3"  # its choice
+    assert a.ctl[0].level == "L2"  # its shadow's level
+    ev = {"free_before_bytes": 0, "free_after_bytes": 424 * MiB, "latency_s": 0.01,
+          "wall_time_s": time.time()}  # fmt: skip
+    assert a.ctl[0].fitting_level(600 * MiB) == "L2"  # by the demand L2 fits, L3 not
+    assert a.on_reclaim(0, 1, ev)
+    assert a.relaunch(1) == "L1" and a.summary()["0"]["level"] == "L1"
+    marks = [(m.kind, m.level_from, m.level_to) for m in a.timelines[0].marks]
+    assert ("level", "L3", "L2") in marks and ("reclamation", "L2", None) in marks, marks
+
+
 def _cpu():
     import torch
 

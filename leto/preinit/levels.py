@@ -94,7 +94,28 @@ class Levels:
         job_store.wait_count(
             self.store, levels_key(generation), self.world, timeout_s, "every rank's shadow level"
         )
-        return self.job_level(generation)
+        return self._launch(generation)
+
+    def _launch(self, generation: int) -> str | None:
+        """The job level, which every local shadow of ``generation`` is (re)started at. A
+        rank that chose higher now has a shadow at the job level: its controller's level
+        follows, so its next reclamation goes below the level that was really reclaimed
+        (not below its own choice, which could relaunch at the same level)."""
+        level = self.job_level(generation)
+        for r in self.ranks:
+            c = self.ctl[r]
+            if c.level != level:
+                self.timelines[r].mark(
+                    self._t(), "level", c.level, level, generation=generation,
+                    reason="the job's level: the lowest any rank chose",
+                )  # fmt: skip
+                c.level = level
+        return level
+
+    def relaunch(self, generation: int) -> str | None:
+        """After a reclamation anywhere in the job: the level every node restarts its
+        shadows of ``generation`` at."""
+        return self._launch(generation)
 
     # -- events -----------------------------------------------------------------------
     def start(self, generation: int, timeout_s: float) -> str | None:
@@ -159,7 +180,9 @@ class Levels:
     def summary(self) -> dict:
         return {
             str(r): {
-                "level": c.level,
+                # The rank's own last choice (its shadow runs at the job's level, which
+                # may be lower: another rank chose lower).
+                "level": c.decisions[-1].level_to if c.decisions else None,
                 "emulated_device": self.emulated,
                 "capacity_bytes": self.cfg.capacity_bytes,
                 "reclamations": sum(d.action is Action.RELAUNCH for d in c.decisions),

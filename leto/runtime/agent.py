@@ -196,7 +196,7 @@ class Agent:
         if n > self._reshadows.get(gen + 1, 0):
             self._reshadows[gen + 1] = n
             if self.levels is not None:
-                self.level = self.levels.job_level(gen + 1)
+                self.level = self.levels.relaunch(gen + 1)
             for cl in self.cells:
                 cl.drop_shadow(grace_s=0)
             if self.level in ("off", None):
