@@ -223,12 +223,17 @@ def test_the_guard_arms_for_the_parked_shadow_reclaims_it_and_reports_before_the
         shadow.wait()
 
 
-def test_levels_take_the_lowest_rank_lower_within_a_generation_and_rise_after_recovery():
+def _two_ranks() -> tuple[Levels, Levels]:
+    """Two agents' Levels (one rank each) on one store: a 1 GiB device, L2 200 MiB, L3
+    400 MiB."""
     store = dist.HashStore()
     fp = Footprints(0, 200 * MiB, 400 * MiB)
     cfg = PolicyConfig(1024 * MiB, fp, margin_bytes=128 * MiB, reclaim_below_bytes=64 * MiB)
-    a = Levels(store, [0], 2, cfg, emulated=True)
-    b = Levels(store, [1], 2, cfg, emulated=True)
+    return Levels(store, [0], 2, cfg, emulated=True), Levels(store, [1], 2, cfg, emulated=True)
+
+
+def test_levels_take_the_lowest_rank_lower_within_a_generation_and_rise_after_recovery():
+    a, b = _two_ranks()
     b._publish(1, 1, "L3")
     assert a.start(1, timeout_s=5) == "L3"
     a.observe(0, {"active_bytes": 750 * MiB, "shadow_level": "L3"})
@@ -247,11 +252,7 @@ def test_a_rank_that_chose_higher_goes_below_the_level_its_shadow_really_had():
     """Rank 0 chose L3 but the job runs L2 (rank 1 chose it): when rank 0's L2 shadow is
     reclaimed, the replacement goes below L2 — not L2 again, below its own choice — even
     though by the observed peak L2 would fit."""
-    store = dist.HashStore()
-    fp = Footprints(0, 200 * MiB, 400 * MiB)
-    cfg = PolicyConfig(1024 * MiB, fp, margin_bytes=128 * MiB, reclaim_below_bytes=64 * MiB)
-    a = Levels(store, [0], 2, cfg, emulated=True)
-    b = Levels(store, [1], 2, cfg, emulated=True)
+    a, b = _two_ranks()
     b._publish(1, 1, "L2")
     assert a.start(1, timeout_s=5) == "L2"
     assert a.summary()["0"]["level"] == "L3"  # its choice

@@ -94,13 +94,14 @@ class Levels:
         job_store.wait_count(
             self.store, levels_key(generation), self.world, timeout_s, "every rank's shadow level"
         )
-        return self._launch(generation)
+        return self.relaunch(generation)
 
-    def _launch(self, generation: int) -> str | None:
-        """The job level, which every local shadow of ``generation`` is (re)started at. A
-        rank that chose higher now has a shadow at the job level: its controller's level
-        follows, so its next reclamation goes below the level that was really reclaimed
-        (not below its own choice, which could relaunch at the same level)."""
+    def relaunch(self, generation: int) -> str | None:
+        """The job level, which every local shadow of ``generation`` is (re)started at:
+        after agreeing on it, and after a reclamation anywhere in the job. A rank that
+        chose higher now has a shadow at the job level: its controller's level follows,
+        so its next reclamation goes below the level that was really reclaimed (not
+        below its own choice, which could relaunch at the same level)."""
         level = self.job_level(generation)
         for r in self.ranks:
             c = self.ctl[r]
@@ -111,11 +112,6 @@ class Levels:
                 )  # fmt: skip
                 c.level = level
         return level
-
-    def relaunch(self, generation: int) -> str | None:
-        """After a reclamation anywhere in the job: the level every node restarts its
-        shadows of ``generation`` at."""
-        return self._launch(generation)
 
     # -- events -----------------------------------------------------------------------
     def start(self, generation: int, timeout_s: float) -> str | None:
