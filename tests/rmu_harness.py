@@ -1,5 +1,7 @@
 """An in-process driver of the updater for tests: one rank, gradients from a seeded
-generator (no model forward), every retained byte compared with torch.optim.AdamW.
+generator (no model forward), every retained byte compared with torch.optim.AdamW —
+``fused=True`` with ``clip_grad_norm_(foreach=True)`` for ``impl="fused"`` (the
+default), ``foreach=False`` with ``clip_grad_norm_(foreach=False)`` for ``"single"``.
 
 A "crash" is faultkit's raise mode: the exception unwinds, every non-retained object
 (the client, the updater, the model) is dropped and the pool is unmapped, exactly what
@@ -55,9 +57,9 @@ MUON = MuonConfig(lr_scale=3.0)
 
 
 def reference_muon(iterations: int, dims=DIMS) -> dict[str, list[torch.Tensor]]:
-    """torch.optim.Muon on the 2-D weights, torch.optim.AdamW(foreach=False) on the
-    rest, clip_grad_norm_(foreach=False) first; results per parameter (the retained
-    layout pads each layer to whole units, so it is compared tensor by tensor)."""
+    """torch.optim.Muon on the 2-D weights, torch.optim.AdamW (fused) on the rest,
+    clip_grad_norm_(foreach=True) first; results per parameter (the retained layout pads
+    each layer to whole units, so it is compared tensor by tensor)."""
     model = mlp(dims)
     with torch.no_grad():
         init_params(model)
@@ -81,13 +83,13 @@ def reference_muon(iterations: int, dims=DIMS) -> dict[str, list[torch.Tensor]]:
         betas=(ADAMW.beta1, ADAMW.beta2),
         eps=ADAMW.eps,
         weight_decay=ADAMW.weight_decay,
-        foreach=False,
+        **torch_impl(ADAMW.impl),
     )
     for t in range(iterations):
         for p in params:
             p.grad = torch.zeros_like(p)
         grads_for(model, t)
-        torch.nn.utils.clip_grad_norm_(params, ADAMW.max_grad_norm, foreach=False)
+        torch.nn.utils.clip_grad_norm_(params, ADAMW.max_grad_norm, foreach=ADAMW.clip_foreach)
         for group in muon.param_groups:
             group["lr"] = SCHEDULE(t) * MUON.lr_scale
         for group in adam.param_groups:
@@ -111,10 +113,16 @@ def reference_muon(iterations: int, dims=DIMS) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+def torch_impl(impl: str) -> dict:
+    """torch.optim.AdamW's keyword for one of Leto's ``AdamWConfig.impl``."""
+    return {"fused": True} if impl == "fused" else {"foreach": False}
+
+
 def reference(
-    iterations: int, dtype=torch.float32, device="cpu", dims=DIMS
+    iterations: int, dtype=torch.float32, device="cpu", dims=DIMS, impl: str = ADAMW.impl
 ) -> dict[str, torch.Tensor]:
-    """torch.optim.AdamW(foreach=False) with clip_grad_norm_(foreach=False), on ``device``."""
+    """torch.optim.AdamW (``impl``: fused, or foreach=False) with the matching
+    clip_grad_norm_, on ``device``; parameters concatenated."""
     model = mlp(dims).to(dtype)
     with torch.no_grad():
         init_params(model)
@@ -131,13 +139,13 @@ def reference(
         betas=(ADAMW.beta1, ADAMW.beta2),
         eps=ADAMW.eps,
         weight_decay=ADAMW.weight_decay,
-        foreach=False,
+        **torch_impl(impl),
     )
     for t in range(iterations):
         for p in params:
             p.grad = torch.zeros_like(p)
         grads_for(model, t)
-        torch.nn.utils.clip_grad_norm_(params, ADAMW.max_grad_norm, foreach=False)
+        torch.nn.utils.clip_grad_norm_(params, ADAMW.max_grad_norm, foreach=impl == "fused")
         if master is not params:
             for mp, p in zip(master, params, strict=True):
                 mp.grad = p.grad.float()
@@ -207,7 +215,8 @@ def run(
 ) -> dict[str, torch.Tensor]:
     """Train to ``iterations``; ``crash`` = (point, iteration, nth) once, then ``lose``
     (a callable taking a faultkit client) runs while no trainer is attached."""
-    cfg = dataclasses.replace(cfg, adamw=ADAMW, muon=MUON)  # the reference's hyperparameters
+    # The reference's hyperparameters (and the implementation the caller chose).
+    cfg = dataclasses.replace(cfg, adamw=dataclasses.replace(ADAMW, impl=cfg.adamw.impl), muon=MUON)
     if crash is not None:
         hooks.arm(*crash, mode="raise")
     try:
@@ -232,11 +241,19 @@ def run(
                 one_iteration(up, model, t)
                 t += 1
         out = {k: v.to("cpu", copy=True) for k, v in up.state.flat.items()}  # before unmapping
-        if cfg.layerwise:  # per-parameter slices of the padded layout
+        # Per-parameter slices of the padded layout (layers padded to units, every
+        # parameter aligned to 16 bytes): concatenated like the reference's.
+        slots = up.state.slots
+        if cfg.layerwise:
             out = {
-                k: [v[s.offset : s.offset + s.numel] for s in up.state.slots]
+                k: [v[s.offset : s.offset + s.numel] for s in slots]
                 for k, v in out.items()
                 if k != "master"
+            }
+        else:
+            out = {
+                k: torch.cat([v[s.offset : s.offset + s.numel] for s in slots])
+                for k, v in out.items()
             }
         client.close()
         return out

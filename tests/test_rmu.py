@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from leto.memory.launch import start_state_manager
+from leto.update.optim import AdamWConfig
 from leto.update.rmu import UpdaterConfig
 from tests import rmu_harness as h
 from tests.pool_helpers import small_config
@@ -28,9 +29,11 @@ def assert_same(got: dict, want: dict) -> None:
         assert diff.numel() == 0, f"{k} differs from torch.optim.AdamW at byte {int(diff[0])}"
 
 
+@pytest.mark.parametrize("impl", ["fused", "single"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fault_free_updates_equal_torch_adamw_bit_for_bit(pool, dtype):
-    assert_same(run(pool, ITERS, UpdaterConfig(chunk_units=1), dtype), reference(ITERS, dtype))
+def test_fault_free_updates_equal_torch_adamw_bit_for_bit(pool, dtype, impl):
+    cfg = UpdaterConfig(chunk_units=1, adamw=AdamWConfig(impl=impl))
+    assert_same(run(pool, ITERS, cfg, dtype), reference(ITERS, dtype, impl=impl))
 
 
 POINTS = [(p, 1) for p in h.POINTS]

@@ -10,6 +10,7 @@ import torch
 
 from leto.memory.config import PoolConfig
 from leto.memory.launch import start_state_manager
+from leto.update.optim import AdamWConfig
 from leto.update.rmu import UpdaterConfig
 from tests.rmu_harness import POINTS, reference, run
 
@@ -33,10 +34,12 @@ def assert_same(got, want):
         assert d.numel() == 0, f"{k} differs from CUDA torch.optim.AdamW at byte {int(d[0])}"
 
 
+@pytest.mark.parametrize("impl", ["fused", "single"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fault_free_equals_cuda_adamw(pool, dtype):
-    got = run(pool, ITERS, UpdaterConfig(chunk_units=1), dtype, dims=DIMS)
-    assert_same(got, reference(ITERS, dtype, "cuda", DIMS))
+def test_fault_free_equals_cuda_adamw(pool, dtype, impl):
+    cfg = UpdaterConfig(chunk_units=1, adamw=AdamWConfig(impl=impl))
+    got = run(pool, ITERS, cfg, dtype, dims=DIMS)
+    assert_same(got, reference(ITERS, dtype, "cuda", DIMS, impl=impl))
 
 
 def lose_pages(f):

@@ -120,12 +120,11 @@ class UpdaterMachine(RuleBasedStateMachine):
             return
         want = reference(self.it, self.cfg.layerwise)
         for k, w in want.items():
-            if self.cfg.layerwise:  # per parameter: layers are padded to whole units
-                flat = self.up.state.flat[k]
-                got = torch.cat([flat[s.offset : s.offset + s.numel] for s in self.up.state.slots])
+            # Per parameter: each is aligned, and layers are padded to whole units.
+            flat = self.up.state.flat[k]
+            got = torch.cat([flat[s.offset : s.offset + s.numel] for s in self.up.state.slots])
+            if self.cfg.layerwise:
                 w = torch.cat(w)
-            else:
-                got = self.up.state.flat[k][: w.numel()]
             diff = (got.view(torch.uint8) != w.view(torch.uint8)).nonzero()
             assert diff.numel() == 0, f"iteration {self.it}: {k} differs at byte {int(diff[0])}"
 

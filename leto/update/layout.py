@@ -22,6 +22,7 @@ from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 
 SET_NAMES = ("param", "master", "exp_avg", "exp_avg_sq")
+ALIGN_ELEMS = 64  # = leto.update.optim.CUT_ELEMS; divides every unit (pages >= 256 B)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,12 @@ class RetainedModel:
         self.page_bytes = client.config.page_bytes
         psize = torch.empty((), dtype=self.dtype).element_size()
         self.unit_elems = self.page_bytes // psize  # one parameter page per unit
+        if self.unit_elems % ALIGN_ELEMS:
+            raise ValueError(
+                f"pages of {self.page_bytes} bytes hold {self.unit_elems} parameters; the "
+                f"layout needs a multiple of {ALIGN_ELEMS} (use pages of at least "
+                f"{ALIGN_ELEMS * psize} bytes)"
+            )
         self.slots: list[ParamSlot] = []
         ue = self.unit_elems
         names = [n for n in SET_NAMES if n != "master" or self.master]
@@ -70,8 +77,15 @@ class RetainedModel:
                 "a layer-wise optimizer with ZeRO-1 sharding is not supported; use one or the other"
             )
         off = 0
+        align = ALIGN_ELEMS
         for name, p in params:
             whole = bool(layerwise and layerwise(name, p))
+            # Every parameter starts at a multiple of ALIGN_ELEMS elements (>= 16 bytes,
+            # as the caching allocator aligns tensors): CUDA's _foreach_norm takes its
+            # vectorized path (a different summation order) only for aligned tensors,
+            # and the CPU fused AdamW needs chunk cuts at vector multiples from a
+            # parameter's start. Gaps stay zero (pages are zeroed) and are never updated.
+            off = -(-off // align) * align
             if whole:
                 off = -(-off // ue) * ue  # a fresh unit
                 if p.numel() > per_group_elems:

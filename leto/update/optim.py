@@ -1,19 +1,31 @@
-"""AdamW on a piece of retained state, bit-identical to ``torch.optim.AdamW(foreach=False)``.
+"""AdamW on a piece of retained state, bit-identical to torch's own AdamW.
 
-Runs in the trainer on whatever device the state lives. It calls torch's own
-single-tensor AdamW (``torch.optim.adamw.adamw`` with ``foreach=False``) on views of
-the piece, with the step count the whole run has reached, so the arithmetic is exactly
-torch's; element-wise ops do not depend on where a tensor is cut (checked in tests).
-Gradient clipping multiplies the gradient piece by the clipping coefficient, as
-``clip_grad_norm_`` does in place. For bf16 parameters the update runs on the fp32
-master piece (the clipped bf16 gradient cast to fp32), then the parameter piece is the
-master rounded to bf16.
+Runs in the trainer on whatever device the state lives. Two implementations, chosen by
+``AdamWConfig.impl``, each calling torch's own kernel so the arithmetic is exactly
+torch's:
+
+* ``"fused"`` (default; what users run): ``torch._fused_adamw_`` — the kernel behind
+  ``torch.optim.AdamW(fused=True)`` — on every parameter piece of a chunk at once, one
+  launch on CUDA. AdamW is element-wise, but the CPU kernel is not position-blind (its
+  vector body and scalar tail round differently), so pieces are cut per parameter at
+  multiples of ``CUT_ELEMS`` from its start; tests cut at random such offsets, odd
+  sizes included, on CPU and CUDA.
+* ``"single"``: torch's single-tensor AdamW (``foreach=False``) per parameter piece.
+
+The step count the whole run has reached is passed in (as the float32 step tensor the
+fused optimizer keeps). Gradient clipping multiplies the gradient piece by the
+coefficient, as ``clip_grad_norm_`` does in place; the coefficient comes from
+``clip_coefficient`` with the same ``foreach`` choice as the user's
+``clip_grad_norm_`` (``_foreach_norm`` and the per-tensor norm reduce in different
+orders). For bf16 parameters the update runs on the fp32 master piece (the clipped
+bf16 gradient cast to fp32), then the parameter piece is the master rounded to bf16.
 
 ``muon_layer`` is the layer-wise optimizer: Muon (orthogonalized momentum, Newton–Schulz)
 on a whole 2-D weight through torch's own single-tensor Muon, bit-identical to
 ``torch.optim.Muon``; its chunk is the whole layer.
 
-Not covered: amsgrad, maximize, fused/foreach kernels (they round differently).
+Not covered: amsgrad, maximize, the ``foreach=True`` AdamW kernel (it rounds
+differently from both), per-parameter-group hyperparameters.
 """
 
 from __future__ import annotations
@@ -24,6 +36,11 @@ import torch
 from torch.optim._muon import muon
 from torch.optim.adamw import adamw
 
+IMPLS = ("fused", "single")
+# Pieces of a parameter given to the fused kernel start at multiples of this many
+# elements from the parameter's start (CPU: whole 16-lane vectors, with room to spare).
+CUT_ELEMS = 64
+
 
 @dataclass(frozen=True)
 class AdamWConfig:
@@ -32,13 +49,82 @@ class AdamWConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
+    # "fused": bit-identical to AdamW(fused=True) with clip_grad_norm_(foreach=True);
+    # "single": to AdamW(foreach=False) with clip_grad_norm_(foreach=False).
+    impl: str = "fused"
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"AdamWConfig.impl={self.impl!r}: choose one of {IMPLS}")
+
+    @property
+    def clip_foreach(self) -> bool:
+        return self.impl == "fused"
 
 
-def clip_coefficient(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """The coefficient ``clip_grad_norm_(foreach=False)`` multiplies gradients by."""
-    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
+def clip_coefficient(
+    grads: list[torch.Tensor], max_norm: float, foreach: bool = False
+) -> torch.Tensor:
+    """The coefficient ``clip_grad_norm_(foreach=foreach)`` multiplies gradients by.
+
+    With ``foreach`` the per-tensor norms come from ``torch._foreach_norm`` (on CUDA
+    its vectorized path needs 16-byte aligned tensors: the retained layout aligns every
+    parameter so, as the caching allocator does)."""
+    if foreach:
+        norms = list(torch._foreach_norm(grads, 2.0))
+    else:
+        norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]
     total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def adamw_fused(
+    cfg: AdamWConfig,
+    *,
+    lr: float,
+    step: int,
+    param: list[torch.Tensor],
+    grad: list[torch.Tensor],
+    exp_avg: list[torch.Tensor],
+    exp_avg_sq: list[torch.Tensor],
+    clip: torch.Tensor,
+    master: list[torch.Tensor] | None = None,
+) -> None:
+    """One fused AdamW step (the ``step``-th, from 1), in place, on pieces of
+    parameters: one ``torch._fused_adamw_`` call (one launch on CUDA) for them all.
+
+    Each piece must start at a multiple of ``CUT_ELEMS`` elements of its parameter and
+    must not span two parameters: the CPU kernel runs 16-lane vectors from a tensor's
+    start and a scalar tail at its end, which round differently (CUDA's is per element)."""
+    if not param:
+        return
+    # clip_grad_norm_'s _foreach_mul_, into scratch: the retained gradients stay intact.
+    g = list(torch._foreach_mul(grad, clip))
+    if master is not None:
+        g = [x.float() for x in g]
+    target = param if master is None else master
+    # AdamW(fused=True) keeps the step as a float32 tensor on the parameter's device and
+    # increments it before the kernel; the kernel reads the incremented value.
+    steps = [torch.full((), float(step), dtype=torch.float32, device=target[0].device)] * len(
+        target
+    )
+    torch._fused_adamw_(
+        target,
+        g,
+        exp_avg,
+        exp_avg_sq,
+        [],
+        steps,
+        amsgrad=False,
+        lr=lr,
+        beta1=cfg.beta1,
+        beta2=cfg.beta2,
+        weight_decay=cfg.weight_decay,
+        eps=cfg.eps,
+        maximize=False,
+    )
+    if master is not None:
+        torch._foreach_copy_(param, master)
 
 
 def adamw_piece(

@@ -55,7 +55,15 @@ from leto.memory.config import AllocationKind
 from leto.memory.lending import Lender
 from leto.update.layout import RetainedModel
 from leto.update.marker import Auth, Marker, MarkerState, Phase, Step, StreamOrderedWrites
-from leto.update.optim import AdamWConfig, MuonConfig, adamw_piece, clip_coefficient, muon_layer
+from leto.update.optim import (
+    CUT_ELEMS,
+    AdamWConfig,
+    MuonConfig,
+    adamw_fused,
+    adamw_piece,
+    clip_coefficient,
+    muon_layer,
+)
 from leto.update.schedule import WarmupCosine
 from nvbit_tools import tripwire
 
@@ -274,7 +282,7 @@ class Updater:
         grads = [
             self.state.grad[s.offset : s.offset + s.numel].view(s.shape) for s in self.state.slots
         ]
-        return clip_coefficient(grads, self.cfg.adamw.max_grad_norm)
+        return clip_coefficient(grads, self.cfg.adamw.max_grad_norm, self.cfg.adamw.clip_foreach)
 
     def sync(self, iteration: int, group=None) -> float:
         """Global norm at the global synchronization; returns the clipping coefficient."""
@@ -411,6 +419,23 @@ class Updater:
         f = self.state.flat
         lr = self.schedule(it)
         pieces = self.state.pieces(e0, e1)
+        if self.cfg.adamw.impl == "fused" and not any(
+            self.state.slot_at(a).layerwise for a, _ in pieces
+        ):
+            # Every piece of the chunk in one fused call per half chunk; the crash point
+            # between the halves leaves the chunk half updated.
+            if len(pieces) == 1:
+                a, b = pieces[0]
+                start = self.state.slot_at(a).offset - self.state.shard_start
+                mid = start + ((a + b) // 2 - start) // CUT_ELEMS * CUT_ELEMS
+                pieces = [(a, mid), (mid, b)] if a < mid < b else pieces
+            half = len(pieces) // 2
+            halves = [pieces[:half], pieces[half:]] if half else [[], pieces]
+            for k, ranges in enumerate(halves):
+                if k == 1:
+                    point("update.optimizer", it)  # a crash here leaves the chunk half updated
+                self._adamw(adamw_fused, it, lr, ranges, clip)
+            return
         if (
             len(pieces) == 1
             and pieces[0][1] - pieces[0][0] > 1
@@ -444,24 +469,40 @@ class Updater:
                 if out is not live:  # kernel-abort: see the AdamW piece below
                     tripwire.land([live[n] for n in names], [out[n] for n in names])
                 continue
-            names = ["param", "exp_avg", "exp_avg_sq"] + (["master"] if self.state.master else [])
-            live = {n: f[n][a:b] for n in names}
-            # faultkit kernel-abort: torch's AdamW computes into scratch and the result
-            # lands through the trip-wire, which stops after N blocks (nvbit_tools).
-            out = {n: v.clone() for n, v in live.items()} if tripwire.armed() else live
-            adamw_piece(
-                self.cfg.adamw,
-                lr=lr,
-                step=it + 1,
-                param=out["param"],
-                grad=self.state.grad[a + self.state.shard_start : b + self.state.shard_start],
-                exp_avg=out["exp_avg"],
-                exp_avg_sq=out["exp_avg_sq"],
-                clip=clip,
-                master=out.get("master"),
-            )
-            if out is not live:
-                tripwire.land([live[n] for n in names], [out[n] for n in names])
+            self._adamw(adamw_piece, it, lr, [(a, b)], clip)
+
+    def _adamw(self, fn, it: int, lr: float, ranges: list, clip: torch.Tensor) -> None:
+        """AdamW on shard-local element ranges: ``adamw_fused`` takes them all at once,
+        ``adamw_piece`` one range."""
+        if not ranges:
+            return
+        f, s0 = self.state.flat, self.state.shard_start
+        names = ["param", "exp_avg", "exp_avg_sq"] + (["master"] if self.state.master else [])
+        live = {n: [f[n][a:b] for a, b in ranges] for n in names}
+        # faultkit kernel-abort: torch's AdamW computes into scratch and the result
+        # lands through the trip-wire, which stops after N blocks (nvbit_tools).
+        armed = tripwire.armed()
+        out = {n: [v.clone() for v in vs] for n, vs in live.items()} if armed else live
+        one = fn is adamw_piece
+        fn(
+            self.cfg.adamw,
+            lr=lr,
+            step=it + 1,
+            clip=clip,
+            **{
+                n: (v[0] if one else v)
+                for n, v in {
+                    "param": out["param"],
+                    "grad": [self.state.grad[a + s0 : b + s0] for a, b in ranges],
+                    "exp_avg": out["exp_avg"],
+                    "exp_avg_sq": out["exp_avg_sq"],
+                    "master": out.get("master"),
+                }.items()
+                if v is not None
+            },
+        )
+        if armed:
+            tripwire.land([t for n in names for t in live[n]], [t for n in names for t in out[n]])
 
     def _update_group_in_place(self, it: int, gi: int, m: MarkerState, clip: torch.Tensor) -> None:
         """Ablation: no undo, no incremental parity (Fig. 12's 'pool and parity only')."""
