@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|abort|faultkit|faultkit-abort|runtime|preinit|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|overhead|abort|faultkit|faultkit-abort|runtime|preinit|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -30,6 +30,17 @@ if [[ $what == rmu || $what == rmu-bench || $what == all ]]; then
     --iters 2 --warmup 1 --json-out "$OUT/rmu_memory_cuda.json" 2>&1 | tee "$OUT/rmu_memory_cuda.txt" || rc=1
   python3 -m bench.rmu_overhead --device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 8 --seq 1024 \
     --iters 4 --warmup 2 --json-out "$OUT/rmu_overhead_cuda.json" 2>&1 | tee "$OUT/rmu_overhead_cuda.txt" || rc=1
+fi
+if [[ $what == overhead || $what == all ]]; then
+  # Issue 15: steady-state overhead against the loop users run (fused AdamW, clip foreach,
+  # bf16 autocast, TF32, SDPA), 1.01 B parameters, 16 K and 128 K tokens per iteration;
+  # the optimizer's bit-identity to AdamW(fused=True) on CUDA first.
+  python3 -m pytest -p no:cacheprovider -q tests/test_optim.py tests/test_rmu_gpu.py 2>&1 | tee "$OUT/overhead_gpu_tests.txt" || rc=1
+  M="--device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 16 --seq 1024"
+  python3 -m bench.rmu_overhead $M --iters 4 --warmup 2 \
+    --json-out "$OUT/overhead_16k.json" 2>&1 | tee "$OUT/overhead_16k.txt" || rc=1
+  python3 -m bench.rmu_overhead $M --micro-batches 8 --iters 3 --warmup 1 \
+    --json-out "$OUT/overhead_128k.json" 2>&1 | tee "$OUT/overhead_128k.txt" || rc=1
 fi
 if [[ $what == abort || $what == all ]]; then
   # The trip-wire in Leto's kernels (codec, copy) and the example job under leto run on the GPU.

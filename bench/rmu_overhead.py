@@ -1,15 +1,18 @@
 """Fault-free overhead of the Resumable Model Updater, side by side in one run.
 
-The same GPT, data and loop, twice: (a) plain PyTorch — parameters in ordinary
-memory, ``clip_grad_norm_(foreach=False)`` and ``torch.optim.AdamW(foreach=False)``;
-(b) Leto — parameters, gradients and AdamW state in a Resilient Memory Pool (a real
-state-manager process), gradient parity, global-norm clipping and the chunked
-transactional update with incremental parity. Reports mean iteration time of each
-(after warm-up), the overhead ratio, and the RMU's breakdown measured in a separate
+The same GPT, data and loop, twice: (a) plain PyTorch as users tune it — parameters in
+ordinary memory, ``clip_grad_norm_(foreach=True)`` and ``torch.optim.AdamW(fused=True)``,
+bf16 autocast, TF32, SDPA (``--baseline single`` is the older, slower
+``foreach=False`` loop, labelled as such); (b) Leto — parameters, gradients and AdamW
+state in a Resilient Memory Pool (a real state-manager process), gradient parity,
+global-norm clipping and the chunked transactional update with incremental parity,
+bit-identical to (a)'s optimizer. ``--micro-batches K`` accumulates K micro-batches per
+iteration in both. Reports mean iteration time of each (after warm-up), the overhead
+ratio, peak device memory of each, and the RMU's breakdown measured in a separate
 profiled pass (profiling adds synchronizations, so it is not in the timed pass).
 
     python -m bench.rmu_overhead --device cpu
-    python -m bench.rmu_overhead --device cuda --n-layer 20 --n-embd 2048 --batch 8 --seq 1024
+    python -m bench.rmu_overhead --device cuda --n-layer 20 --n-embd 2048 --batch 16 --seq 1024
 
 Not covered: multi-rank runs (the all-reduce is the same in both loops and omitted).
 """
@@ -55,30 +58,47 @@ def time_loop(step, iters: int, warmup: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def compute(args, model, device: torch.device, t: int) -> torch.Tensor:
+    """Forward and backward of iteration ``t``: ``--micro-batches`` micro-batches, their
+    gradients accumulated, under the autocast the flags ask for. Returns the loss."""
+    k = args.micro_batches
+    loss = torch.zeros((), device=device)
+    for mb in range(k):
+        x, y = (v.to(device, non_blocking=True) for v in batch(0, t, mb, args.batch, args.seq))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            part = model(x, y) / k
+        part.backward()
+        loss += part.detach()
+    return loss
+
+
 def plain(
     args, gcfg: GPTConfig, device: torch.device, schedule, adamw: AdamWConfig, after=None
 ) -> float:
     model = GPT(gcfg).to(device=device, dtype=getattr(torch, args.dtype))
     init_weights(model, 0)
+    kw = {"fused": True} if adamw.impl == "fused" else {"foreach": False}
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=1.0,
         betas=(adamw.beta1, adamw.beta2),
         eps=adamw.eps,
         weight_decay=adamw.weight_decay,
-        foreach=False,
+        **kw,
     )
 
     def step(t):
-        x, y = (v.to(device) for v in batch(0, t, 0, args.batch, args.seq))
         opt.zero_grad(set_to_none=False)
-        model(x, y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), adamw.max_grad_norm, foreach=False)
+        compute(args, model, device, t)
+        torch.nn.utils.clip_grad_norm_(
+            model.parameters(), adamw.max_grad_norm, foreach=adamw.clip_foreach
+        )
         for group in opt.param_groups:
             group["lr"] = schedule(t)
         opt.step()
 
     seconds = time_loop(step, args.iters, args.warmup, device)
+    args.attention = model.attention_backend()
     if after is not None:
         after(None)
     return seconds
@@ -101,15 +121,16 @@ def leto(
             model = GPT(gcfg).to(getattr(torch, args.dtype))
         ucfg = UpdaterConfig(chunk_units=args.chunk_units, adamw=adamw, lend_activations=lend)
         up = Updater(client, model, schedule, ucfg)
+        # Device pages of the pool (records live in host memory, parity too).
+        allocs = client.status()["allocations"]
+        args.pool_device_gib = sum(a["nbytes"] for a in allocs if a["kind"] != "record") / 2**30
         up.initialize(lambda: init_weights(model, 0))
 
         def step(t):
-            x, y = (v.to(device) for v in batch(0, t, 0, args.batch, args.seq))
             up.begin(t)
             with up.lent_memory():
-                loss = model(x, y)
-                loss.backward()
-            up.protect_grads(t, loss=float(loss.detach()))
+                loss = compute(args, model, device, t)
+            up.protect_grads(t, loss=float(loss))
             up.sync(t)
             up.update(t)
 
@@ -121,14 +142,12 @@ def leto(
         for k in range(args.iters):
             sync(device)
             t0 = time.perf_counter()
-            x, y = (v.to(device) for v in batch(0, t + k, 0, args.batch, args.seq))
             up.begin(t + k)
             with up.lent_memory():
-                loss = model(x, y)
-                loss.backward()
+                loss = compute(args, model, device, t + k)
             sync(device)
             up.profile["forward + backward"] += time.perf_counter() - t0
-            up.protect_grads(t + k, loss=float(loss.detach()))
+            up.protect_grads(t + k, loss=float(loss))
             up.sync(t + k)
             up.update(t + k)
         breakdown = {k: v / args.iters * 1e3 for k, v in up.profile.items()}
@@ -147,7 +166,23 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
     ap.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
     ap.add_argument("--n-embd", type=int, default=128, help="model width")
     ap.add_argument("--n-head", type=int, default=4, help="attention heads")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per iteration")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
+    ap.add_argument(
+        "--micro-batches", type=int, default=1, help="micro-batches accumulated per iteration"
+    )
+    ap.add_argument(
+        "--baseline",
+        choices=["fused", "single"],
+        default="fused",
+        help="fused: AdamW(fused=True) + clip_grad_norm_(foreach=True), what users run; "
+        "single: the older AdamW(foreach=False) + clip foreach=False loop (slower)",
+    )
+    ap.add_argument(
+        "--autocast", choices=["bf16", "off"], default="bf16", help="forward/backward autocast"
+    )
+    ap.add_argument(
+        "--tf32", action=argparse.BooleanOptionalAction, default=True, help="TF32 matmuls (CUDA)"
+    )
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     ap.add_argument("--iters", type=int, default=5, help="timed iterations per variant")
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
@@ -167,19 +202,42 @@ def model_config(args) -> GPTConfig:
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
     device = torch.device(args.device)
     gcfg = model_config(args)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in GPT(gcfg).parameters())
     schedule = WarmupCosine(total_iters=1000)
-    adamw = AdamWConfig()
-    t_plain = plain(args, gcfg, device, schedule, adamw)
-    t_leto, breakdown = leto(args, gcfg, device, schedule, adamw)
+    adamw = AdamWConfig(impl=args.baseline)
+    peaks = {}
+
+    def peak(name):
+        def after(_):
+            if device.type == "cuda":
+                sync(device)
+                peaks[name] = torch.cuda.max_memory_allocated(device) / 2**30
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+
+        return after
+
+    t_plain = plain(args, gcfg, device, schedule, adamw, after=peak("plain"))
+    t_leto, breakdown = leto(args, gcfg, device, schedule, adamw, after=peak("leto"))
     res = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "date": datetime.date.today().isoformat(),
         "params": n_params,
         "dtype": args.dtype,
+        "baseline": args.baseline,
+        "autocast": args.autocast,
+        "tf32": args.tf32,
+        "attention": args.attention,
+        "tokens_per_iteration": args.batch * args.seq * args.micro_batches,
+        "micro_batches": args.micro_batches,
+        # torch's allocator peak; Leto's retained state lives in pool pages beside it.
+        "peak_allocated_gib": peaks,
+        "pool_device_gib": args.pool_device_gib,
         "plain_ms": t_plain * 1e3,
         "leto_ms": t_leto * 1e3,
         "overhead_pct": (t_leto / t_plain - 1) * 100,
@@ -188,15 +246,26 @@ def main(argv: list[str] | None = None) -> dict:
         + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
     }
     t = Table(
-        title=f"RMU overhead on {res['device']}: {n_params / 1e6:.1f} M parameters ({args.dtype})"
+        title=f"RMU overhead on {res['device']}: {n_params / 1e6:.1f} M parameters "
+        f"({args.dtype}, autocast {args.autocast}, TF32 {args.tf32}, attention "
+        f"{args.attention}, {res['tokens_per_iteration']} tokens in {args.micro_batches} "
+        "micro-batch(es))"
     )
     t.add_column("what")
     t.add_column("ms / iteration", justify="right")
-    t.add_row("plain PyTorch (AdamW foreach=False)", f"{res['plain_ms']:.1f}")
+    label = {
+        "fused": "plain PyTorch (AdamW fused=True, clip foreach=True)",
+        "single": "plain PyTorch (AdamW foreach=False: the older, slower baseline)",
+    }[args.baseline]
+    t.add_row(label, f"{res['plain_ms']:.1f}")
     t.add_row("Leto (pool + RMU)", f"{res['leto_ms']:.1f}")
     t.add_row("overhead", f"{res['overhead_pct']:+.1f} %")
     for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1]):
         t.add_row(f"  profiled: {k}", f"{v:.1f}")
+    for k, v in peaks.items():
+        t.add_row(f"peak allocated by torch, {k} (GiB)", f"{v:.2f}")
+    if device.type == "cuda":
+        t.add_row("Leto pool pages on the device (GiB)", f"{args.pool_device_gib:.2f}")
     Console().print(t)
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -25,6 +25,7 @@ from leto.errors import FatalFailure
 from leto.proc import alive
 from leto.runtime.agent import EXIT_FATAL
 from leto.runtime.retained import RetainedTraining
+from leto.update.optim import AdamWConfig
 from leto.update.rmu import UpdaterConfig
 from leto.update.schedule import WarmupCosine
 from leto.workload.corpus import batch
@@ -71,6 +72,8 @@ def main() -> int:
     cfg = from_args(args)
     torch.set_num_threads(1)  # ranks share the machine's cores
     torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.tf32
 
     def prepare():  # runs while a shadow is parked (L2 and up): no pool access here
         with torch.device("meta"):
@@ -90,7 +93,7 @@ def main() -> int:
             ctx.rank,
             ctx.world_size,
             out,
-            UpdaterConfig(chunk_units=cfg.chunk_units),
+            UpdaterConfig(chunk_units=cfg.chunk_units, adamw=AdamWConfig(impl=cfg.optimizer)),
             zero1=cfg.zero1,
             record=cfg.record,
             keep_tensors=cfg.keep_tensors,
@@ -100,19 +103,34 @@ def main() -> int:
         ctx.resumed(t, resume_s=time.time() - t_resume, **job.timings)
         ckpt = ctx.checkpointer()  # insurance against fatal failures only
         demand = None
+        first = t
         while t < cfg.iterations:
             job.begin(t)
             if t == cfg.demand_at and demand is None:
                 demand = grow_demand(ctx, cfg)
-            torch.manual_seed(((cfg.seed * 7_919) + t) * 104_729 + ctx.rank)  # dropout
-            x, y = (
-                v.to(ctx.device) for v in batch(cfg.seed, t, ctx.rank, cfg.batch_size, cfg.seq_len)
-            )
-            point("compute.forward", t)
+            k = cfg.micro_batches
+            loss = torch.zeros((), device=ctx.device)
             with job.compute():
-                loss = model(x, y)
-                point("compute.backward", t)
-                loss.backward()
+                for mb in range(k):  # gradients accumulate in the retained buffer
+                    stream = ctx.rank * k + mb  # data and dropout per (rank, micro-batch)
+                    torch.manual_seed(((cfg.seed * 7_919) + t) * 104_729 + stream)  # dropout
+                    x, y = (
+                        v.to(ctx.device)
+                        for v in batch(cfg.seed, t, stream, cfg.batch_size, cfg.seq_len)
+                    )
+                    point("compute.forward", t)  # the n-th hit is micro-batch n - 1
+                    with cfg.autocast_context(ctx.device):
+                        mb_loss = model(x, y) / k
+                    point("compute.backward", t)
+                    mb_loss.backward()
+                    loss += mb_loss.detach()
+            if t == first:
+                print(
+                    f"rank {ctx.rank}: attention backend {model.attention_backend()}, "
+                    f"autocast {cfg.autocast}, TF32 {cfg.tf32}, AdamW {cfg.optimizer}, "
+                    f"{k} micro-batch(es) of {cfg.batch_size} x {cfg.seq_len} tokens",
+                    flush=True,
+                )
             job.step(t, loss)
             if ckpt is not None:
                 ckpt.after_iteration(t, job)

@@ -19,6 +19,8 @@ from leto.workload.train import TrainConfig
 pytestmark = pytest.mark.timeout(400)  # the module's references: three leto runs
 CFG = TrainConfig(iterations=4, save_state=True)
 ZERO1 = TrainConfig(iterations=4, zero1=True, save_state=True)
+# Gradient accumulation: two micro-batches per iteration under bf16 autocast.
+ACCUM = TrainConfig(iterations=4, micro_batches=2, autocast="bf16", save_state=True)
 POINTS = [p for p in hooks.POINTS if p != "gather"]  # gather: ZeRO-1 only
 
 
@@ -26,6 +28,7 @@ POINTS = [p for p in hooks.POINTS if p != "gather"]  # gather: ZeRO-1 only
 def reference(tmp_path_factory):
     runs = {w: run(w, CFG, tmp_path_factory.mktemp(f"ref{w}")) for w in (2, 4)}
     runs["zero1"] = run(2, ZERO1, tmp_path_factory.mktemp("refz1"))
+    runs["accum"] = run(2, ACCUM, tmp_path_factory.mktemp("refacc"))
     return runs
 
 
@@ -94,4 +97,18 @@ def test_zero1_kill_anywhere_with_lost_pages(reference, tmp_path, point):
     got = run(2, ZERO1, tmp_path, fault=(1, f"{point}@2#1"), lose=LOSE_H1_PAGES_AND_A_PARITY_PAGE)
     assert first_difference(reference["zero1"], got) is None, first_difference(
         reference["zero1"], got
+    )
+
+
+@pytest.mark.parametrize(
+    "victim,point",
+    [(1, "compute.backward@2#2"), (0, "compute.forward@1#1"), (0, "update.optimizer@2#2")],
+)
+def test_gradient_accumulation_recovers_exactly(reference, tmp_path, victim, point):
+    """A kill in the second or first micro-batch (the iteration is redone from its first
+    micro-batch) or in the update (finished from the accumulated, protected gradients)."""
+    got = run(2, ACCUM, tmp_path, fault=(victim, point))
+    assert got["injections"] == 1, f"the fault {point} was not injected"
+    assert first_difference(reference["accum"], got) is None, first_difference(
+        reference["accum"], got
     )

@@ -8,7 +8,11 @@ continue (finish the interrupted update, or redo the interrupted iteration);
 ``step`` all-reduces the retained gradients, protects them, synchronizes and runs the
 resumable update, then logs the loss and the verifiers trace.
 
-Not covered: gradient accumulation over micro-batches, tensor/pipeline parallelism.
+Gradient accumulation needs nothing here: micro-batches accumulate into the retained
+gradient buffer (the example job's ``--micro-batches``), and a crash in any of them is
+a crash in the compute phase (the iteration is redone).
+
+Not covered: tensor/pipeline parallelism.
 """
 
 from __future__ import annotations

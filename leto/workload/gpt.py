@@ -1,18 +1,32 @@
 """A small GPT (decoder-only transformer) for the example job.
 
-Plain PyTorch; attention is computed explicitly in fp32 (no fused kernel) so results are
-deterministic on CPU and GPU with deterministic algorithms on. Dropout draws from the
-global generator, which the training loop seeds from (seed, iteration, rank).
+Plain PyTorch. Attention is ``torch.nn.functional.scaled_dot_product_attention`` with
+the backend pinned (``attention_backend``), so which kernel ran is known and stays the
+same on every run and every recovery: FlashAttention on CUDA for bf16/fp16 inputs (bf16
+autocast) — under ``torch.use_deterministic_algorithms(True)`` its backward runs the
+deterministic algorithm — and the math backend otherwise (fp32 on CUDA, where the
+memory-efficient kernel's backward is not deterministic; every input on the CPU).
+Dropout (attention and residual) draws from the global generators, which the training
+loop seeds from (seed, iteration, rank).
+
+Not covered: cuDNN attention (refused under deterministic mode on the H200).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def attention_backend(device: torch.device, dtype: torch.dtype) -> SDPBackend:
+    """The SDPA backend the example GPT pins for inputs of ``dtype`` on ``device``."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return SDPBackend.FLASH_ATTENTION
+    return SDPBackend.MATH
 
 
 @dataclass(frozen=True)
@@ -36,15 +50,19 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * c.n_embd, c.n_embd)
         self.n_head = c.n_head
         self.drop = nn.Dropout(c.dropout)
+        self.backend = None  # the SDPA backend of the last forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(C // self.n_head)
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(x.dtype)
-        y = (self.drop(att) @ v).transpose(1, 2).reshape(B, T, C)
+        backend = attention_backend(q.device, q.dtype)
+        self.backend = backend.name  # what ran, for logs and benchmarks
+        with sdpa_kernel([backend]):
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.drop.p if self.training else 0.0, is_causal=True
+            )
+        y = y.transpose(1, 2).reshape(B, T, C)
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
@@ -66,6 +84,10 @@ class GPT(nn.Module):
             x = b(x)
         logits = self.head(self.ln(x)).float()
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def attention_backend(self) -> str | None:
+        """The SDPA backend the last forward ran (None before the first)."""
+        return self.blocks[0].backend if len(self.blocks) else None
 
 
 def init_weights(model: nn.Module, seed: int, std: float = 0.006) -> None:

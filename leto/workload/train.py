@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+import torch
+
 from leto.workload.gpt import GPTConfig
 
 
@@ -30,6 +32,12 @@ class TrainConfig:
     n_head: int = 2
     dropout: float = 0.1
     zero1: bool = False  # shard optimizer state (and the update) across ranks
+    # Gradient accumulation: micro-batches of batch_size sequences per iteration, their
+    # gradients summed into the retained gradient buffer (each loss divided by the count).
+    micro_batches: int = 1
+    autocast: str = "off"  # "bf16": forward and backward under torch.autocast(bfloat16)
+    tf32: bool = False  # TF32 matmuls and convolutions on CUDA
+    optimizer: str = "fused"  # AdamW as AdamW(fused=True), or "single" (foreach=False)
     record: bool = True  # verifiers trace: loss + SHA-256 of retained tensors per iteration
     keep_tensors: bool = False  # also save them, so a divergence names its byte offset
     save_state: bool = False  # every retained tensor to rank{r}.state.pt at the end
@@ -40,6 +48,16 @@ class TrainConfig:
     demand_at: int = -1
     demand_beyond_free_mib: float = 512.0
     demand_chunk_mib: float = 256.0
+
+    def __post_init__(self):
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches={self.micro_batches}: at least 1")
+        if self.autocast not in ("off", "bf16"):
+            raise ValueError(f"autocast={self.autocast!r}: 'off' or 'bf16'")
+
+    def autocast_context(self, device: torch.device):
+        """The forward/backward context this configuration asks for."""
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast == "bf16")
 
     def gpt(self) -> GPTConfig:
         return GPTConfig(
