@@ -35,12 +35,17 @@ if [[ $what == overhead || $what == all ]]; then
   # Issue 15: steady-state overhead against the loop users run (fused AdamW, clip foreach,
   # bf16 autocast, TF32, SDPA), 1.01 B parameters, 16 K and 128 K tokens per iteration;
   # the optimizer's bit-identity to AdamW(fused=True) on CUDA first.
-  python3 -m pytest -p no:cacheprovider -q tests/test_optim.py tests/test_rmu_gpu.py 2>&1 | tee "$OUT/overhead_gpu_tests.txt" || rc=1
+  python3 -m pytest -p no:cacheprovider -q tests/test_optim.py tests/test_rmu_gpu.py \
+    tests/test_codec_gpu.py tests/test_tripwire.py 2>&1 | tee "$OUT/overhead_gpu_tests.txt" || rc=1
   M="--device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 16 --seq 1024"
-  python3 -m bench.rmu_overhead $M --iters 4 --warmup 2 \
-    --json-out "$OUT/overhead_16k.json" 2>&1 | tee "$OUT/overhead_16k.txt" || rc=1
-  python3 -m bench.rmu_overhead $M --micro-batches 8 --iters 3 --warmup 1 \
-    --json-out "$OUT/overhead_128k.json" 2>&1 | tee "$OUT/overhead_128k.txt" || rc=1
+  for h1 in ${LETO_H1S:-16 4}; do
+    python3 -m bench.rmu_overhead $M --iters 4 --warmup 2 --tier1-pages $h1 \
+      --json-out "$OUT/overhead_16k_h$h1.json" 2>&1 | tee "$OUT/overhead_16k_h$h1.txt" || rc=1
+  done
+  for h1 in ${LETO_H1S_128K:-4}; do
+    python3 -m bench.rmu_overhead $M --micro-batches 8 --iters 3 --warmup 1 --tier1-pages $h1 \
+      --json-out "$OUT/overhead_128k_h$h1.json" 2>&1 | tee "$OUT/overhead_128k_h$h1.txt" || rc=1
+  done
 fi
 if [[ $what == abort || $what == all ]]; then
   # The trip-wire in Leto's kernels (codec, copy) and the example job under leto run on the GPU.

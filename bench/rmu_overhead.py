@@ -113,7 +113,10 @@ def leto(
     lend: bool = True,
     after=None,
 ) -> tuple[float, dict]:
-    cfg = PoolConfig(device="cpu" if device.type == "cpu" else f"cuda:{device.index or 0}")
+    cfg = PoolConfig(
+        device="cpu" if device.type == "cpu" else f"cuda:{device.index or 0}",
+        tier1_pages=args.tier1_pages,
+    )
     sm = start_state_manager(cfg)
     try:
         client = PoolClient.connect(sm.socket_path, sm.token)
@@ -189,6 +192,12 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
     ap.add_argument(
         "--chunk-units", type=int, default=64, help="RMU chunk size in units (pages of parameters)"
     )
+    ap.add_argument(
+        "--tier1-pages",
+        type=int,
+        default=16,
+        help="H1: tier-1 parity pages per protection group (lost pages it tolerates per group)",
+    )
     ap.add_argument("--json-out", default=None, help="write results as JSON here")
     return ap
 
@@ -235,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
         "attention": args.attention,
         "tokens_per_iteration": args.batch * args.seq * args.micro_batches,
         "micro_batches": args.micro_batches,
+        "tier1_pages": args.tier1_pages,
+        "chunk_units": args.chunk_units,
         # torch's allocator peak; Leto's retained state lives in pool pages beside it.
         "peak_allocated_gib": peaks,
         "pool_device_gib": args.pool_device_gib,

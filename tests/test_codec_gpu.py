@@ -34,7 +34,7 @@ def test_cuda_kernel_equals_cpu_kernel_for_every_multiplier_constant():
 
 
 @pytest.mark.parametrize("n_bytes", [16, 2, 6, 30, 4096 + 16, 4096 + 6])
-@pytest.mark.parametrize("rows", [1, 16, 17, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 33])  # every row-pair variant
 @pytest.mark.parametrize("misaligned", [False, True])
 def test_cuda_kernel_equals_cpu_kernel_on_random_data(n_bytes, rows, misaligned):
     rng = np.random.default_rng(n_bytes * 100 + rows)

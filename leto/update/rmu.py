@@ -12,6 +12,9 @@ Runs in the trainer. One iteration, after forward/backward and the gradient all-
    parity = authoritative parity ⊕ G·(old ⊕ new) (PARITY_DONE), commit = the marker
    names the scratch buffer authoritative (START of the next chunk); then copy the
    parity to host (STORE) and refresh tier 2 (TIER2). Marker DONE ends the iteration.
+   UPDATE_DONE and PARITY_DONE are steps, not marker writes: recovery reverts a chunk
+   from its undo copy in all three in-flight steps alike, so a chunk costs two writes
+   (UNDO_DONE and the commit).
 
 Every step reads only state the previous marker vouches for and writes state no
 earlier marker relies on, so redoing a step is harmless: a crash anywhere — or a
@@ -379,7 +382,11 @@ class Updater:
                         # again from the old values in the undo buffer.
                         self._runs_copy(units, to_undo=False)
                     self._optimizer(it, units, clip)
-                m = self._write(m.but(step=Step.UPDATE_DONE))
+                # Not written: recovery treats UPDATE_DONE and PARITY_DONE exactly as
+                # UNDO_DONE (the chunk is reverted from its undo copy and redone, the
+                # authoritative parity untouched), so two stream-ordered writes per chunk
+                # would buy nothing. A marker holding them is still understood.
+                m = m.but(step=Step.UPDATE_DONE)
             if m.step is Step.UPDATE_DONE:
                 with self._span("parity update"):
                     if scratch_copied:
@@ -389,7 +396,7 @@ class Updater:
                     point("update.parity", it)
                     first, _ = self.state.chunk_pages(gi, units)
                     code.tier1.update(self.buf[y], first, undo, pages, group=g.gid)
-                m = self._write(m.but(step=Step.PARITY_DONE))
+                m = m.but(step=Step.PARITY_DONE)  # not written either: see UPDATE_DONE
             point("update.commit", it)
             m = self._write(m.but(step=Step.START, chunk=j + 1, auth=y))
         if m.step in (Step.START, Step.STORE):

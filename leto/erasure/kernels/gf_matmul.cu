@@ -107,7 +107,9 @@ struct Vec<1> {
 };
 
 // One thread owns SYMS consecutive symbols (a 16-byte vector for SYMS=8) of every page.
-template <int SYMS>
+// NP: row pairs computed (a code with H <= 2*NP rows in this block skips the lookups of
+// the rows it does not have: the cost of a multiply falls with the number of rows).
+template <int SYMS, int NP>
 __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict__ in_ptrs,
                                             const unsigned long long* __restrict__ in2_ptrs,
                                             const unsigned long long* __restrict__ out_ptrs,
@@ -122,11 +124,11 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
   const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   const bool active = item < n_items;
 
-  unsigned int acc[SYMS][PAIRS];
+  unsigned int acc[SYMS][NP];
 #pragma unroll
   for (int s = 0; s < SYMS; ++s)
 #pragma unroll
-    for (int p = 0; p < PAIRS; ++p) acc[s][p] = 0;
+    for (int p = 0; p < NP; ++p) acc[s][p] = 0;
 
   // Data for page k+1 is loaded while page k is multiplied, so the long run of
   // shared-memory lookups hides the global-memory latency of the next page.
@@ -163,7 +165,7 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
             for (int pos = 0; pos < 4; ++pos) {
               const unsigned int* tp = t + pos * (PAIRS * 16) + ((x >> (4 * pos)) & 15u);
 #pragma unroll
-              for (int p = 0; p < PAIRS; ++p) acc[s][p] ^= tp[p * 16];
+              for (int p = 0; p < NP; ++p) acc[s][p] ^= tp[p * 16];
             }
           }
           cur = nxt;
@@ -174,7 +176,7 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
   }
   if (active) {
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
+    for (int r = 0; r < 2 * NP; ++r) {
       const int row = rb * ROWS + r;
       if (row >= n_rows) break;
       unsigned char* out = reinterpret_cast<unsigned char*>(out_ptrs[row]);
@@ -191,20 +193,18 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
   if (tw) tripwire_leave(tw);
 }
 
-extern "C" __global__ void __launch_bounds__(256) gf_matmul_v8(
-    const unsigned long long* in_ptrs, const unsigned long long* in2_ptrs,
-    const unsigned long long* out_ptrs, const unsigned int* tables, int n_inputs,
-    int table_cols, int col_offset, long long n_items, int n_rows, int accumulate,
-    LetoTripwire* tw) {
-  matmul_body<8>(in_ptrs, in2_ptrs, out_ptrs, tables, n_inputs, table_cols, col_offset,
-                 n_items, n_rows, accumulate, tw);
-}
+#define GF_MATMUL(NAME, SYMS, NP)                                                        \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                \
+      const unsigned long long* in_ptrs, const unsigned long long* in2_ptrs,             \
+      const unsigned long long* out_ptrs, const unsigned int* tables, int n_inputs,      \
+      int table_cols, int col_offset, long long n_items, int n_rows, int accumulate,     \
+      LetoTripwire* tw) {                                                                \
+    matmul_body<SYMS, NP>(in_ptrs, in2_ptrs, out_ptrs, tables, n_inputs, table_cols,     \
+                          col_offset, n_items, n_rows, accumulate, tw);                  \
+  }
 
-extern "C" __global__ void __launch_bounds__(256) gf_matmul_v1(
-    const unsigned long long* in_ptrs, const unsigned long long* in2_ptrs,
-    const unsigned long long* out_ptrs, const unsigned int* tables, int n_inputs,
-    int table_cols, int col_offset, long long n_items, int n_rows, int accumulate,
-    LetoTripwire* tw) {
-  matmul_body<1>(in_ptrs, in2_ptrs, out_ptrs, tables, n_inputs, table_cols, col_offset,
-                 n_items, n_rows, accumulate, tw);
-}
+GF_MATMUL(gf_matmul_v8, 8, PAIRS)
+GF_MATMUL(gf_matmul_v8_p4, 8, 4)
+GF_MATMUL(gf_matmul_v8_p2, 8, 2)
+GF_MATMUL(gf_matmul_v8_p1, 8, 1)
+GF_MATMUL(gf_matmul_v1, 1, PAIRS)
