@@ -60,8 +60,7 @@ def cmd_inject(args: argparse.Namespace) -> int:
     try:
         v = inject(_config(args))
     except (ValueError, RuntimeError) as e:
-        print(f"faultkit inject: {e}", file=sys.stderr)
-        return 2
+        return _refuse("inject", e, args)
     if args.json:
         print(json.dumps(v))
         return 0 if v["exact"] else 1
@@ -75,8 +74,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         phases = tuple(args.phases.split(",")) if args.phases else None
         rows = matrix(_config(args), phases=phases, modes=tuple(args.modes.split(",")))
     except (ValueError, RuntimeError) as e:
-        print(f"faultkit matrix: {e}", file=sys.stderr)
-        return 2
+        return _refuse("matrix", e, args)
     bad = [r for r in rows if not r["exact"]]
     if args.json:
         print(json.dumps({"exact": not bad, "cases": rows}))
@@ -111,8 +109,7 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
         schedule = Schedule.from_json(open(args.schedule).read())
         v = run_plan(schedule, _config(args), args.iteration_s)
     except (OSError, InvalidInput, ValueError, RuntimeError) as e:
-        print(f"faultkit run-plan: {e}", file=sys.stderr)
-        return 2
+        return _refuse("run-plan", e, args)
     v.setdefault("mode", "from schedule")
     v.setdefault("phase", "from schedule")
     v.setdefault("point", ", ".join(v["points"]))
@@ -121,6 +118,15 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(v))
         return 0 if v["exact"] else 1
     return _verdict_table(v, f"faultkit run-plan ({v['ff']} FF, {v['not_replayed']} past the end)")
+
+
+def _refuse(command: str, e: Exception, args: argparse.Namespace) -> int:
+    """A refusal: the reason on stderr and, under ``--json``, as a JSON object on stdout
+    (a script reading stdout gets an object either way). Nothing ran."""
+    print(f"faultkit {command}: {e}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"refused": True, "error": str(e), "exact": False}))
+    return 2
 
 
 def _verdict_table(v: dict, title: str) -> int:

@@ -75,7 +75,10 @@ class InjectConfig:
 
 def _phase(cfg: InjectConfig, phase: str, salt: int = 0) -> str:
     if phase == "any":
-        phase = random.Random(cfg.seed * 1_000 + salt).choice(sorted(PHASES))
+        # Only phases the mode can strike: a draw the mode refuses would be a refusal
+        # the user never asked for.
+        valid = {"kernel-abort": KERNEL_PHASES, "copy-corrupt": COPY_PHASES}.get(cfg.mode, PHASES)
+        phase = random.Random(cfg.seed * 1_000 + salt).choice(sorted(valid))
     if phase not in PHASES:
         raise ValueError(f"--phase {phase!r}: choose one of {sorted(PHASES)} or any")
     return phase
@@ -130,8 +133,10 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
 
 
 def reference_run(cfg: InjectConfig, work: Path) -> dict:
-    """The fault-free run every faulted run of the same job is compared with."""
-    return _run(cfg, work / "reference")
+    """The fault-free run every faulted run of the same job is compared with. Without
+    shadows: a parked shadow computes nothing, so the bytes are the same and the job
+    starts half the processes."""
+    return _run(replace(cfg, shadow_level="off"), work / "reference")
 
 
 def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path, label: str):

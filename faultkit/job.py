@@ -75,6 +75,76 @@ def _pool_flags(pool: PoolConfig) -> list[str]:
     return flags
 
 
+def plan_of(faults, pool: PoolConfig) -> list[dict]:
+    """``leto run``'s fault plan for faults striking in order, one per generation; a
+    fault that loses more pages than parity covers is fatal and takes two (the promoted
+    trainers exit fatal, then the checkpoint fallback starts the next)."""
+    plan, gen = [], 0
+    for f in faults:
+        plan.append(f.plan_entry(gen))
+        gen += 2 if f.lose_pages > pool.tier1_pages else 1
+    return plan
+
+
+def start_job(
+    world: int,
+    cfg: TrainConfig,
+    out: Path,
+    plan: list[dict] = (),
+    pool: PoolConfig = POOL,
+    device: str = "cpu",
+    shadow_level: str = "L2",
+    extra: tuple[str, ...] = (),
+    env: dict | None = None,
+    nnodes: int = 1,
+    agent_timeout_s: float = 120,
+) -> list[subprocess.Popen]:
+    """Start the job on ``world`` ranks over ``nnodes`` agents (nodes over loopback),
+    without waiting: one ``leto run`` process per node, node n in ``out/node{n}`` (its
+    logs, the checkpoints) — node 0's are ``out/logs``. Training output goes to
+    ``out/train``; ``finish_job`` waits. Every test, faultkit and the benchmarks start
+    jobs here (or through ``run_job``)."""
+    out = Path(out)
+    if world % nnodes:
+        raise ValueError(f"{world} ranks do not split evenly over {nnodes} nodes")
+    port = free_port()
+    env = dict(os.environ, **(env or {}), LETO_FAULT_PLAN=json.dumps(list(plan)))
+    env[ENV_LOG] = str(out / "aborts.jsonl")
+    procs = []
+    for node in range(nnodes):
+        cwd = out if node == 0 else out / f"node{node}"
+        cwd.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "leto.cli", "run", "--json", "--device", device,
+            "--nnodes", str(nnodes), "--node-rank", str(node),
+            "--nproc-per-node", str(world // nnodes), "--master-port", str(port),
+            "--shadow-level", shadow_level, "--log-dir", str(cwd / "logs"),
+            "--timeout-s", str(agent_timeout_s), *_pool_flags(pool), *extra,
+            str(SCRIPT), *cfg.flags(), "--out", str(out / "train"),
+        ]  # fmt: skip
+        log = open(cwd / "leto-run.log", "w")  # noqa: SIM115 - closed by finish_job
+        p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=log, text=True)
+        p.log = log  # type: ignore[attr-defined]
+        procs.append(p)
+    return procs
+
+
+def finish_job(procs: list[subprocess.Popen], timeout_s: float = 600) -> list[tuple[int, dict]]:
+    """Wait for a job's agents; (exit code, leto run's JSON summary) per node."""
+    done = []
+    try:
+        for p in procs:
+            stdout, _ = p.communicate(timeout=timeout_s)
+            lines = stdout.strip().splitlines()
+            done.append((p.returncode, json.loads(lines[-1]) if lines else {}))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.log.close()
+    return done
+
+
 def run_job(
     world: int,
     cfg: TrainConfig,
@@ -87,32 +157,22 @@ def run_job(
     timeout_s: float = 600,
     extra: tuple[str, ...] = (),
     env: dict | None = None,
+    plan: list[dict] | None = None,
+    nnodes: int = 1,
 ) -> dict:
-    """Run the job on ``world`` ranks (one node); returns leto run's summary plus each
-    rank's losses (and final state with ``cfg.save_state``). Raises on a non-zero exit
-    unless ``allow_failure``. Faults strike in order, one per generation; a fault that
-    loses more pages than parity covers is fatal and takes two (the promoted trainers
-    exit fatal, then the checkpoint fallback starts the next)."""
+    """Run the job on ``world`` ranks; returns leto run's summary (node 0's; every
+    node's under ``"nodes"``) plus each rank's losses (and final state with
+    ``cfg.save_state``). Raises on a non-zero exit unless ``allow_failure``. ``faults``
+    become the plan (``plan_of``); ``plan`` gives one directly."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    plan, gen = [], 0
-    for f in faults:
-        plan.append(f.plan_entry(gen))
-        gen += 2 if f.lose_pages > pool.tier1_pages else 1
-    cmd = [
-        sys.executable, "-m", "leto.cli", "run", "--json", "--device", device,
-        "--nproc-per-node", str(world), "--master-port", str(free_port()),
-        "--shadow-level", shadow_level, "--log-dir", str(out / "logs"),
-        "--timeout-s", "120", *_pool_flags(pool), *extra,
-        str(SCRIPT), *cfg.flags(), "--out", str(out / "train"),
-    ]  # fmt: skip
-    env = dict(os.environ, **(env or {}), LETO_FAULT_PLAN=json.dumps(plan))
-    env[ENV_LOG] = str(out / "aborts.jsonl")
-    with open(out / "leto-run.log", "w") as log:
-        p = subprocess.run(cmd, env=env, cwd=out, stdout=subprocess.PIPE, stderr=log,
-                           text=True, timeout=timeout_s)  # fmt: skip
-    lines = p.stdout.strip().splitlines()
-    summary = json.loads(lines[-1]) if lines else {}
+    if plan is None:
+        plan = plan_of(faults, pool)
+    procs = start_job(world, cfg, out, plan, pool, device, shadow_level, extra, env, nnodes)
+    nodes = finish_job(procs, timeout_s)
+    code = next((c for c, _ in nodes if c != 0), 0)
+    summary = nodes[0][1]
+    p = subprocess.CompletedProcess([], code)
     if p.returncode != 0 and not allow_failure:
         tail = "\n".join((out / "leto-run.log").read_text().splitlines()[-20:])
         raise AssertionError(
@@ -121,6 +181,7 @@ def run_job(
     aborts = out / "aborts.jsonl"
     result = {
         **summary,
+        "nodes": [n for _, n in nodes],
         "out": str(out / "train"),
         "code": p.returncode,
         "injections": len(summary.get("recoveries", [])),

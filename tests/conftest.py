@@ -3,12 +3,16 @@
 Profiles (``HYPOTHESIS_PROFILE``): ``ci`` (default; bounded examples, derandomized so a
 CI run is reproducible) and ``dev`` (many more examples, for hunting).
 Tests marked ``gpu`` run only where torch sees a CUDA device; elsewhere they are
-reported as skipped with that reason, never silently passed.
+reported as skipped with that reason, never silently passed. Tests marked ``integ``
+start whole ``leto run`` jobs (seconds each, CPU-bound on 2 cores): ``pytest -m "not
+integ"`` is the quick loop. Fault-free references are built once per session and job
+configuration (``job_reference``, ``inject_reference``) and shared by every module.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,3 +36,50 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def job_reference(tmp_path_factory):
+    """``job_reference(world, cfg, **run_job_kwargs)``: the fault-free run of the example
+    job for that configuration, built on first use and shared for the session."""
+    from faultkit.job import run_job
+
+    cache: dict = {}
+
+    def get(world: int, cfg, **kw) -> dict:
+        key = (world, cfg, tuple(sorted((k, repr(v)) for k, v in kw.items())))
+        if key not in cache:
+            kw.setdefault("shadow_level", "off")  # shadows change nothing fault-free
+            cache[key] = run_job(world, cfg, tmp_path_factory.mktemp("jobref"), **kw)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def inject_reference(tmp_path_factory):
+    """``inject_reference(cfg)``: faultkit's fault-free reference for an ``InjectConfig``
+    (only its job fields matter), built once per session."""
+    from dataclasses import replace
+
+    from faultkit.inject import InjectConfig, reference_run
+
+    cache: dict = {}
+
+    def get(cfg) -> dict:
+        job = replace(
+            cfg,
+            phase=InjectConfig.phase,
+            pages=0,
+            host_parity_pages=0,
+            mode="kill",
+            rank=0,
+            every=0,
+            abort_after_blocks=InjectConfig.abort_after_blocks,
+            shadow_level="off",
+        )
+        if job not in cache:
+            cache[job] = reference_run(job, Path(tmp_path_factory.mktemp("injref")))
+        return cache[job]
+
+    return get

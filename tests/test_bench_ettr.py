@@ -214,6 +214,7 @@ def test_cli_rejects_bad_input_with_a_reason():
 # -- end to end ----------------------------------------------------------------------------
 
 
+@pytest.mark.integ
 @pytest.mark.timeout(300)  # ~90 s on an idle 2-core VM; five leto runs, two cold restarts
 def test_leto_beats_torchrun_on_one_hof_and_every_system_is_exact(tmp_path):
     out = tmp_path / "ettr.json"

@@ -16,7 +16,8 @@ from faultkit import hooks
 from faultkit.job import JobFault, first_difference, run_job
 from leto.workload.train import TrainConfig
 
-pytestmark = pytest.mark.timeout(400)  # the module's references: three leto runs
+# A test may build a shared reference first (one more leto run).
+pytestmark = [pytest.mark.timeout(400), pytest.mark.integ]
 CFG = TrainConfig(iterations=4, save_state=True)
 ZERO1 = TrainConfig(iterations=4, zero1=True, save_state=True)
 # Gradient accumulation: two micro-batches per iteration under bf16 autocast.
@@ -24,12 +25,20 @@ ACCUM = TrainConfig(iterations=4, micro_batches=2, autocast="bf16", save_state=T
 POINTS = [p for p in hooks.POINTS if p != "gather"]  # gather: ZeRO-1 only
 
 
+class _References:
+    """The session's shared fault-free references, by name (built on first use)."""
+
+    def __init__(self, job_reference):
+        self.get = job_reference
+
+    def __getitem__(self, key):
+        world, cfg = {2: (2, CFG), 4: (4, CFG), "zero1": (2, ZERO1), "accum": (2, ACCUM)}[key]
+        return self.get(world, cfg)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    runs = {w: run(w, CFG, tmp_path_factory.mktemp(f"ref{w}")) for w in (2, 4)}
-    runs["zero1"] = run(2, ZERO1, tmp_path_factory.mktemp("refz1"))
-    runs["accum"] = run(2, ACCUM, tmp_path_factory.mktemp("refacc"))
-    return runs
+def reference(job_reference):
+    return _References(job_reference)
 
 
 def run(world, cfg, out, fault=None, lose=()):

@@ -1,4 +1,8 @@
-"""``faultkit inject`` end to end on the CPU build: the README's main job."""
+"""``faultkit inject`` end to end on the CPU build: the README's main job.
+
+The verdict tests call ``faultkit.inject.inject`` (what the CLI's ``--json`` prints)
+against the session's shared fault-free reference; the CLI itself is tested for its
+refusals and its table."""
 
 from __future__ import annotations
 
@@ -8,9 +12,23 @@ import sys
 
 import pytest
 
-# Each case is a fault-free and a faulted `leto run` of the job (two agents' worth of
-# processes on two cores).
+from faultkit.inject import InjectConfig
+from faultkit.inject import inject as inject_run
+
+# Each case is a faulted `leto run` of the job (plus the shared reference once).
 pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture
+def verdict(inject_reference, tmp_path):
+    """``verdict(**InjectConfig fields)``: one faulted run, compared with the session's
+    fault-free reference of the same job."""
+
+    def run(**kw) -> dict:
+        cfg = InjectConfig(**kw)
+        return inject_run(cfg, tmp_path, reference=inject_reference(cfg))
+
+    return run
 
 
 def inject(*args: str, cmd: str = "inject") -> tuple[int, str, str]:
@@ -23,10 +41,9 @@ def inject(*args: str, cmd: str = "inject") -> tuple[int, str, str]:
     return r.returncode, r.stdout, r.stderr
 
 
-def test_update_phase_with_16_lost_pages_per_group_is_exact():
-    code, out, err = inject("--phase", "update", "--pages", "16", "--json")
-    assert code == 0, err
-    v = json.loads(out)
+@pytest.mark.integ
+def test_update_phase_with_16_lost_pages_per_group_is_exact(verdict):
+    v = verdict(phase="update", pages=16)
     assert v["exact"] and v["first_divergence"] is None
     assert v["pages_rebuilt"] == v["pages_lost_device"] > 2 * 16, v
     assert v["recoveries"] == 1 and v["recovery_s"] > 0
@@ -36,29 +53,18 @@ def test_update_phase_with_16_lost_pages_per_group_is_exact():
     )
 
 
-def test_more_pages_than_parity_covers_takes_the_fatal_path_and_says_so():
-    code, out, err = inject("--phase", "parity-copy", "--pages", "17", "--json")
-    v = json.loads(out)
+@pytest.mark.integ
+def test_more_pages_than_parity_covers_takes_the_fatal_path_and_says_so(verdict):
+    v = verdict(phase="parity-copy", pages=17)
     assert v["fatal"] and "checkpoint fallback" in v["fatal_detail"], v
     # The fallback restarts from the newest checkpoint (none yet: the initial state),
     # recomputes, and must still end bit-exact.
-    assert code == 0 and v["exact"], v["first_divergence"]
+    assert v["exact"], v["first_divergence"]
 
 
-def test_host_parity_pages_and_another_rank():
-    code, out, err = inject(
-        "--phase",
-        "grad-parity",
-        "--pages",
-        "3",
-        "--host-parity-pages",
-        "1",
-        "--rank",
-        "1",
-        "--json",
-    )
-    assert code == 0, err
-    v = json.loads(out)
+@pytest.mark.integ
+def test_host_parity_pages_and_another_rank(verdict):
+    v = verdict(phase="grad-parity", pages=3, host_parity_pages=1, rank=1)
     assert v["exact"] and v["host_pages_rebuilt"] == v["pages_lost_host"] == 2
 
 
@@ -71,31 +77,37 @@ def test_bad_options_are_refused_with_a_reason():
     assert code == 2 and "needs a phase that copies parity" in err
     code, _, err = inject("--every", "9", "--iterations", "6")
     assert code == 2 and "--every 9" in err
+    # Under --json a refusal is a JSON object too.
+    code, out, _ = inject("--phase", "nowhere", "--json")
+    v = json.loads(out)
+    assert code == 2 and v["refused"] and "--phase 'nowhere'" in v["error"], out
 
 
+def test_any_phase_draws_only_phases_the_mode_can_strike():
+    from faultkit.inject import COPY_PHASES, KERNEL_PHASES, _phase
+
+    for mode, valid in (("kernel-abort", KERNEL_PHASES), ("copy-corrupt", COPY_PHASES)):
+        drawn = {_phase(InjectConfig(mode=mode, seed=s), "any") for s in range(60)}
+        assert drawn <= set(valid) and len(drawn) > 1, (mode, drawn)
+
+
+@pytest.mark.integ
 def test_table_output_names_the_verdict():
     code, out, _ = inject("--phase", "sync", "--iterations", "4")
     assert code == 0 and "EXACT" in out and "first divergence" in out
 
 
-def test_copy_corrupt_of_the_parity_store_with_lost_pages_is_exact():
-    code, out, err = inject(
-        "--phase", "parity-copy", "--mode", "copy-corrupt", "--pages", "16",
-        "--host-parity-pages", "1", "--json",
-    )  # fmt: skip
-    assert code == 0, err
-    v = json.loads(out)
+@pytest.mark.integ
+def test_copy_corrupt_of_the_parity_store_with_lost_pages_is_exact(verdict):
+    v = verdict(phase="parity-copy", mode="copy-corrupt", pages=16, host_parity_pages=1)
     assert v["exact"] and v["mode"] == "copy-corrupt" and v["pages_rebuilt"] > 32, v
 
 
-def test_kernel_abort_of_the_parity_update_with_lost_pages_is_exact():
+@pytest.mark.integ
+def test_kernel_abort_of_the_parity_update_with_lost_pages_is_exact(verdict):
     """The parity-update kernel stops after 3 blocks (CPU emulation of the trip-wire),
     the rank dies with it in flight, 16 pages per group are lost: still exact."""
-    code, out, err = inject(
-        "--phase", "parity", "--mode", "kernel-abort", "--pages", "16", "--json",
-    )  # fmt: skip
-    assert code == 0, err
-    v = json.loads(out)
+    v = verdict(phase="parity", mode="kernel-abort", pages=16)
     assert v["exact"] and v["pages_rebuilt"] == v["pages_lost_device"] > 32, v
     (abort,) = v["kernel_abort"]
     assert abort["partial"] and abort["after_blocks"] == 3 and abort["blocks_launched"] > 3
@@ -113,10 +125,9 @@ def test_copy_corrupt_writes_random_bytes_over_the_destination():
     assert all(c > 0.9 * p.numel() * p.element_size() for c, p in zip(changed, pages, strict=True))
 
 
-def test_a_fault_every_two_iterations_is_exact():
-    code, out, err = inject("--phase", "any", "--every", "2", "--pages", "4", "--json")
-    assert code == 0, err
-    v = json.loads(out)
+@pytest.mark.integ
+def test_a_fault_every_two_iterations_is_exact(verdict):
+    v = verdict(phase="any", every=2, pages=4)
     assert v["exact"] and v["injections"] == v["recoveries"] == 2, v
     assert len(v["points"]) == 2 and v["points"][0].endswith("@2#1"), v["points"]
     # verifiers report draws from the marks: one injection and one recovery window each
@@ -131,6 +142,7 @@ def test_a_fault_every_two_iterations_is_exact():
     assert all(w.end_s is not None and w.end_s > w.start_s for w in windows), windows
 
 
+@pytest.mark.integ
 def test_run_plan_replays_a_schedule_and_an_ff_ends_in_the_fatal_path(tmp_path):
     from faultkit.schedule import every
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from faultkit.job import JobFault, run_job
+from faultkit.job import JobFault, finish_job, run_job, start_job
 from leto.preinit.guard import Guard, GuardConfig, memory_key, parked_key, reclaims_key
 from leto.preinit.levels import Levels
 from leto.preinit.policy import Footprints, PolicyConfig
@@ -45,16 +45,15 @@ def _auto(tmp_path: Path) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    run_job(2, TrainConfig(iterations=ITERS), out, shadow_level="off")
-    return out / "train"
+def reference(job_reference):
+    return Path(job_reference(2, TrainConfig(iterations=ITERS))["out"])
 
 
 def _actions(decisions: list[dict]) -> list[tuple]:
     return [(d["generation"], d["action"], d["level_from"], d["level_to"]) for d in decisions]
 
 
+@pytest.mark.integ
 def test_memory_pressure_lowers_the_level_a_hof_recovers_through_it_and_it_rises_after(
     reference, tmp_path
 ):
@@ -109,30 +108,21 @@ def _shadow_pids(generation: int) -> list[int]:
     return found
 
 
+@pytest.mark.integ
 def test_a_crashed_shadow_is_replaced_at_the_same_level_not_taken_for_a_reclamation(
     reference, tmp_path
 ):
-    from faultkit.job import POOL, SCRIPT, _pool_flags
-    from leto.runtime.store import free_port
-
     out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "leto.cli", "run", "--json", "--nproc-per-node", "2",
-        "--master-port", str(free_port()), "--shadow-level", "auto", "--log-dir",
-        str(out / "logs"), *_pool_flags(POOL), *_auto(tmp_path), str(SCRIPT),
-        *TrainConfig(iterations=ITERS).flags(), "--out", str(out / "train"),
-    ]  # fmt: skip
-    env = dict(os.environ, LETO_FAULT_PLAN="[]")
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    (p,) = start_job(2, TrainConfig(iterations=ITERS), out, [], shadow_level="auto",
+                     extra=_auto(tmp_path))  # fmt: skip
     deadline = time.monotonic() + 60
     while not (pids := _shadow_pids(1)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pids, "no shadow appeared within 60 s"
     time.sleep(3)  # parked, and the trainers beating
     os.kill(pids[0], signal.SIGKILL)
-    stdout, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, stdout[-2000:]
-    summary = json.loads(stdout.strip().splitlines()[-1])
+    ((code, summary),) = finish_job([p], timeout_s=300)
+    assert code == 0, summary
     assert summary["shadow_restarts"] >= 1, summary
     for v in summary["preinit"].values():
         assert [d["action"] for d in v["decisions"]] == ["launch"], v["decisions"]
@@ -140,34 +130,21 @@ def test_a_crashed_shadow_is_replaced_at_the_same_level_not_taken_for_a_reclamat
     assert compare(reference, out / "train").exact
 
 
+@pytest.mark.integ
 def test_two_agents_agree_on_the_lower_level_and_recover_through_it(reference, tmp_path):
     """Two agents as two nodes (one rank each) over loopback: a reclamation on either
     lowers the job-wide level on both through the store, and the HOF promotes both
     nodes' L1 shadows together."""
-    from faultkit.job import POOL, SCRIPT, _pool_flags
-    from leto.runtime.store import free_port
-
     cfg = TrainConfig(
         iterations=ITERS, demand_at=3, demand_beyond_free_mib=200, demand_chunk_mib=64
     )
-    port = free_port()
     plan = [{"generation": 0, "rank": 1, "at": "update.optimizer@9#1"}]
-    env = dict(os.environ, LETO_FAULT_PLAN=json.dumps(plan))
-    procs = []
-    for node in (0, 1):
-        cmd = [
-            sys.executable, "-m", "leto.cli", "run", "--json", "--nnodes", "2",
-            "--node-rank", str(node), "--nproc-per-node", "1", "--master-port", str(port),
-            "--shadow-level", "auto", "--log-dir", str(tmp_path / f"node{node}"),
-            *_pool_flags(POOL), *_auto(tmp_path), str(SCRIPT), *cfg.flags(),
-            "--out", str(tmp_path / "train"),
-        ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    procs = start_job(2, cfg, tmp_path, plan, shadow_level="auto", extra=_auto(tmp_path),
+                      nnodes=2)  # fmt: skip
     summaries = []
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out[-2000:]
-        summaries.append(json.loads(out.strip().splitlines()[-1]))
+    for code, summary in finish_job(procs, timeout_s=300):
+        assert code == 0, summary
+        summaries.append(summary)
     assert compare(reference, tmp_path / "train").exact
     for s in summaries:
         (rec,) = s["recoveries"]

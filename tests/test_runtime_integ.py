@@ -4,24 +4,22 @@ parked — every run compared with a fault-free one by the verifiers, byte for b
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from faultkit.hooks import POINTS
-from leto.runtime.store import free_port
+from faultkit.job import finish_job, start_job
+from leto.workload.train import TrainConfig
 from verifiers import compare
 
-REPO = Path(__file__).resolve().parents[1]
 ITERS = 5
-POOL_FLAGS = ["--page-bytes", "16384", "--data-pages", "16", "--tier1-pages", "4"]
+CFG = TrainConfig(iterations=ITERS)
+pytestmark = pytest.mark.integ
 
 
 def leto_run(
@@ -30,26 +28,15 @@ def leto_run(
     faults=(),
     nnodes: int = 1,
     nproc: int = 2,
-    port: int | None = None,
     wait: bool = True,
     extra: tuple[str, ...] = (),
     iters: int = ITERS,
 ):
-    port = port or free_port()
-    env = dict(os.environ, LETO_FAULT_PLAN=json.dumps(list(faults)))
-    procs = []
-    for node in range(nnodes):
-        d = work / f"node{node}"
-        d.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable, "-m", "leto.cli", "run", "--json",
-            "--nnodes", str(nnodes), "--node-rank", str(node), "--nproc-per-node", str(nproc),
-            "--master-port", str(port), "--shadow-level", level, "--log-dir", str(d / "logs"),
-            "--timeout-s", "60", *POOL_FLAGS, *extra,
-            str(REPO / "examples" / "train_gpt.py"), "--iterations", str(iters),
-            "--out", str(work / "out"),
-        ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=env, cwd=d, stdout=subprocess.PIPE, text=True))
+    """The job (``faultkit.job``, the one way jobs start) with a raw fault plan; the
+    agents' summaries, or their processes with ``wait=False``."""
+    cfg = TrainConfig(iterations=iters)
+    procs = start_job(nproc * nnodes, cfg, work, list(faults), shadow_level=level,
+                      extra=extra, nnodes=nnodes)  # fmt: skip
     if not wait:
         return procs
     return finish(procs)
@@ -57,18 +44,15 @@ def leto_run(
 
 def finish(procs) -> list[dict]:
     outs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, f"leto run exited {p.returncode}: {out[-2000:]}"
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    for code, summary in finish_job(procs, timeout_s=240):
+        assert code == 0, f"leto run exited {code}: {summary}"
+        outs.append(summary)
     return outs
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    work = tmp_path_factory.mktemp("reference")
-    leto_run(work, "off")
-    return work / "out"
+def reference(job_reference):
+    return Path(job_reference(2, CFG)["out"])
 
 
 def plan(seed: int, n: int = 2) -> list[dict]:
@@ -86,7 +70,7 @@ def plan(seed: int, n: int = 2) -> list[dict]:
 def test_two_failures_recover_exactly_at_each_shadow_level(reference, tmp_path, level, seed):
     faults = plan(seed)
     (summary,) = leto_run(tmp_path, level, faults)
-    v = compare(reference, tmp_path / "out")
+    v = compare(reference, tmp_path / "train")
     assert v.exact, f"{faults}: {v.describe()}"
     assert summary["failures"] == 2, summary
     for rec, f in zip(summary["recoveries"], faults, strict=True):
@@ -101,7 +85,7 @@ def test_two_failures_recover_exactly_at_each_shadow_level(reference, tmp_path, 
 def test_two_agents_as_two_nodes_over_loopback(reference, tmp_path):
     faults = [{"generation": 0, "rank": 1, "at": "update.optimizer@2#1"}]
     summaries = leto_run(tmp_path, "L2", faults, nnodes=2, nproc=1)
-    v = compare(reference, tmp_path / "out")
+    v = compare(reference, tmp_path / "train")
     assert v.exact, v.describe()
     assert [s["failures"] for s in summaries] == [1, 1], summaries  # both nodes recovered
 
@@ -133,7 +117,7 @@ def test_a_shadow_that_dies_while_parked_is_replaced(reference, tmp_path, level)
     os.kill(pids[0], signal.SIGKILL)
     (summary,) = finish([p])
     assert summary["shadow_restarts"] >= 1, summary
-    v = compare(reference, tmp_path / "out")
+    v = compare(reference, tmp_path / "train")
     assert v.exact, v.describe()
 
 
@@ -146,7 +130,7 @@ def test_a_hung_trainer_is_detected_by_its_heartbeat_and_recovered(reference, tm
     assert took < 60, (
         f"the hang took {took:.0f} s to clear: the collective timeout, not the monitor"
     )
-    v = compare(reference, tmp_path / "out")
+    v = compare(reference, tmp_path / "train")
     assert v.exact, v.describe()
 
 
@@ -158,7 +142,7 @@ def test_a_fatal_failure_falls_back_to_the_newest_checkpoint_exactly(reference, 
     (summary,) = leto_run(tmp_path, "L2", faults, extra=extra)
     classes = [r["class"] for r in summary["recoveries"]]
     assert classes == ["HOF", "FF"], summary["recoveries"]
-    v = compare(reference, tmp_path / "out")
+    v = compare(reference, tmp_path / "train")
     assert v.exact, v.describe()
 
 
@@ -182,7 +166,7 @@ def test_a_state_manager_that_dies_falls_back_to_the_checkpoint_exactly(tmp_path
     leto_run(tmp_path / "ref", "off", iters=iters)
     work = tmp_path / "run"
     (p,) = leto_run(work, "L1", extra=("--checkpoint-interval", "1"), iters=iters, wait=False)
-    ckpt = work / "node0" / "logs" / "checkpoints" / "it00000001" / ".metadata"
+    ckpt = work / "logs" / "checkpoints" / "it00000001" / ".metadata"
     deadline = time.monotonic() + 120
     while not ckpt.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -192,7 +176,7 @@ def test_a_state_manager_that_dies_falls_back_to_the_checkpoint_exactly(tmp_path
     os.kill(pids[0], signal.SIGKILL)
     (summary,) = finish([p])
     assert [r["class"] for r in summary["recoveries"]] == ["FF"], summary["recoveries"]
-    v = compare(tmp_path / "ref" / "out", work / "out")
+    v = compare(tmp_path / "ref" / "train", work / "train")
     assert v.exact, v.describe()
 
 
@@ -206,5 +190,5 @@ def test_a_second_failure_during_the_recovery_is_recovered_exactly(reference, tm
     (summary,) = leto_run(tmp_path, "L2", faults)
     assert summary["failures"] == 2, summary
     assert [r["failed_ranks"] for r in summary["recoveries"]] == [[0], [1]], summary
-    v = compare(reference, tmp_path / "out")
+    v = compare(reference, tmp_path / "train")
     assert v.exact, v.describe()

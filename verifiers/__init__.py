@@ -12,8 +12,16 @@ Not covered: tolerances (every comparison is exact), state that was never record
 
 from verifiers.compare import Divergence, RerunDiffered, Verdict, compare
 from verifiers.recorder import Recorder
-from verifiers.report import report
 from verifiers.trace import EVENT_INJECTION, EVENT_RECOVERED, read_run
+
+
+def report(*args, **kwargs):
+    """``verifiers.report.report`` (imported on first use: matplotlib costs every
+    training process ~0.4 s of start-up, and only plots need it)."""
+    from verifiers.report import report as _report
+
+    return _report(*args, **kwargs)
+
 
 __all__ = [
     "EVENT_INJECTION",
