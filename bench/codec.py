@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import time
 
@@ -65,12 +66,39 @@ def copy_bandwidth(device: torch.device, n_bytes: int, reps: int) -> float:
     return 2 * n_bytes / t
 
 
+def pool_pages(device: torch.device, n_pages: int, S: int):
+    """``n_pages`` pages of ``S`` bytes served by a Resilient Memory Pool (CUDA VMM: one
+    physical allocation per page, as the updater's state lives), as an (n, S) tensor."""
+    from leto.memory.client import PoolClient
+    from leto.memory.config import PoolConfig
+    from leto.memory.launch import start_state_manager
+
+    sm = start_state_manager(PoolConfig.for_cuda(device.index or 0, page_bytes=S))
+    client = PoolClient.connect(sm.socket_path, sm.token)
+    flat = client.attach("bench", n_pages * S)
+    return sm, client, flat.view(n_pages, S)
+
+
 def run(
-    device: torch.device, D: int, H: int, S: int, reps: int, lost: int, chunks: list[int]
+    device: torch.device,
+    D: int,
+    H: int,
+    S: int,
+    reps: int,
+    lost: int,
+    chunks: list[int],
+    pool: bool = False,
 ) -> dict:
     rs = ReedSolomon(D, H)
     g = torch.Generator(device=device).manual_seed(0)
-    data = torch.randint(0, 256, (D, S), dtype=torch.uint8, device=device, generator=g)
+    sm = None
+    if pool:
+        # Data pages and the update's new pages from the pool (VMM pages), as in training.
+        sm, _client, pages_ = pool_pages(device, D + max(chunks), S)
+        data, spare = pages_[:D], pages_[D:]
+        data.copy_(torch.randint(0, 256, (D, S), dtype=torch.uint8, device=device, generator=g))
+    else:
+        data = torch.randint(0, 256, (D, S), dtype=torch.uint8, device=device, generator=g)
     parity = rs.encode(data)
     bw = copy_bandwidth(device, min(D * S, 1 << 30), reps)
     rows = []
@@ -93,6 +121,9 @@ def run(
     add(f"encode D={D}", t, D * S, (D + H) * S)
     for c in chunks:
         new = torch.randint(0, 256, (c, S), dtype=torch.uint8, device=device, generator=g)
+        if pool:
+            spare[:c].copy_(new)
+            new = spare[:c]
         old = data[:c]
         t = timer(device, lambda old=old, new=new: rs.update(parity, 0, old, new), reps)
         add(f"update {c} pages", t, c * S, (2 * c + 2 * H) * S)
@@ -110,6 +141,10 @@ def run(
     erased = list(range(0, D, D // lost))[:lost]
     t = timer(device, lambda: rs.reconstruct(data, parity, erased), reps)
     add(f"reconstruct {lost} of {D}", t, D * S, (D + lost) * S)
+    if sm is not None:
+        del data, spare, pages_
+        _client.close()
+        sm.stop()
     return {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -154,6 +189,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--lost", type=int, default=16, help="pages lost for the reconstruct figure")
     ap.add_argument("--chunks", default="1,4,16,64", help="update chunk sizes in pages")
+    ap.add_argument(
+        "--pool",
+        action="store_true",
+        help="CUDA: data and new pages from a memory pool (VMM, one allocation per page), "
+        "as the updater's state lives, instead of one torch tensor",
+    )
     ap.add_argument("--json-out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -167,12 +208,16 @@ def main(argv: list[str] | None = None) -> dict:
         reps,
         args.lost,
         [int(c) for c in args.chunks.split(",")],
+        pool=args.pool,
     )
+    res["pages"] = "pool (VMM)" if args.pool else "torch tensor"
+    res["prefetch"] = os.environ.get("LETO_CODEC_PREFETCH", "1")
     res["command"] = "python -m bench.codec " + " ".join(
         argv if argv is not None else __import__("sys").argv[1:]
     )
     table = Table(
-        title=f"codec on {res['device']}  D={res['D']} H={res['H']} S={S} B  copy {res['copy_GBps']:.0f} GB/s"
+        title=f"codec on {res['device']}  D={res['D']} H={res['H']} S={S} B  copy "
+        f"{res['copy_GBps']:.0f} GB/s, pages: {res['pages']}, prefetch {res['prefetch']}"
     )
     for col in ("op", "ms", "host ms/call", "GB/s of data", "floor ms", "x floor"):
         table.add_column(col, justify="right")

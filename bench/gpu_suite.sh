@@ -31,6 +31,15 @@ if [[ $what == rmu || $what == rmu-bench || $what == all ]]; then
   python3 -m bench.rmu_overhead --device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 8 --seq 1024 \
     --iters 4 --warmup 2 --json-out "$OUT/rmu_overhead_cuda.json" 2>&1 | tee "$OUT/rmu_overhead_cuda.txt" || rc=1
 fi
+if [[ $what == codec-pages ]]; then
+  # Why the parity kernels run far below their ceiling inside the updater: the same
+  # operations on one torch tensor vs on pool (VMM) pages, and 1 vs 2 pages prefetched.
+  python3 -m pytest -p no:cacheprovider -q tests/test_codec_gpu.py 2>&1 | tail -2 | tee "$OUT/codec_pages_tests.txt" || rc=1
+  for h in 16 4; do for pf in 1 2; do for src in "" "--pool"; do
+    LETO_CODEC_PREFETCH=$pf python3 -m bench.codec --device cuda --parity-pages $h --chunks 64,192 \
+      --reps 10 $src --json-out "$OUT/codec_h${h}_pf${pf}${src:+_pool}.json" 2>&1 | tee -a "$OUT/codec_pages.txt" || rc=1
+  done; done; done
+fi
 if [[ $what == overhead || $what == all ]]; then
   # Issue 15: steady-state overhead against the loop users run (fused AdamW, clip foreach,
   # bf16 autocast, TF32, SDPA), 1.01 B parameters, 16 K and 128 K tokens per iteration;

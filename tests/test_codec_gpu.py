@@ -36,7 +36,8 @@ def test_cuda_kernel_equals_cpu_kernel_for_every_multiplier_constant():
 @pytest.mark.parametrize("n_bytes", [16, 2, 6, 30, 4096 + 16, 4096 + 6])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 33])  # every row-pair variant
 @pytest.mark.parametrize("misaligned", [False, True])
-def test_cuda_kernel_equals_cpu_kernel_on_random_data(n_bytes, rows, misaligned):
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_cuda_kernel_equals_cpu_kernel_on_random_data(n_bytes, rows, misaligned, prefetch):
     rng = np.random.default_rng(n_bytes * 100 + rows)
     cols, offset = 19, 3  # 19 inputs: two full table stages and a partial one
     m = Coefficients(rng.integers(0, 1 << 16, (rows, cols + offset)))
@@ -52,14 +53,19 @@ def test_cuda_kernel_equals_cpu_kernel_on_random_data(n_bytes, rows, misaligned)
         CpuKernel().matmul(m, ins, want, col_offset=offset, xor_with=xs, accumulate=accumulate)
         gbuf = torch.stack(start).cuda()
         got_outs = [gbuf[i] for i in range(rows)]
-        by_name("cuda").matmul(
-            m,
-            [p.cuda() for p in ins],
-            got_outs,
-            col_offset=offset,
-            xor_with=[p.cuda() for p in xs],
-            accumulate=accumulate,
-        )
+        kernel = by_name("cuda")
+        kernel.prefetch, chosen = prefetch, kernel.prefetch
+        try:
+            kernel.matmul(
+                m,
+                [p.cuda() for p in ins],
+                got_outs,
+                col_offset=offset,
+                xor_with=[p.cuda() for p in xs],
+                accumulate=accumulate,
+            )
+        finally:
+            kernel.prefetch = chosen
         for r in range(rows):
             assert torch.equal(got_outs[r].cpu(), want[r]), f"row {r} (accumulate={accumulate})"
 

@@ -36,6 +36,9 @@ THREADS = 256
 # bench/codec.py times the choices side by side.
 ENV_THREADS = "LETO_CODEC_CUDA_THREADS"
 DEFAULT_THREADS = 256
+# Pages each thread loads ahead of the one it multiplies (bench/codec.py compares them).
+ENV_PREFETCH = "LETO_CODEC_PREFETCH"
+DEFAULT_PREFETCH = 1
 _POINTER_CACHE = 256  # pointer tables kept per process (8 bytes a page each)
 
 
@@ -58,9 +61,13 @@ class CudaKernel(GFKernel):
     def __init__(self) -> None:
         self._cupy, self._module = _load_module()
         names = ("v8", "v8_p4", "v8_p2", "v8_p1", "v1")
+        names += tuple(f"{n}_pf2" for n in names if n.startswith("v8"))
         self._fn = {name: self._module.get_function(f"gf_matmul_{name}") for name in names}
         self._build = self._module.get_function("gf_build_tables")
         self.threads = int(os.environ.get(ENV_THREADS, DEFAULT_THREADS))
+        self.prefetch = int(os.environ.get(ENV_PREFETCH, DEFAULT_PREFETCH))
+        if self.prefetch not in (1, 2):
+            raise ValueError(f"{ENV_PREFETCH}={self.prefetch}: choose 1 or 2")
         if self.threads not in (64, 128, 256):
             raise ValueError(f"{ENV_THREADS}={self.threads}: choose 64, 128 or 256")
         self._pointers: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -159,6 +166,8 @@ class CudaKernel(GFKernel):
             # Fewer rows, fewer lookups: the kernel computing the smallest row-pair
             # count that holds them (bench/codec.py --parity-pages times each).
             name = "v8_p1" if r <= 2 else "v8_p2" if r <= 4 else "v8_p4"
+        if vec == 8 and self.prefetch == 2:
+            name += "_pf2"
         with self._launch_ctx(device):
             self._fn[name](
                 grid,

@@ -109,7 +109,9 @@ struct Vec<1> {
 // One thread owns SYMS consecutive symbols (a 16-byte vector for SYMS=8) of every page.
 // NP: row pairs computed (a code with H <= 2*NP rows in this block skips the lookups of
 // the rows it does not have: the cost of a multiply falls with the number of rows).
-template <int SYMS, int NP>
+// PF: pages loaded ahead of the one being multiplied (1 or 2): more loads in flight per
+// thread when the lookups are too few to hide a page's memory latency.
+template <int SYMS, int NP, int PF>
 __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict__ in_ptrs,
                                             const unsigned long long* __restrict__ in2_ptrs,
                                             const unsigned long long* __restrict__ out_ptrs,
@@ -132,10 +134,14 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
 
   // Data for page k+1 is loaded while page k is multiplied, so the long run of
   // shared-memory lookups hides the global-memory latency of the next page.
-  Vec<SYMS> cur, nxt;
+  Vec<SYMS> cur, nxt, nxt2;
   if (active) {
     cur.load(reinterpret_cast<const unsigned char*>(in_ptrs[0]), item);
     if (in2_ptrs) cur.xor_load(reinterpret_cast<const unsigned char*>(in2_ptrs[0]), item);
+    if (PF == 2 && n_inputs > 1) {
+      nxt.load(reinterpret_cast<const unsigned char*>(in_ptrs[1]), item);
+      if (in2_ptrs) nxt.xor_load(reinterpret_cast<const unsigned char*>(in2_ptrs[1]), item);
+    }
   }
   const int n_stages = (n_inputs + STAGE - 1) / STAGE;
   stage_tables(tab[0], T, min(STAGE, n_inputs));
@@ -152,10 +158,15 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
       for (int j = 0; j < STAGE; ++j) {
         if (j < here) {
           const int k = base + j;
-          if (k + 1 < n_inputs) {
+          if (PF == 1 && k + 1 < n_inputs) {
             nxt.load(reinterpret_cast<const unsigned char*>(in_ptrs[k + 1]), item);
             if (in2_ptrs)
               nxt.xor_load(reinterpret_cast<const unsigned char*>(in2_ptrs[k + 1]), item);
+          }
+          if (PF == 2 && k + 2 < n_inputs) {
+            nxt2.load(reinterpret_cast<const unsigned char*>(in_ptrs[k + 2]), item);
+            if (in2_ptrs)
+              nxt2.xor_load(reinterpret_cast<const unsigned char*>(in2_ptrs[k + 2]), item);
           }
           const unsigned int* t = cur_tab + j * WORDS_PER_PAGE;
 #pragma unroll
@@ -169,6 +180,7 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
             }
           }
           cur = nxt;
+          if (PF == 2) nxt = nxt2;
         }
       }
     }
@@ -193,18 +205,22 @@ __device__ __forceinline__ void matmul_body(const unsigned long long* __restrict
   if (tw) tripwire_leave(tw);
 }
 
-#define GF_MATMUL(NAME, SYMS, NP)                                                        \
+#define GF_MATMUL(NAME, SYMS, NP, PF)                                                    \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                \
       const unsigned long long* in_ptrs, const unsigned long long* in2_ptrs,             \
       const unsigned long long* out_ptrs, const unsigned int* tables, int n_inputs,      \
       int table_cols, int col_offset, long long n_items, int n_rows, int accumulate,     \
       LetoTripwire* tw) {                                                                \
-    matmul_body<SYMS, NP>(in_ptrs, in2_ptrs, out_ptrs, tables, n_inputs, table_cols,     \
-                          col_offset, n_items, n_rows, accumulate, tw);                  \
+    matmul_body<SYMS, NP, PF>(in_ptrs, in2_ptrs, out_ptrs, tables, n_inputs, table_cols, \
+                              col_offset, n_items, n_rows, accumulate, tw);              \
   }
 
-GF_MATMUL(gf_matmul_v8, 8, PAIRS)
-GF_MATMUL(gf_matmul_v8_p4, 8, 4)
-GF_MATMUL(gf_matmul_v8_p2, 8, 2)
-GF_MATMUL(gf_matmul_v8_p1, 8, 1)
-GF_MATMUL(gf_matmul_v1, 1, PAIRS)
+GF_MATMUL(gf_matmul_v8, 8, PAIRS, 1)
+GF_MATMUL(gf_matmul_v8_p4, 8, 4, 1)
+GF_MATMUL(gf_matmul_v8_p2, 8, 2, 1)
+GF_MATMUL(gf_matmul_v8_p1, 8, 1, 1)
+GF_MATMUL(gf_matmul_v8_pf2, 8, PAIRS, 2)
+GF_MATMUL(gf_matmul_v8_p4_pf2, 8, 4, 2)
+GF_MATMUL(gf_matmul_v8_p2_pf2, 8, 2, 2)
+GF_MATMUL(gf_matmul_v8_p1_pf2, 8, 1, 2)
+GF_MATMUL(gf_matmul_v1, 1, PAIRS, 1)
