@@ -250,7 +250,13 @@ def matrix(
     return rows
 
 
-def run_plan(schedule: Schedule, base: InjectConfig, iteration_s: float, workdir=None) -> dict:
+def run_plan(
+    schedule: Schedule,
+    base: InjectConfig,
+    iteration_s: float,
+    workdir=None,
+    reference: dict | None = None,
+) -> dict:
     """Replay a schedule against the example job: each failure strikes the iteration in
     flight at its time (``iteration_s`` per iteration), at its phase, on its rank. A HOF
     loses its ``pages`` per group (within parity); an FF loses H1 + 1 (beyond it): the
@@ -268,7 +274,7 @@ def run_plan(schedule: Schedule, base: InjectConfig, iteration_s: float, workdir
             f"{iteration_s} s; lengthen --iterations or shorten --iteration-s"
         )
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-plan-"))
-    ref = reference_run(base, work)
+    ref = reference or reference_run(base, work)
     faults, seen = [], set()
     for k, p in enumerate(replay):
         f = p.failure
