@@ -12,6 +12,7 @@ benchmarks and the tests run this script with them) plus ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -98,6 +99,7 @@ def main() -> int:
             record=cfg.record,
             keep_tensors=cfg.keep_tensors,
             heartbeat=ctx.heartbeat,
+            bucket_mib=cfg.bucket_mib,
         )
         t = job.resume(ctx.report, checkpoints=ctx.checkpoint_dir)
         ctx.resumed(t, resume_s=time.time() - t_resume, **job.timings)
@@ -122,7 +124,9 @@ def main() -> int:
                     with cfg.autocast_context(ctx.device):
                         mb_loss = model(x, y) / k
                     point("compute.backward", t)
-                    mb_loss.backward()
+                    # As with DDP: only the last micro-batch's backward reduces gradients.
+                    with job.no_sync() if mb < k - 1 else contextlib.nullcontext():
+                        mb_loss.backward()
                     loss += mb_loss.detach()
             if t == first:
                 print(

@@ -23,8 +23,11 @@ from leto.workload.train import TrainConfig
 pytestmark = [pytest.mark.timeout(400), pytest.mark.integ]
 CFG = TrainConfig(iterations=4, save_state=True)
 ZERO1 = TrainConfig(iterations=4, zero1=True, save_state=True)
-# Gradient accumulation: two micro-batches per iteration under bf16 autocast.
-ACCUM = TrainConfig(iterations=4, micro_batches=2, autocast="bf16", save_state=True)
+# Gradient accumulation: two micro-batches per iteration under bf16 autocast, gradients
+# reduced in several small buckets while the last backward runs.
+ACCUM = TrainConfig(
+    iterations=4, micro_batches=2, autocast="bf16", bucket_mib=0.05, save_state=True
+)
 # The points the CI's faultkit matrix (world 2, L2 shadows, each phase x lost pages x a
 # host parity page) does not already kill at; gather is ZeRO-1 only (its own test).
 MATRIX_POINTS = set(PHASES.values())

@@ -5,18 +5,20 @@ Runs in the trainer (an active trainer, or a promoted shadow). One object per ra
 ``resume`` recovers the pool's state and agrees with every other rank on where to
 continue (finish the interrupted update, or redo the interrupted iteration);
 ``compute`` wraps forward and backward (the updater's buffers hold activations);
-``step`` all-reduces the retained gradients, protects them, synchronizes and runs the
+``step`` finishes the reduction of the retained gradients (buckets all-reduced while
+backward ran, ``leto.runtime.buckets``), protects them, synchronizes and runs the
 resumable update, then logs the loss and the verifiers trace.
 
-Gradient accumulation needs nothing here: micro-batches accumulate into the retained
-gradient buffer (the example job's ``--micro-batches``), and a crash in any of them is
-a crash in the compute phase (the iteration is redone).
+Gradient accumulation: micro-batches accumulate into the retained gradient buffer (the
+example job's ``--micro-batches``; every backward but the last under ``no_sync``), and
+a crash in any of them is a crash in the compute phase (the iteration is redone).
 
 Not covered: tensor/pipeline parallelism.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 from faultkit.hooks import point
 from leto.memory.client import PoolClient
+from leto.runtime.buckets import GradBuckets
 from leto.update.marker import MarkerState, Phase
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
@@ -47,6 +50,7 @@ class RetainedTraining:
         record: bool = True,
         keep_tensors: bool = False,
         heartbeat=None,
+        bucket_mib: float = 25.0,
     ):
         """``model`` may live on the meta device: its parameters become views of pool
         memory. ``init_fn()`` initializes them on a fresh pool (first start only)."""
@@ -62,6 +66,11 @@ class RetainedTraining:
         self._grad_ptr = next(model.parameters()).grad.data_ptr()
         self.rec = Recorder(self.out, rank, keep_tensors=keep_tensors) if record else None
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
+        # Gradients reduced in buckets while backward runs (as DDP does); 0: one
+        # all-reduce of the whole retained buffer after backward.
+        self.buckets = (
+            GradBuckets(model, self.up.state, bucket_mib) if world > 1 and bucket_mib > 0 else None
+        )
 
     def resume(self, report: dict, checkpoints: str | Path | None = None) -> int:
         """Recover this rank, apply the job-wide rule; returns the next iteration. On a
@@ -117,13 +126,21 @@ class RetainedTraining:
         """Context for forward and backward (activations borrow the updater's buffers)."""
         return self.up.lent_memory()
 
+    def no_sync(self):
+        """Context for the backward of every micro-batch but the last (as DDP's
+        ``no_sync``): gradients accumulate, nothing is reduced yet."""
+        return self.buckets.no_sync() if self.buckets is not None else contextlib.nullcontext()
+
     def step(self, t: int, loss: torch.Tensor) -> None:
         if next(self.model.parameters()).grad.data_ptr() != self._grad_ptr:
             raise RuntimeError(
                 "autograd replaced the retained gradient buffer; gradients would not be retained"
             )
         point("allreduce", t)
-        dist.all_reduce(self.up.state.grad)
+        if self.buckets is not None:
+            self.buckets.finish()  # the buckets backward launched, then any it did not
+        else:
+            dist.all_reduce(self.up.state.grad)
         self.up.state.grad.div_(self.world)
         self.up.protect_grads(t, loss=float(loss.detach()))
         self.up.sync(t, group=dist.group.WORLD)

@@ -38,6 +38,9 @@ class TrainConfig:
     autocast: str = "off"  # "bf16": forward and backward under torch.autocast(bfloat16)
     tf32: bool = False  # TF32 matmuls and convolutions on CUDA
     optimizer: str = "fused"  # AdamW as AdamW(fused=True), or "single" (foreach=False)
+    # Gradients all-reduced in buckets of this size while backward runs (0: one
+    # all-reduce of the whole buffer after backward).
+    bucket_mib: float = 25.0
     record: bool = True  # verifiers trace: loss + SHA-256 of retained tensors per iteration
     keep_tensors: bool = False  # also save them, so a divergence names its byte offset
     save_state: bool = False  # every retained tensor to rank{r}.state.pt at the end

@@ -1,0 +1,105 @@
+"""Gradient buckets all-reduced while backward runs, over the retained gradient buffer.
+
+Runs in the trainer. The retained gradients are one flat buffer with the parameters in
+model order; backward produces them roughly in reverse. The buffer is cut, from its end,
+into buckets of about ``bucket_mib`` (DDP's default is 25 MiB) at parameter boundaries,
+so each bucket is one contiguous range. A post-accumulate-grad hook on every parameter
+counts the parameters of its bucket; a complete bucket is all-reduced asynchronously
+(sum) while backward goes on. Buckets are launched strictly in index order — a bucket
+that completes early waits for the ones before it — so every rank issues the same
+collectives in the same order whatever order autograd finishes parameters in; ``finish``
+launches what backward did not complete (unused parameters), in order, and waits for
+all of them (each wait bounded by the process group's timeout).
+
+Exactness: the fault-free run and every recovered run cut the same buckets and sum them
+with the same collective, so their bytes agree; with two ranks a bucket's sum is the
+whole buffer's sum (a + b either way).
+
+Not covered: gradient parity per bucket as it is reduced (the parity groups do not
+follow the buckets; parity is encoded after ``finish``); overlapping the reduction with
+the optimizer of the previous iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from leto.update.layout import RetainedModel
+
+
+class GradBuckets:
+    def __init__(self, model: torch.nn.Module, state: RetainedModel, bucket_mib: float):
+        grad = state.grad
+        esize = grad.element_size()
+        limit = max(1, int(bucket_mib * 2**20) // esize)
+        slots = list(state.slots)
+        self.grad = grad
+        self.ranges: list[tuple[int, int]] = []  # [a, b) of the flat gradient, per bucket
+        self._members: list[int] = []  # parameters per bucket
+        bucket_of: dict[str, int] = {}
+        end = state.numel
+        count = 0
+        start = end
+        for slot in reversed(slots):
+            start = slot.offset
+            bucket_of[slot.name] = len(self.ranges)
+            count += 1
+            if end - start >= limit:
+                self.ranges.append((start, end))
+                self._members.append(count)
+                end, count = start, 0
+        if count:
+            self.ranges.append((0, end))
+            self._members.append(count)
+        self._ready = [0] * len(self.ranges)
+        self._next = 0  # the next bucket to launch (index order)
+        self._works: list = []
+        self._sync = True
+        self._hooks = []
+        params = dict(model.named_parameters())
+        for name, b in bucket_of.items():
+            self._hooks.append(params[name].register_post_accumulate_grad_hook(self._hook(b)))
+
+    def _hook(self, b: int):
+        def ready(_param: torch.Tensor) -> None:
+            if not self._sync:
+                return
+            self._ready[b] += 1
+            self._launch_ready()
+
+        return ready
+
+    def _launch_ready(self) -> None:
+        while (
+            self._next < len(self.ranges) and self._ready[self._next] >= self._members[self._next]
+        ):
+            self._launch(self._next)
+
+    def _launch(self, b: int) -> None:
+        a, e = self.ranges[b]
+        self._works.append(dist.all_reduce(self.grad[a:e], async_op=True))
+        self._next = b + 1
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside does not reduce (micro-batches before the last)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def finish(self) -> None:
+        """Launch, in order, every bucket backward did not; wait for all; reset."""
+        try:
+            while self._next < len(self.ranges):
+                self._launch(self._next)
+            for w in self._works:
+                w.wait()
+        finally:
+            self._works = []
+            self._ready = [0] * len(self.ranges)
+            self._next = 0

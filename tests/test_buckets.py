@@ -1,0 +1,93 @@
+"""Gradient buckets reduced while backward runs: cut at parameter boundaries from the
+end of the buffer, launched in index order whatever order backward finishes them, and
+equal byte for byte to one all-reduce of the whole buffer (two gloo ranks)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from leto.runtime.buckets import GradBuckets
+from leto.runtime.store import free_port
+from leto.update.layout import ParamSlot
+
+DIMS = (300, 700, 500, 9)
+
+
+def _model_on_flat():
+    """An MLP whose parameters and gradients are views of flat buffers, at aligned
+    offsets, as the retained layout binds them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *(torch.nn.Linear(a, b) for a, b in zip(DIMS[:-1], DIMS[1:], strict=False))
+    )
+    slots, off = [], 0
+    for name, p in model.named_parameters():
+        off = -(-off // 64) * 64
+        slots.append(ParamSlot(name, p.shape, off, p.numel()))
+        off += p.numel()
+    flat, grad = torch.zeros(off), torch.zeros(off)
+    for s in slots:
+        mod_name, _, attr = s.name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        flat[s.offset : s.offset + s.numel] = getattr(mod, attr).detach().reshape(-1)
+        p = torch.nn.Parameter(flat[s.offset : s.offset + s.numel].view(s.shape))
+        p.grad = grad[s.offset : s.offset + s.numel].view(s.shape)
+        setattr(mod, attr, p)
+    return model, SimpleNamespace(grad=grad, slots=slots, numel=off)
+
+
+def test_buckets_are_contiguous_and_cut_at_parameter_boundaries():
+    model, state = _model_on_flat()
+    b = GradBuckets(model, state, bucket_mib=0.5)
+    starts = {s.offset for s in state.slots} | {0}
+    assert b.ranges[-1][0] == 0 and b.ranges[0][1] == state.numel, b.ranges
+    for (a, e), (a2, e2) in zip(b.ranges, b.ranges[1:], strict=False):
+        assert a2 < e2 == a < e, b.ranges  # from the end backwards, no gap, no overlap
+    assert all(a in starts for a, _ in b.ranges), b.ranges
+    assert len(b.ranges) > 1, "the test model should need several buckets"
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model, state = _model_on_flat()
+    buckets = GradBuckets(model, state, bucket_mib=0.4)
+    launched = []
+    real = buckets._launch
+    buckets._launch = lambda k: (launched.append(k), real(k))
+    x = torch.randn(16, DIMS[0], generator=torch.Generator().manual_seed(rank))
+    with buckets.no_sync():  # a first micro-batch: accumulates, reduces nothing
+        model(x).square().mean().backward()
+    assert launched == [], launched
+    model(x * 2).square().mean().backward()
+    in_backward = list(launched)
+    buckets.finish()
+    want = state.grad.clone()
+    # The reference: the same local gradients, one all-reduce of the whole buffer.
+    state.grad.zero_()
+    with buckets.no_sync():
+        model(x).square().mean().backward()
+        model(x * 2).square().mean().backward()
+    dist.all_reduce(state.grad)
+    torch.save(
+        {"in_backward": in_backward, "order": launched, "equal": torch.equal(
+            want.view(torch.int32), state.grad.view(torch.int32)), "n": len(buckets.ranges)},
+        os.path.join(out, f"{rank}.pt"),
+    )  # fmt: skip
+    dist.destroy_process_group()
+
+
+def test_two_ranks_reduce_in_index_order_to_the_same_bytes(tmp_path):
+    mp.get_context("spawn")
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        got = torch.load(tmp_path / f"{r}.pt")
+        assert got["equal"], f"rank {r}: bucketed reduction differs from one all-reduce"
+        assert got["order"] == list(range(got["n"])), got["order"]
+        assert got["in_backward"], "no bucket was launched while backward ran"
