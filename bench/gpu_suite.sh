@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|pool|rmu|rmu-tests|rmu-bench|overhead|abort|faultkit|faultkit-abort|runtime|preinit|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-x2|abort|faultkit|faultkit-abort|runtime|preinit|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -40,12 +40,20 @@ if [[ $what == codec-pages ]]; then
       --reps 10 $src --json-out "$OUT/codec_h${h}_pf${pf}${src:+_pool}.json" 2>&1 | tee -a "$OUT/codec_pages.txt" || rc=1
   done; done; done
 fi
+if [[ $what == overhead-x2 ]]; then
+  # World 2 on two GPUs (nvidia-h200-x2): DDP + fused AdamW against Leto's bucketed
+  # reduction, 16 K tokens per rank; then the two-GPU recovery tests under leto run.
+  M="--device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 16 --seq 1024"
+  python3 -m bench.rmu_overhead $M --world-size 2 --iters 4 --warmup 2 --tier1-pages ${LETO_H1:-4} \
+    --json-out "$OUT/overhead_x2_16k.json" 2>&1 | tee "$OUT/overhead_x2_16k.txt" || rc=1
+  timeout 240 python3 -m pytest -p no:cacheprovider -q tests/test_dp_multigpu.py 2>&1 | tail -3 | tee "$OUT/multigpu_tests.txt" || rc=1
+fi
 if [[ $what == overhead || $what == all ]]; then
   # Issue 15: steady-state overhead against the loop users run (fused AdamW, clip foreach,
   # bf16 autocast, TF32, SDPA), 1.01 B parameters, 16 K and 128 K tokens per iteration;
   # the optimizer's bit-identity to AdamW(fused=True) on CUDA first.
   python3 -m pytest -p no:cacheprovider -q tests/test_optim.py tests/test_rmu_gpu.py \
-    tests/test_codec_gpu.py tests/test_tripwire.py 2>&1 | tee "$OUT/overhead_gpu_tests.txt" || rc=1
+    ${LETO_OVERHEAD_TESTS:-tests/test_codec_gpu.py tests/test_tripwire.py} 2>&1 | tee "$OUT/overhead_gpu_tests.txt" || rc=1
   M="--device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 16 --seq 1024"
   for h1 in ${LETO_H1S:-16 4}; do
     python3 -m bench.rmu_overhead $M --iters 4 --warmup 2 --tier1-pages $h1 \

@@ -20,6 +20,7 @@ Not covered: multi-rank runs (the all-reduce is the same in both loops and omitt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -29,12 +30,14 @@ from collections import defaultdict
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from leto.memory.client import PoolClient  # noqa: E402
 from leto.memory.config import PoolConfig  # noqa: E402
 from leto.memory.launch import start_state_manager  # noqa: E402
+from leto.runtime.buckets import GradBuckets  # noqa: E402
 from leto.update.optim import AdamWConfig  # noqa: E402
 from leto.update.rmu import Updater, UpdaterConfig  # noqa: E402
 from leto.update.schedule import WarmupCosine  # noqa: E402
@@ -58,16 +61,19 @@ def time_loop(step, iters: int, warmup: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def compute(args, model, device: torch.device, t: int) -> torch.Tensor:
+def compute(args, model, device: torch.device, t: int, no_sync=None) -> torch.Tensor:
     """Forward and backward of iteration ``t``: ``--micro-batches`` micro-batches, their
     gradients accumulated, under the autocast the flags ask for. Returns the loss."""
     k = args.micro_batches
     loss = torch.zeros((), device=device)
     for mb in range(k):
-        x, y = (v.to(device, non_blocking=True) for v in batch(0, t, mb, args.batch, args.seq))
+        stream = args.rank * k + mb
+        x, y = (v.to(device, non_blocking=True) for v in batch(0, t, stream, args.batch, args.seq))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
             part = model(x, y) / k
-        part.backward()
+        # Only the last micro-batch's backward reduces (DDP's and Leto's no_sync).
+        with no_sync() if (no_sync is not None and mb < k - 1) else contextlib.nullcontext():
+            part.backward()
         loss += part.detach()
     return loss
 
@@ -77,6 +83,18 @@ def plain(
 ) -> float:
     model = GPT(gcfg).to(device=device, dtype=getattr(torch, args.dtype))
     init_weights(model, 0)
+    module = model
+    if args.world > 1:
+        # What a data-parallel user runs: DDP's bucketed all-reduce overlapped with
+        # backward (25 MiB buckets), gradients as bucket views.
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=args.bucket_mib,
+            gradient_as_bucket_view=True,
+        )
     kw = {"fused": True} if adamw.impl == "fused" else {"foreach": False}
     opt = torch.optim.AdamW(
         model.parameters(),
@@ -89,7 +107,7 @@ def plain(
 
     def step(t):
         opt.zero_grad(set_to_none=False)
-        compute(args, model, device, t)
+        compute(args, model, device, t, getattr(model, "no_sync", None))
         torch.nn.utils.clip_grad_norm_(
             model.parameters(), adamw.max_grad_norm, foreach=adamw.clip_foreach
         )
@@ -98,7 +116,7 @@ def plain(
         opt.step()
 
     seconds = time_loop(step, args.iters, args.warmup, device)
-    args.attention = model.attention_backend()
+    args.attention = module.attention_backend()
     if after is not None:
         after(None)
     return seconds
@@ -129,12 +147,21 @@ def leto(
         args.pool_device_gib = sum(a["nbytes"] for a in allocs if a["kind"] != "record") / 2**30
         up.initialize(lambda: init_weights(model, 0))
 
+        buckets = GradBuckets(model, up.state, args.bucket_mib) if args.world > 1 else None
+        group = dist.group.WORLD if args.world > 1 else None
+
+        def reduce():
+            if buckets is not None:
+                buckets.finish()
+                up.state.grad.div_(args.world)
+
         def step(t):
             up.begin(t)
             with up.lent_memory():
-                loss = compute(args, model, device, t)
+                loss = compute(args, model, device, t, buckets and buckets.no_sync)
+            reduce()
             up.protect_grads(t, loss=float(loss))
-            up.sync(t)
+            up.sync(t, group=group)
             up.update(t)
 
         seconds = time_loop(step, args.iters, args.warmup, device)
@@ -147,11 +174,15 @@ def leto(
             t0 = time.perf_counter()
             up.begin(t + k)
             with up.lent_memory():
-                loss = compute(args, model, device, t + k)
+                loss = compute(args, model, device, t + k, buckets and buckets.no_sync)
             sync(device)
             up.profile["forward + backward"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            reduce()
+            sync(device)
+            up.profile["all-reduce wait"] += time.perf_counter() - t1
             up.protect_grads(t + k, loss=float(loss))
-            up.sync(t + k)
+            up.sync(t + k, group=group)
             up.update(t + k)
         breakdown = {k: v / args.iters * 1e3 for k, v in up.profile.items()}
         client.close()
@@ -193,6 +224,15 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
         "--chunk-units", type=int, default=64, help="RMU chunk size in units (pages of parameters)"
     )
     ap.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks (one process and GPU each): DDP vs Leto's bucketed reduction",
+    )
+    ap.add_argument(
+        "--bucket-mib", type=float, default=25.0, help="gradient bucket size, DDP's and Leto's"
+    )
+    ap.add_argument(
         "--tier1-pages",
         type=int,
         default=16,
@@ -208,12 +248,57 @@ def model_config(args) -> GPTConfig:
     )
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _rank(rank: int, argv: list[str], port: int, out: str) -> None:
     args = parser().parse_args(argv)
+    args.rank, args.world = rank, args.world_size
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, args.world, rank == 0)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        store=store,
+        rank=rank,
+        world_size=args.world,
+        device_id=torch.device("cuda", rank) if device == "cuda" else None,
+    )
+    try:
+        res = measure(args, torch.device("cuda", rank) if device == "cuda" else torch.device("cpu"))
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    args = parser().parse_args(argv)
+    if args.world_size > 1:
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        from leto.runtime.store import free_port
+
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            mp.spawn(_rank, args=(argv, free_port(), tmp.name), nprocs=args.world_size)
+            res = json.load(open(tmp.name))
+    else:
+        args.rank, args.world = 0, 1
+        res = measure(args, torch.device(args.device))
+    res["command"] = "python -m bench.rmu_overhead " + " ".join(argv)
+    show(res, args)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+def measure(args, device: torch.device) -> dict:
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     torch.backends.cudnn.allow_tf32 = args.tf32
-    device = torch.device(args.device)
     gcfg = model_config(args)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in GPT(gcfg).parameters())
@@ -253,14 +338,18 @@ def main(argv: list[str] | None = None) -> dict:
         "leto_ms": t_leto * 1e3,
         "overhead_pct": (t_leto / t_plain - 1) * 100,
         "rmu_breakdown_ms": breakdown,
-        "command": "python -m bench.rmu_overhead "
-        + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "world_size": args.world,
+        "bucket_mib": args.bucket_mib,
     }
+    return res
+
+
+def show(res: dict, args) -> None:
     t = Table(
-        title=f"RMU overhead on {res['device']}: {n_params / 1e6:.1f} M parameters "
-        f"({args.dtype}, autocast {args.autocast}, TF32 {args.tf32}, attention "
-        f"{args.attention}, {res['tokens_per_iteration']} tokens in {args.micro_batches} "
-        "micro-batch(es))"
+        title=f"RMU overhead on {res['device']} x {res['world_size']}: "
+        f"{res['params'] / 1e6:.1f} M parameters ({args.dtype}, autocast {args.autocast}, "
+        f"TF32 {args.tf32}, attention {res['attention']}, {res['tokens_per_iteration']} "
+        f"tokens per rank in {args.micro_batches} micro-batch(es))"
     )
     t.add_column("what")
     t.add_column("ms / iteration", justify="right")
@@ -268,20 +357,18 @@ def main(argv: list[str] | None = None) -> dict:
         "fused": "plain PyTorch (AdamW fused=True, clip foreach=True)",
         "single": "plain PyTorch (AdamW foreach=False: the older, slower baseline)",
     }[args.baseline]
+    if res["world_size"] > 1:
+        label += f", DDP ({args.bucket_mib:g} MiB buckets)"
     t.add_row(label, f"{res['plain_ms']:.1f}")
     t.add_row("Leto (pool + RMU)", f"{res['leto_ms']:.1f}")
     t.add_row("overhead", f"{res['overhead_pct']:+.1f} %")
-    for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1]):
+    for k, v in sorted(res["rmu_breakdown_ms"].items(), key=lambda kv: -kv[1]):
         t.add_row(f"  profiled: {k}", f"{v:.1f}")
-    for k, v in peaks.items():
+    for k, v in res["peak_allocated_gib"].items():
         t.add_row(f"peak allocated by torch, {k} (GiB)", f"{v:.2f}")
-    if device.type == "cuda":
-        t.add_row("Leto pool pages on the device (GiB)", f"{args.pool_device_gib:.2f}")
+    if res["device"] != "cpu":
+        t.add_row("Leto pool pages on the device (GiB)", f"{res['pool_device_gib']:.2f}")
     Console().print(t)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(res, f, indent=2)
-    return res
 
 
 if __name__ == "__main__":
