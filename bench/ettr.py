@@ -26,7 +26,7 @@ iterations, one to tmpfs and one to disk) give the iteration time ``T_iter`` (me
 the gaps between consecutive iteration records that carry no save) and each storage's
 checkpoint cost ``T_ckpt`` (mean gap of an iteration that saves minus the mean of the
 others: the excess of a checkpointing iteration, Appendix C.2's ``p·T_iter``); they are
-also the bit-exactness references. Schedules (``faultkit.schedule``): ``every`` — one
+also the bit-exactness references. Schedules (``leto.sim.schedule``): ``every`` — one
 HOF every ``--hof-every`` iterations (``every`` at ``K·T_iter``); ``trace`` — a window of
 a public preemption trace with ``--hof-ratio`` HOFs, its time compressed onto the job's
 fault-free length ``N·T_iter``. Failure times map onto iterations with the measured
@@ -75,12 +75,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from faultkit.schedule import GCP_TRACE, Failure, Schedule, every, trace_window
 from leto.errors import InvalidInput
 from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
 from leto.runtime.store import free_port
 from leto.sim.events import simulate
 from leto.sim.model import INTERVAL, LETO, Job, System, choose_interval
+from leto.sim.schedule import GCP_TRACE, Failure, Schedule, every, trace_window
 from verifiers import compare
 from verifiers.trace import read_run
 

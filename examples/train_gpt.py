@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import leto
-from faultkit.hooks import point
 from leto.errors import FatalFailure
+from leto.plugins import point
 from leto.proc import alive
 from leto.runtime.agent import EXIT_FATAL
 from leto.runtime.retained import RetainedTraining
@@ -32,6 +32,7 @@ from leto.update.schedule import WarmupCosine
 from leto.workload.corpus import batch
 from leto.workload.gpt import GPT, init_weights
 from leto.workload.train import add_arguments, from_args
+from verifiers import Recorder
 
 
 def grow_demand(ctx, cfg) -> list[torch.Tensor]:
@@ -96,8 +97,9 @@ def main() -> int:
             out,
             UpdaterConfig(chunk_units=cfg.chunk_units, adamw=AdamWConfig(impl=cfg.optimizer)),
             zero1=cfg.zero1,
-            record=cfg.record,
-            keep_tensors=cfg.keep_tensors,
+            on_iteration=Recorder(out, ctx.rank, keep_tensors=cfg.keep_tensors).record
+            if cfg.record
+            else None,
             heartbeat=ctx.heartbeat,
             bucket_mib=cfg.bucket_mib,
         )

@@ -16,8 +16,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from faultkit.mechanisms import probe
 from faultkit.schedule_cli import register as register_plan
+from leto.memory.mechanisms import probe
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -102,8 +102,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 def cmd_run_plan(args: argparse.Namespace) -> int:
     from faultkit.inject import run_plan
-    from faultkit.schedule import Schedule
     from leto.errors import InvalidInput
+    from leto.sim.schedule import Schedule
 
     try:
         schedule = Schedule.from_json(open(args.schedule).read())

@@ -1,7 +1,9 @@
 """Injection points: named places in the trainer where faultkit can stop a process.
 
-Runs in the trainer. ``point(name, iteration)`` costs one global lookup when nothing is
-armed. A fault is armed by the environment variable ``LETO_FAULT_AT`` (set by faultkit
+Runs in the trainer (and, for page loss, the agent). Leto calls ``leto.plugins.point``
+at its named places; this module plugs into that seam when it is imported (a trainer
+imports it because ``LETO_PLUGINS`` names it: ``faultkit.job`` sets that, and ``leto
+run`` does for a fault plan) — Leto never imports faultkit. A fault is armed by the environment variable ``LETO_FAULT_AT`` (set by faultkit
 or a test for the process it starts) as ``NAME@ITERATION`` or ``NAME@ITERATION#N`` (the
 N-th time that point is reached in that iteration, from 1), or in-process by ``arm``.
 Mode ``kill`` (the default from the environment) is SIGKILL of this process, the most
@@ -23,33 +25,14 @@ from __future__ import annotations
 import os
 import signal
 
+from leto import plugins
+from leto.plugins import ONCE_PER_ITERATION, POINTS
+
 ENV_FAULT_AT = "LETO_FAULT_AT"
 ENV_FAULT_MODE = "LETO_FAULT_MODE"  # kill (default), copy-corrupt, kernel-abort, hang
 MODES = ("raise", "kill", "copy-corrupt", "kernel-abort", "hang")
 
-# Every named point, in the order an iteration reaches them. The updater's points fire
-# once per gradient group (grad_parity), per protection group (update.load/store/tier2)
-# or per chunk (the others), so "#N" picks a later one; the rest fire once.
-POINTS = (
-    "gather",  # ZeRO-1: all-gather of the updated shards (example job)
-    "compute.forward",
-    "compute.backward",
-    "allreduce",
-    "grad_parity",
-    "sync",
-    "update.load",
-    "update.undo",
-    "update.optimizer",
-    "update.parity",
-    "update.commit",
-    "update.store",
-    "update.tier2",
-)
-# Outside an iteration: "resume" (key 0) fires once per start, in the middle of a
-# recovery — after the pool's pages are rebuilt, before the ranks agree where to resume.
-ONCE_PER_ITERATION = frozenset(
-    {"gather", "compute.forward", "compute.backward", "allreduce", "sync"}
-)
+__all__ = ["ONCE_PER_ITERATION", "POINTS", "arm", "disarm", "parse", "point", "record"]
 
 
 class InjectedCrash(Exception):
@@ -142,6 +125,20 @@ def _corrupt(dest) -> None:
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
+
+def _arm_spec(spec: str, mode: str) -> None:
+    arm(*parse(spec), mode=mode)
+
+
+def _lose(client, pages: int, host_parity_pages: int, rng) -> dict:
+    from faultkit.loss import lose_pages
+
+    return lose_pages(client, pages, host_parity_pages, rng)
+
+
+plugins.install_point_handler(point)
+plugins.install_arm(_arm_spec)
+plugins.install_page_loss(_lose)
 
 if os.environ.get(ENV_FAULT_AT):
     arm(*parse(os.environ[ENV_FAULT_AT]), mode=os.environ.get(ENV_FAULT_MODE, "kill"))

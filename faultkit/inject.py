@@ -30,21 +30,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from faultkit.job import JobFault, run_job
-from faultkit.schedule import Schedule
+from leto import plugins
 from leto.memory.config import PoolConfig
+from leto.sim.schedule import Schedule
 from leto.workload.train import TrainConfig
 from verifiers import compare
 
-PHASES = {
-    "compute": "compute.backward",
-    "allreduce": "allreduce",
-    "grad-parity": "grad_parity",
-    "sync": "sync",
-    "update": "update.optimizer",
-    "parity": "update.parity",
-    "parity-copy": "update.store",
-    "tier2": "update.tier2",
-}
+PHASES = plugins.PHASES  # phase -> point (defined beside the points, in leto)
 # Phases whose injection point is in the middle of a parity copy (copy-corrupt needs one).
 COPY_PHASES = ("grad-parity", "parity-copy")
 # Phases followed by one of Leto's own kernels (kernel-abort stops it after N blocks):

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from leto.memory.config import PoolConfig
+from leto.plugins import ENV_PLUGINS
 from leto.runtime.store import free_port
 from leto.workload.train import TrainConfig
 from nvbit_tools.tripwire import ENV_LOG
@@ -109,6 +110,10 @@ def start_job(
         raise ValueError(f"{world} ranks do not split evenly over {nnodes} nodes")
     port = free_port()
     env = dict(os.environ, **(env or {}), LETO_FAULT_PLAN=json.dumps(list(plan)))
+    # faultkit plugs into leto's fault points in every process of the job (leto never
+    # imports faultkit: it loads what LETO_PLUGINS names).
+    names = [n for n in env.get(ENV_PLUGINS, "").split(",") if n]
+    env[ENV_PLUGINS] = ",".join(dict.fromkeys([*names, "faultkit.hooks"]))
     env[ENV_LOG] = str(out / "aborts.jsonl")
     procs = []
     for node in range(nnodes):

@@ -19,8 +19,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from faultkit.schedule import GCP_TRACE, Schedule, every, poisson, trace_window
 from leto.errors import InvalidInput
+from leto.sim.schedule import GCP_TRACE, Schedule, every, poisson, trace_window
 
 
 def summary(schedule: Schedule) -> dict:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from bench import ettr
-from faultkit.schedule import Failure, Schedule, every
 from leto.errors import InvalidInput
 from leto.sim.model import INTERVAL, LETO
+from leto.sim.schedule import Failure, Schedule, every
 
 REPO = Path(__file__).resolve().parents[1]
 LETO_SPEC, GEMINI, TORCHRUN = ettr.systems()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from faultkit.cli import main as faultkit_main
-from faultkit.mechanisms import MEMFD_TRUNCATE, kernel_has_memory_failure
 from leto.cli import main as leto_main
+from leto.memory.mechanisms import MEMFD_TRUNCATE, kernel_has_memory_failure
 
 
 def test_leto_info_json(capsys):

@@ -134,7 +134,7 @@ def test_a_fault_every_two_iterations_is_exact(verdict):
 @pytest.mark.integ
 def test_run_plan_replays_a_schedule_and_an_ff_ends_in_the_fatal_path(inject_reference, tmp_path):
     from faultkit.inject import run_plan
-    from faultkit.schedule import Schedule, every
+    from leto.sim.schedule import Schedule, every
 
     base = InjectConfig()
     ref = inject_reference(base)

@@ -14,7 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from faultkit.schedule import (
+from faultkit.schedule_cli import register
+from leto.errors import InvalidInput
+from leto.sim.schedule import (
     EC2_TRACE,
     GCP_TRACE,
     KINDS,
@@ -27,8 +29,6 @@ from faultkit.schedule import (
     poisson,
     trace_window,
 )
-from faultkit.schedule_cli import register
-from leto.errors import InvalidInput
 
 REPO_TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"

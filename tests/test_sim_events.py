@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from faultkit.schedule import GCP_TRACE, Failure, Schedule, poisson, trace_window
 from leto.sim.cli import register
 from leto.sim.events import simulate
 from leto.sim.model import INTERVAL, LETO, Job, System, choose_interval, predict
+from leto.sim.schedule import GCP_TRACE, Failure, Schedule, poisson, trace_window
 
 GEMINI = System("gemini+", INTERVAL, 1.0, 35.0)
 LETO_SYS = System("leto", LETO, 1.0, 35.0, 15.0, 0.006)

@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from leto import plugins
 from leto.memory.config import PoolConfig
 from leto.runtime import store as job_store
 from leto.runtime.cell import Cell
@@ -43,6 +44,13 @@ class Agent:
         self.cfg, self.command = cfg, command
         self.level = cfg.level()
         self.faults = json.loads(os.environ.get(ENV_FAULT_PLAN, "[]"))
+        if self.faults:
+            # A fault plan is executed by the fault plugin (faultkit), in this agent
+            # (page loss) and in the trainers (points): load it here, name it for them.
+            names = [n for n in os.environ.get(plugins.ENV_PLUGINS, "").split(",") if n]
+            if plugins.FAULT_PLUGIN not in names:
+                os.environ[plugins.ENV_PLUGINS] = ",".join([*names, plugins.FAULT_PLUGIN])
+        plugins.load()
         self.records: list[dict] = []
         self.pools: list[dict] = []  # each local pool's final status
         self.shadow_restarts = 0
@@ -367,14 +375,13 @@ class Agent:
             return lost
         import random
 
-        from faultkit.loss import lose_pages
         from leto.memory.client import PoolClient
 
         for cl in self.cells:
             rng = random.Random(gen * 1_000 + cl.rank)
             with PoolClient.connect(cl.sm.socket_path, cl.sm.token, role="faultkit") as f:
                 if pages or host:
-                    for k, v in lose_pages(f, pages, host, rng).items():
+                    for k, v in plugins.lose_pages(f, pages, host, rng).items():
                         lost[k] += v
                 for kind, name, idx in explicit:
                     f.inject_loss(kind, name, list(idx))

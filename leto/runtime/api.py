@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from leto import plugins
 from leto.errors import InvalidInput
 from leto.memory.client import PoolClient
 from leto.memory.config import ENV_POOL_TOKEN
@@ -188,6 +189,7 @@ def init(prepare=None) -> Context:
             "start the script with: leto run --nproc-per-node N script.py"
         )
     t0 = time.time()
+    plugins.load()  # the tools named in LETO_PLUGINS (faultkit for a faulted job)
     timeout_s = float(os.environ.get(ENV_TIMEOUT_S, "120"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -251,9 +253,7 @@ def init(prepare=None) -> Context:
         timings["promoted_at"] = time.time()
         profile_recovery()
         if msg.get("fault_at"):
-            from faultkit.hooks import arm, parse
-
-            arm(*parse(msg["fault_at"]), mode=msg.get("fault_mode", "kill"))
+            plugins.arm(msg["fault_at"], msg.get("fault_mode", "kill"))
     elif generation > 0:
         profile_recovery()  # a trainer restarted cold
     t_deferred = time.time()

@@ -7,7 +7,8 @@ continue (finish the interrupted update, or redo the interrupted iteration);
 ``compute`` wraps forward and backward (the updater's buffers hold activations);
 ``step`` finishes the reduction of the retained gradients (buckets all-reduced while
 backward ran, ``leto.runtime.buckets``), protects them, synchronizes and runs the
-resumable update, then logs the loss and the verifiers trace.
+resumable update, then logs the loss and calls the caller's ``on_iteration`` (the
+example job passes the verifiers' recorder: Leto never imports its tools).
 
 Gradient accumulation: micro-batches accumulate into the retained gradient buffer (the
 example job's ``--micro-batches``; every backward but the last under ``no_sync``), and
@@ -26,13 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from faultkit.hooks import point
 from leto.memory.client import PoolClient
+from leto.plugins import point
 from leto.runtime.buckets import GradBuckets
 from leto.update.marker import MarkerState, Phase
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
-from verifiers import Recorder
 
 
 class RetainedTraining:
@@ -47,8 +47,7 @@ class RetainedTraining:
         out: Path,
         updater: UpdaterConfig | None = None,
         zero1: bool = False,
-        record: bool = True,
-        keep_tensors: bool = False,
+        on_iteration=None,
         heartbeat=None,
         bucket_mib: float = 25.0,
     ):
@@ -64,7 +63,9 @@ class RetainedTraining:
         self.timings: dict[str, float] = {"map_retained_s": time.time() - t0}
         self.device = self.up.device
         self._grad_ptr = next(model.parameters()).grad.data_ptr()
-        self.rec = Recorder(self.out, rank, keep_tensors=keep_tensors) if record else None
+        # Verification is the caller's callback (e.g. verifiers.Recorder.record), called
+        # once per iteration with (iteration, loss, {name: retained tensor}).
+        self.on_iteration = on_iteration
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
         # Gradients reduced in buckets while backward runs (as DDP does); 0: one
         # all-reduce of the whole retained buffer after backward.
@@ -150,9 +151,9 @@ class RetainedTraining:
     def _log(self, t: int, m: MarkerState) -> None:
         with open(self.out / f"rank{self.rank}.losses.jsonl", "a") as f:
             f.write(json.dumps({"iteration": t, "loss": m.loss.hex()}) + "\n")
-        if self.rec is not None:
+        if self.on_iteration is not None:
             st = self.up.state
-            self.rec.record(t, m.loss, {k: v[: st.local_valid] for k, v in st.flat.items()})
+            self.on_iteration(t, m.loss, {k: v[: st.local_valid] for k, v in st.flat.items()})
 
     def save_state(self) -> None:
         """Full parameters, and this rank's (shard of the) optimizer state."""

@@ -63,8 +63,8 @@ def _print(rows: list[dict], title: str, as_json: bool) -> None:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from faultkit.schedule import Schedule
     from leto.sim import plots, scenarios
+    from leto.sim.schedule import Schedule
 
     try:
         if args.sim_command == "scenarios":

@@ -2,7 +2,7 @@
 
 Owns the event loop that runs a modelled job (iteration time, checkpoint policy,
 per-system recovery costs from ``leto.sim.model.System``) through a
-``faultkit.schedule.Schedule`` and measures what the analytic model only assumes:
+``leto.sim.schedule.Schedule`` and measures what the analytic model only assumes:
 ETTR as the paper measures it (``T_ref(i) / T_eval(i)`` at the last completed iteration
 ``i``, §8.1), the per-failure breakdown into detection, initialisation and
 recomputation, failures that land during a recovery, and wasted GPU-hours.
@@ -37,9 +37,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from faultkit.schedule import Schedule
 from leto.errors import InvalidInput
 from leto.sim.model import LETO, System
+from leto.sim.schedule import Schedule
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ JIT-Checkpointing, which the paper's simulations do not use.
 
 from __future__ import annotations
 
-from faultkit.schedule import Schedule
 from leto.sim.events import simulate
 from leto.sim.model import Job, choose_interval, predict
 from leto.sim.profiles import SCENARIOS, load_deployment, load_systems, published
+from leto.sim.schedule import Schedule
 
 MTTFS_S = (600.0, 1800.0, 3600.0)  # §8.6 and Appendix B: 10 min, 30 min, 1 h
 HOF_RATIOS = (0.0, 0.5, 1.0)  # §8.6

@@ -50,13 +50,13 @@ from dataclasses import dataclass
 
 import torch
 
-from faultkit.hooks import point
 from leto.erasure import TwoTierCode
 from leto.erasure.pages import PageList, as_pages
 from leto.errors import FatalFailure
 from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.memory.lending import Lender
+from leto.plugins import point
 from leto.update.layout import RetainedModel
 from leto.update.marker import Auth, Marker, MarkerState, Phase, Step, StreamOrderedWrites
 from leto.update.optim import (

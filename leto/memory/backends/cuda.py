@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from faultkit.mechanisms import CUDA_UNMAP
 from leto.memory.backends.api import Mapping, PageImporter, PageOwner
+from leto.memory.mechanisms import CUDA_UNMAP
 
 
 class CudaError(RuntimeError):

@@ -13,9 +13,9 @@ from __future__ import annotations
 import errno
 import os
 
-from faultkit.mechanisms import HWPOISON, host_poison_mechanism
 from leto.memory import host_pages as hp
 from leto.memory.backends.api import Mapping, PageImporter, PageOwner
+from leto.memory.mechanisms import HWPOISON, host_poison_mechanism
 
 # Regions scanned with one madvise call before bisecting a failed one.
 SCAN_REGION_PAGES = 64

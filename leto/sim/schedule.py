@@ -36,19 +36,15 @@ SCHEDULE_VERSION = 1
 KINDS = ("HOF", "FF")
 MODES = ("kill", "kernel-abort", "copy-corrupt")
 # The in-repo copy of the public traces (data/traces/SOURCES.md says where they come from).
-TRACES_DIR = Path(__file__).resolve().parents[1] / "data" / "traces"
+TRACES_DIR = Path(__file__).resolve().parents[2] / "data" / "traces"
 GCP_TRACE = TRACES_DIR / "bamboo_gcp_a100x1-east1b.txt"
 EC2_TRACE = TRACES_DIR / "bamboo_ec2_p3-trace.csv"
 
 
 @cache
 def phase_names() -> tuple[str, ...]:
-    """Injection phases a failure may name: ``faultkit.inject.PHASES`` plus ``"any"``.
-
-    Imported lazily: ``faultkit.inject`` pulls in the job launcher and torch, which a
-    simulator that only reads schedules does not need until it validates one.
-    """
-    from faultkit.inject import PHASES
+    """Injection phases a failure may name: ``leto.plugins.PHASES`` plus ``"any"``."""
+    from leto.plugins import PHASES
 
     return (*sorted(PHASES), "any")
 

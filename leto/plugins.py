@@ -1,0 +1,133 @@
+"""The seam tools plug into: fault points, fault arming, page loss.
+
+Runs in every Leto process (trainer, shadow, agent). Leto never imports its tools:
+faultkit (fault injection) registers itself here when it is loaded, and Leto only calls
+what is registered. Nothing registered costs one global lookup per fault point.
+
+Plugins are modules named in ``LETO_PLUGINS`` (comma-separated), imported by
+``load()`` at a process's start (``leto.init`` in a trainer, ``leto run`` in the agent);
+``faultkit.job`` names ``faultkit.hooks`` for the jobs it starts, and ``leto run``
+names it when given a fault plan. A plugin module registers at import with
+``install_point_handler``, ``install_arm`` and ``install_page_loss``.
+
+The names of the points a trainer passes are here too (``POINTS``), so the updater and
+the tools agree on them without importing each other.
+
+Not covered: several plugins handling the same point (the last one installed wins).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+
+ENV_PLUGINS = "LETO_PLUGINS"
+FAULT_PLUGIN = "faultkit.hooks"  # what leto run loads for a fault plan (by name only)
+
+# Every named point, in the order an iteration reaches them. The updater's points fire
+# once per gradient group (grad_parity), per protection group (update.load/store/tier2)
+# or per chunk (the others), so "#N" picks a later one; the rest fire once.
+POINTS = (
+    "gather",  # ZeRO-1: all-gather of the updated shards (example job)
+    "compute.forward",
+    "compute.backward",
+    "allreduce",
+    "grad_parity",
+    "sync",
+    "update.load",
+    "update.undo",
+    "update.optimizer",
+    "update.parity",
+    "update.commit",
+    "update.store",
+    "update.tier2",
+)
+# Outside an iteration: "resume" (key 0) fires once per start, in the middle of a
+# recovery — after the pool's pages are rebuilt, before the ranks agree where to resume.
+ONCE_PER_ITERATION = frozenset(
+    {"gather", "compute.forward", "compute.backward", "allreduce", "sync"}
+)
+
+# The phases a fault plan or schedule names, and the point each strikes at (faultkit
+# kills there; a schedule's failures name them).
+PHASES = {
+    "compute": "compute.backward",
+    "allreduce": "allreduce",
+    "grad-parity": "grad_parity",
+    "sync": "sync",
+    "update": "update.optimizer",
+    "parity": "update.parity",
+    "parity-copy": "update.store",
+    "tier2": "update.tier2",
+}
+
+_point_handler: Callable | None = None
+_arm: Callable | None = None
+_page_loss: Callable | None = None
+_loaded: set[str] = set()
+
+
+def point(name: str, iteration: int, dest=None) -> None:
+    """A named place in an iteration. ``dest``: the tensors a copy in progress here
+    writes (a fault tool may garble them). Free when no plugin listens."""
+    if _point_handler is not None:
+        _point_handler(name, iteration, dest)
+
+
+def install_point_handler(fn: Callable | None) -> None:
+    global _point_handler
+    _point_handler = fn
+
+
+def install_arm(fn: Callable | None) -> None:
+    """``fn(spec, mode)``: arm a fault at ``NAME@ITERATION#N`` in this process."""
+    global _arm
+    _arm = fn
+
+
+def install_page_loss(fn: Callable | None) -> None:
+    """``fn(client, pages_per_group, host_parity_pages, rng) -> {"device": n, "host": n}``:
+    lose pages of a pool through a client with the faultkit role (agent side)."""
+    global _page_loss
+    _page_loss = fn
+
+
+def load(names: str | None = None) -> list[str]:
+    """Import the plugin modules named in ``names`` (default ``$LETO_PLUGINS``), once
+    each; returns the names loaded now. An unknown module is an error naming it."""
+    spec = names if names is not None else os.environ.get(ENV_PLUGINS, "")
+    done = []
+    for name in (n.strip() for n in spec.split(",")):
+        if not name or name in _loaded:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ImportError(
+                f"{ENV_PLUGINS} names {name!r}, which cannot be imported ({e}); nothing "
+                "of it was registered"
+            ) from e
+        _loaded.add(name)
+        done.append(name)
+    return done
+
+
+def arm(spec: str, mode: str) -> None:
+    """Arm a fault in this process through the loaded fault plugin."""
+    if _arm is None:
+        raise RuntimeError(
+            f"a fault ({spec}, {mode}) was asked for but no fault plugin is loaded "
+            f"(set {ENV_PLUGINS}={FAULT_PLUGIN})"
+        )
+    _arm(spec, mode)
+
+
+def lose_pages(client, pages: int, host_parity_pages: int, rng) -> dict:
+    """Lose pages of a pool through the loaded fault plugin."""
+    if _page_loss is None:
+        raise RuntimeError(
+            f"a fault plan asks to lose pages but no fault plugin is loaded "
+            f"(set {ENV_PLUGINS}={FAULT_PLUGIN})"
+        )
+    return _page_loss(client, pages, host_parity_pages, rng)
