@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -170,6 +171,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return 2
     agent = Agent(cfg, [args.script, *args.script_args])
+    # SIGTERM (a scheduler stopping the job) unwinds like Ctrl-C: the agent's cleanup
+    # stops every trainer's process group, shadow and state manager before it exits.
+    signal.signal(signal.SIGTERM, _terminated)
     code = agent.run()
     summary = json.loads((Path(cfg.log_dir) / f"node{cfg.node_rank}.recovery.json").read_text())
     if args.json:
@@ -319,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_run)
     register_bench(sub)
     return ap
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,8 +94,14 @@ class Cell:
         if fault:
             env["LETO_FAULT_AT"], env["LETO_FAULT_MODE"] = fault["at"], fault.get("mode", "kill")
         with self._log(generation, "active") as log:
+            # Its own session and process group (as torch elastic starts workers): the
+            # fence kills the group, so nothing the trainer started outlives it.
             self.active = subprocess.Popen(
-                [sys.executable, *self.command], env=env, stdout=log, stderr=subprocess.STDOUT
+                [sys.executable, *self.command],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self.active_generation = generation
 
@@ -110,6 +116,7 @@ class Cell:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 pass_fds=(r,),
+                start_new_session=True,
             )
         os.close(r)
         self._shadow_pipe = w
@@ -132,8 +139,10 @@ class Cell:
         """Kill the active trainer and wait until it is gone: two trainers must never
         write one pool."""
         p = self.active
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGKILL)
+        if p is not None:
+            # The whole group, even when the trainer itself is already dead: its
+            # children (data loaders, compile workers) must not touch the pool either.
+            kill_group(p)
             p.wait(timeout=self.cfg.timeout_s)
 
     def drop_shadow(self, grace_s: float = 5.0) -> None:
@@ -148,7 +157,7 @@ class Cell:
                     raise subprocess.TimeoutExpired(self.shadow.args, 0)
                 self.shadow.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                self.shadow.kill()
+                kill_group(self.shadow)
                 self.shadow.wait(timeout=self.cfg.timeout_s)
             self.shadow = None
 
@@ -161,3 +170,12 @@ class Cell:
         self.fence()
         self.drop_shadow()
         self.sm.stop()
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL the process group ``p`` leads (``start_new_session``); a group already
+    gone is not an error."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

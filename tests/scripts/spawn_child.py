@@ -1,0 +1,30 @@
+"""A trainer for the process tests: it starts a child (``sleep``, as a data loader or a
+compile worker would be), records the child's pid, and in generation 0 reaches the
+point the fault plan kills at (rank 1) or waits to be fenced (rank 0)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import torch.distributed as dist
+
+import leto
+from leto.plugins import point
+
+out = sys.argv[1]
+ctx = leto.init()
+child = subprocess.Popen(["sleep", "300"])
+with open(os.path.join(out, f"child-g{ctx.generation}-r{ctx.rank}"), "w") as f:
+    f.write(str(child.pid))
+if ctx.generation == 0:
+    if ctx.rank == 1:
+        time.sleep(1.0)  # both children recorded first
+        point("compute.forward", 0)  # the plan SIGKILLs rank 1 here
+    time.sleep(300)  # rank 0: fenced by the agent
+if os.environ.get("LETO_TEST_HOLD"):
+    time.sleep(300)  # the SIGTERM test stops leto run here
+ctx.resumed(1)
+ctx.heartbeat("done")
+ctx.pool.close()
+dist.destroy_process_group()

@@ -1,0 +1,92 @@
+"""Trainers run the torch-elastic way: each in its own session, fenced by killing its
+whole process group, so nothing a trainer started outlives it; ``leto run`` stopped by
+SIGTERM stops every trainer, shadow and state manager before it exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from leto.proc import alive
+from leto.runtime.store import free_port
+
+pytestmark = [pytest.mark.integ, pytest.mark.timeout(180)]
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "spawn_child.py"
+
+
+def _leto_run(tmp_path: Path, env: dict) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "leto.cli", "run", "--json", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), "--shadow-level", "off", "--timeout-s", "60",
+        "--log-dir", str(tmp_path / "logs"), str(SCRIPT), str(tmp_path),
+    ]  # fmt: skip
+    env = dict(os.environ, **env, LETO_PLUGINS="faultkit.hooks")
+    return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+
+
+def _children(tmp_path: Path) -> dict[str, int]:
+    return {p.name: int(p.read_text()) for p in tmp_path.glob("child-*")}
+
+
+def test_a_fenced_or_killed_trainer_leaves_no_child_behind(tmp_path):
+    plan = [{"generation": 0, "rank": 1, "at": "compute.forward@0#1"}]
+    p = _leto_run(tmp_path, {"LETO_FAULT_PLAN": json.dumps(plan)})
+    out, _ = p.communicate(timeout=150)
+    assert p.returncode == 0, out[-2000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["failures"] == 1, summary
+    kids = _children(tmp_path)
+    assert {"child-g0-r0", "child-g0-r1", "child-g1-r0", "child-g1-r1"} <= set(kids), kids
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in kids.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = {k: pid for k, pid in kids.items() if alive(pid)}
+    assert not left, f"children outlived their trainers: {left}"
+
+
+def test_sigterm_stops_every_process_of_the_job(tmp_path):
+    p = _leto_run(tmp_path, {"LETO_TEST_HOLD": "1"})
+    deadline = time.monotonic() + 60
+    while len(_children(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kids = _children(tmp_path)
+    assert len(kids) == 2, f"the trainers did not start within 60 s: {kids}"
+    ours = _job_pids(tmp_path)
+    assert len(ours) >= 4, f"expected 2 trainers and 2 state managers, found {ours}"
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=60)
+    assert p.returncode != 0, "leto run stopped by SIGTERM must not report success"
+    deadline = time.monotonic() + 5
+    left = {}
+    while time.monotonic() < deadline:
+        left = {pid: what for pid, what in ours.items() if alive(pid)}
+        left.update({pid: k for k, pid in kids.items() if alive(pid)})
+        if not left:
+            break
+        time.sleep(0.05)
+    assert not left, f"processes left after SIGTERM: {left}"
+
+
+def _job_pids(tmp_path: Path) -> dict[int, str]:
+    """Trainers and state managers of this test's job (by command line and cwd)."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cwd = os.readlink(d / "cwd")
+        except OSError:
+            continue
+        if str(SCRIPT) in cmd and str(tmp_path) in cmd and "leto.cli" not in cmd:
+            found[int(d.name)] = "trainer"
+        elif "leto.memory.state_manager" in cmd and cwd.startswith(str(tmp_path)):
+            found[int(d.name)] = "state manager"
+    return found
