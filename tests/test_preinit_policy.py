@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from leto import native
 from leto.errors import InvalidInput
 from leto.preinit import reclaim
 from leto.preinit.policy import (
@@ -460,7 +461,7 @@ def test_the_cuda_flavour_compiles_against_torch_headers(tmp_path):
 
 def test_the_cpu_build_is_cached_by_content(monkeypatch):
     with tempfile.TemporaryDirectory() as d:
-        monkeypatch.setenv(reclaim.ENV_BUILD_DIR, d)
+        monkeypatch.setenv(native.ENV_BUILD_DIR, d)
         a = reclaim.build_library(cuda=False)
         mtime = a.stat().st_mtime_ns
         assert reclaim.build_library(cuda=False) == a and a.stat().st_mtime_ns == mtime

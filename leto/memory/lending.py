@@ -23,20 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from leto.errors import InvalidInput
+from leto.native import build_shared, compiler
 
 SOURCE = Path(__file__).with_name("lending.c")
-ENV_BUILD_DIR = "LETO_BUILD_DIR"
+
 MIN_LEND_BYTES = 4 << 20  # PyTorch's small-block segments (2 MiB) are never lent
 
 
@@ -57,32 +53,11 @@ class LendStats:
 
 
 def build_library() -> Path:
-    """Compile lending.c once per source version (cached by content hash)."""
-    src = SOURCE.read_bytes()
-    digest = hashlib.sha256(src).hexdigest()[:16]
-    root = Path(os.environ.get(ENV_BUILD_DIR, Path.home() / ".cache" / "leto"))
-    lib = root / f"lending-{digest}.so"
-    if lib.exists():
-        return lib
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        raise InvalidInput(
-            "lending activation memory needs a C compiler (cc or gcc) on PATH to build "
-            f"{SOURCE.name}; set CC, or run without lending"
-        )
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        out = Path(tmp) / lib.name
-        proc = subprocess.run(
-            [cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(SOURCE), "-ldl", "-lpthread"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if proc.returncode != 0:
-            raise InvalidInput(f"building {SOURCE.name} failed:\n{proc.stderr}")
-        os.replace(out, lib)  # atomic: concurrent ranks may build at once
-    return lib
+    """Compile lending.c once per source version (``leto.native``'s cache)."""
+    cc = compiler("CC", ("cc", "gcc"), f"lending activation memory ({SOURCE.name})")
+    return build_shared(
+        SOURCE, "lending", cc, ["-O2", "-fPIC"], ["-ldl", "-lpthread"], timeout_s=120
+    )
 
 
 class RegionAllocator:

@@ -41,14 +41,10 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import hashlib
 import os
 import select
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -56,9 +52,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from leto.errors import InvalidInput
+from leto.native import build_shared, compiler
 
 SOURCE = Path(__file__).with_name("reclaim.cpp")
-ENV_BUILD_DIR = "LETO_BUILD_DIR"  # the same cache directory as leto.memory.lending
+
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_SETTLE_S = 0.05
 DEFAULT_POLL_S = 0.001
@@ -468,40 +465,22 @@ def _link_flags(cuda: bool) -> list[str]:
     return [f"-L{lib}", "-lc10_cuda", "-lc10", f"-Wl,-rpath,{lib}"]
 
 
-def _compiler() -> str:
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if cxx is None:
-        raise InvalidInput(
-            "building the reclamation hook needs a C++ compiler (c++ or g++); set CXX"
-        )
-    return cxx
-
-
 def build_library(cuda: bool) -> Path:
-    """Compile reclaim.cpp once per (source, flags, torch version), cached by hash."""
-    flags, link = compile_flags(cuda), _link_flags(cuda)
-    key = SOURCE.read_bytes() + " ".join(flags + link).encode()
+    """Compile reclaim.cpp once per (source, flags, torch version) (``leto.native``)."""
+    depends = b""
     if cuda:
         import torch
 
-        key += torch.__version__.encode()
-    digest = hashlib.sha256(key).hexdigest()[:16]
-    root = Path(os.environ.get(ENV_BUILD_DIR, Path.home() / ".cache" / "leto"))
-    lib = root / f"reclaim-{'cuda' if cuda else 'cpu'}-{digest}.so"
-    if lib.exists():
-        return lib
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        out = Path(tmp) / lib.name
-        cmd = [_compiler(), *flags, "-shared", "-o", str(out), str(SOURCE), *link]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise InvalidInput(
-                f"compiling {SOURCE.name} failed (rc {proc.returncode}); command: "
-                f"{' '.join(cmd)}\n{proc.stderr[-4000:]}"
-            )
-        os.replace(out, lib)  # atomic: a concurrent build never loads a partial file
-    return lib
+        depends = torch.__version__.encode()
+    cxx = compiler("CXX", ("c++", "g++"), "building the reclamation hook")
+    return build_shared(
+        SOURCE,
+        f"reclaim-{'cuda' if cuda else 'cpu'}",
+        cxx,
+        compile_flags(cuda),
+        _link_flags(cuda),
+        depends_on=depends,
+    )
 
 
 def _load(cuda: bool) -> ctypes.CDLL:

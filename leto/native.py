@@ -1,0 +1,67 @@
+"""Building Leto's small native libraries (loaded with ctypes), one way for all of them.
+
+Runs in whichever process first needs a library (a trainer). ``build_shared`` compiles
+one source file into a shared object under ``$LETO_BUILD_DIR`` (default
+``~/.cache/leto``), named by a hash of the source, the flags and anything else the
+caller says the binary depends on (e.g. torch's version), so a changed input builds
+anew and an unchanged one is reused; the file appears atomically, so ranks building at
+once never load a partial one. A failed build raises ``InvalidInput`` with the command
+and the compiler's message.
+
+Not covered: Python extension modules (``torch.utils.cpp_extension`` builds those);
+cleaning old builds out of the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from leto.errors import InvalidInput
+
+ENV_BUILD_DIR = "LETO_BUILD_DIR"
+
+
+def compiler(env_var: str, names: Sequence[str], what: str) -> str:
+    """The compiler ``$env_var`` names, else the first of ``names`` on PATH."""
+    for name in (os.environ.get(env_var), *names):
+        if name and (found := shutil.which(name)):
+            return found
+    raise InvalidInput(
+        f"{what} needs a compiler ({' or '.join(names)}) on PATH; set {env_var} to one"
+    )
+
+
+def build_shared(
+    source: Path,
+    stem: str,
+    cc: str,
+    flags: Sequence[str],
+    link: Sequence[str] = (),
+    depends_on: bytes = b"",
+    timeout_s: float = 300,
+) -> Path:
+    """Compile ``source`` to ``<build dir>/<stem>-<hash>.so`` once; returns its path."""
+    key = source.read_bytes() + " ".join([*flags, *link]).encode() + depends_on
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    root = Path(os.environ.get(ENV_BUILD_DIR, Path.home() / ".cache" / "leto"))
+    lib = root / f"{stem}-{digest}.so"
+    if lib.exists():
+        return lib
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [cc, *flags, "-shared", "-o", str(out), str(source), *link]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            raise InvalidInput(
+                f"compiling {source.name} failed (rc {proc.returncode}); command: "
+                f"{' '.join(cmd)}\n{proc.stderr[-4000:]}"
+            )
+        os.replace(out, lib)  # atomic: a concurrent build never loads a partial file
+    return lib
