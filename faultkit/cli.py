@@ -145,6 +145,16 @@ def _verdict_table(v: dict, title: str) -> int:
         ),
         ("host parity pages lost / rebuilt", f"{v['pages_lost_host']} / {v['host_pages_rebuilt']}"),
         (
+            "pages asked per group",
+            f"{v.get('pages_asked_per_group', 0)}"
+            + (
+                "; smaller groups (rank, group, pages held, all lost): "
+                + ", ".join(f"{r}/{g}/{n}" for r, g, n in v["groups_smaller_than_asked"])
+                if v.get("groups_smaller_than_asked")
+                else ""
+            ),
+        ),
+        (
             "page-loss mechanism",
             f"device: {v['poison_mechanism']['device']}; host: {v['poison_mechanism']['host']}"
             if v["poison_mechanism"]

@@ -90,6 +90,11 @@ def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
             f"--mode copy-corrupt needs a phase that copies parity ({', '.join(COPY_PHASES)}), "
             f"not {phase!r}"
         )
+    if cfg.pages > cfg.data_pages:
+        raise ValueError(
+            f"--pages {cfg.pages}: a protection group holds at most D={cfg.data_pages} data "
+            "pages; nothing was run"
+        )
     if not 0 <= cfg.rank < cfg.world_size:
         raise ValueError(f"--rank {cfg.rank} outside 0..{cfg.world_size - 1}")
     if cfg.every < 0 or (cfg.every and cfg.every >= cfg.iterations):
@@ -140,6 +145,8 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
     rebuilt = sum(p["rebuilt_pages_total"] for p in pools)
     pending = sum(len(v) for p in pools for g in p["groups"] for v in g["pending"].values())
     lost = {k: sum(r.get("pages_lost", {}).get(k, 0) for r in recs) for k in ("device", "host")}
+    # [rank, group, pages it holds] for every group smaller than the pages asked of it.
+    short = [x for r in recs for x in r.get("pages_lost", {}).get("short", [])]
     verdict = compare(Path(ref["out"]), Path(got["out"])) if ok else None
     exact = ok and verdict.exact and pending == 0
     hof = [r for r in recs if r["class"] == "HOF"]
@@ -163,6 +170,8 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         "points": [f.at for f in faults],
         "injections": len(recs),
         "recoveries": len(recs) if ok else 0,
+        "pages_asked_per_group": max((f.lose_pages for f in faults), default=0),
+        "groups_smaller_than_asked": short,
         "pages_lost_device": lost["device"],
         "pages_lost_host": lost["host"],
         # After a fatal failure the fresh pools rebuilt nothing: the checkpoint did.

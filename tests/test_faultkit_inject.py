@@ -66,6 +66,8 @@ def test_bad_options_are_refused_with_a_reason():
     assert code == 2 and "needs a phase that copies parity" in err
     code, _, err = inject("--every", "9", "--iterations", "6")
     assert code == 2 and "--every 9" in err
+    code, _, err = inject("--pages", "65")
+    assert code == 2 and "--pages 65" in err and "D=64" in err, err
     # Under --json a refusal is a JSON object too.
     code, out, _ = inject("--phase", "nowhere", "--json")
     v = json.loads(out)
@@ -147,3 +149,30 @@ def test_run_plan_replays_a_schedule_and_an_ff_ends_in_the_fatal_path(inject_ref
     v = run_plan(ff, base, 10.0, tmp_path / "ff", reference=ref)
     assert v["fatal"] and v["ff"] == 1 and "checkpoint fallback" in v["fatal_detail"], v
     assert v["exact"], v["first_divergence"]
+
+
+def test_a_group_smaller_than_the_pages_asked_is_named():
+    """On a small model the last group holds fewer pages than asked: all of it is lost
+    and the loss says so (losing all 6 of 6 with H1 = 16 is not the fatal path)."""
+    import random
+
+    from faultkit.loss import lose_pages
+
+    class Pool:
+        injected: list = []
+
+        def status(self):
+            return {
+                "groups": [
+                    {"kind": "set", "gid": 0, "tier1": 16, "members": [["param", 0, 3], ["exp_avg", 0, 3]]},
+                    {"kind": "set", "gid": 1, "tier1": 16, "members": [["param", 3, 20], ["exp_avg", 3, 20]]},
+                ]
+            }  # fmt: skip
+
+        def inject_loss(self, kind, name, pages):
+            self.injected.append((kind, name, tuple(pages)))
+
+    pool = Pool()
+    lost = lose_pages(pool, 17, 0, random.Random(0))
+    assert lost["short"] == [[0, 6]], lost
+    assert lost["device"] == 6 + 17 + 1, lost  # group 0 whole, 17 of group 1, a gradient page

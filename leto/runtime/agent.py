@@ -382,7 +382,10 @@ class Agent:
             with PoolClient.connect(cl.sm.socket_path, cl.sm.token, role="faultkit") as f:
                 if pages or host:
                     for k, v in plugins.lose_pages(f, pages, host, rng).items():
-                        lost[k] += v
+                        if isinstance(v, list):  # e.g. groups smaller than asked
+                            lost.setdefault(k, []).extend([cl.rank, *x] for x in v)
+                        else:
+                            lost[k] += v
                 for kind, name, idx in explicit:
                     f.inject_loss(kind, name, list(idx))
                     lost["host" if kind.startswith("tier") else "device"] += len(idx)
