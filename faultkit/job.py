@@ -134,6 +134,28 @@ def start_job(
     return procs
 
 
+def shadow_pids(root: Path, generation: int) -> list[int]:
+    """The shadows of ``generation`` of the job started in ``root`` (by the environment
+    leto run gives them and their working directory, so another job on the same machine
+    never matches)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            cwd = os.readlink(d / "cwd")
+        except OSError:
+            continue
+        if (
+            b"LETO_ROLE=shadow" in env
+            and f"LETO_GENERATION={generation}".encode() in env
+            and cwd.startswith(str(root))
+        ):
+            found.append(int(d.name))
+    return found
+
+
 def finish_job(procs: list[subprocess.Popen], timeout_s: float = 600) -> list[tuple[int, dict]]:
     """Wait for a job's agents; (exit code, leto run's JSON summary) per node."""
     done = []

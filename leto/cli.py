@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -156,6 +157,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             recovery=args.recovery,
             log_dir=args.log_dir,
             max_failures=args.max_failures,
+            log_level=args.log_level,
+            beat_poll_s=args.beat_poll_s,
             device_memory_bytes=args.device_memory_bytes,
             preinit_footprints=args.preinit_footprints,
             preinit_margin_bytes=int(args.preinit_margin_mib * (1 << 20)),
@@ -170,6 +173,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format=f"%(asctime)s %(name)s node {cfg.node_rank} %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
     agent = Agent(cfg, [args.script, *args.script_args])
     # SIGTERM (a scheduler stopping the job) unwinds like Ctrl-C: the agent's cleanup
     # stops every trainer's process group, shadow and state manager before it exits.
@@ -275,6 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--hang-timeout-s", type=float, default=60.0, help="a stalled heartbeat this long is a hang"
     )
     p.add_argument("--checkpoint-dir", default="", help="DCP checkpoints (default: in log-dir)")
+    p.add_argument(
+        "--beat-poll-s",
+        type=float,
+        default=0.25,
+        help="read every rank's heartbeat from the store this often (hang detection)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        help="the agent's log of every state transition on stderr: DEBUG, INFO, WARNING, ERROR",
+    )
     p.add_argument(
         "--checkpoint-interval",
         type=int,

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from faultkit.job import JobFault, finish_job, run_job, start_job
+from faultkit.job import JobFault, finish_job, run_job, shadow_pids, start_job
 from leto.preinit.guard import Guard, GuardConfig, memory_key, parked_key, reclaims_key
 from leto.preinit.levels import Levels
 from leto.preinit.policy import Footprints, PolicyConfig
@@ -95,19 +95,6 @@ def test_memory_pressure_lowers_the_level_a_hof_recovers_through_it_and_it_rises
         assert (tmp_path / "auto" / "logs" / f"rank{rank}.memory.png").stat().st_size > 0
 
 
-def _shadow_pids(generation: int) -> list[int]:
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                env = (d / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"LETO_ROLE=shadow" in env and f"LETO_GENERATION={generation}".encode() in env:
-                found.append(int(d.name))
-    return found
-
-
 @pytest.mark.integ
 def test_a_crashed_shadow_is_replaced_at_the_same_level_not_taken_for_a_reclamation(
     reference, tmp_path
@@ -116,7 +103,7 @@ def test_a_crashed_shadow_is_replaced_at_the_same_level_not_taken_for_a_reclamat
     (p,) = start_job(2, TrainConfig(iterations=ITERS), out, [], shadow_level="auto",
                      extra=_auto(tmp_path))  # fmt: skip
     deadline = time.monotonic() + 60
-    while not (pids := _shadow_pids(1)) and time.monotonic() < deadline:
+    while not (pids := shadow_pids(out, 1)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pids, "no shadow appeared within 60 s"
     time.sleep(3)  # parked, and the trainers beating

@@ -17,7 +17,7 @@ import pytest
 from leto.proc import alive
 from leto.runtime.store import free_port
 
-pytestmark = [pytest.mark.integ, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "spawn_child.py"
 
 
@@ -35,6 +35,7 @@ def _children(tmp_path: Path) -> dict[str, int]:
     return {p.name: int(p.read_text()) for p in tmp_path.glob("child-*")}
 
 
+@pytest.mark.integ
 def test_a_fenced_or_killed_trainer_leaves_no_child_behind(tmp_path):
     plan = [{"generation": 0, "rank": 1, "at": "compute.forward@0#1"}]
     p = _leto_run(tmp_path, {"LETO_FAULT_PLAN": json.dumps(plan)})
@@ -51,6 +52,7 @@ def test_a_fenced_or_killed_trainer_leaves_no_child_behind(tmp_path):
     assert not left, f"children outlived their trainers: {left}"
 
 
+@pytest.mark.integ
 def test_sigterm_stops_every_process_of_the_job(tmp_path):
     p = _leto_run(tmp_path, {"LETO_TEST_HOLD": "1"})
     deadline = time.monotonic() + 60
@@ -90,3 +92,17 @@ def _job_pids(tmp_path: Path) -> dict[int, str]:
         elif "leto.memory.state_manager" in cmd and cwd.startswith(str(tmp_path)):
             found[int(d.name)] = "state manager"
     return found
+
+
+def test_the_counting_store_counts_every_request_and_nothing_else():
+    import torch.distributed as dist
+
+    from leto.runtime.store import CountingStore
+
+    s = CountingStore(dist.HashStore())
+    s.set("a", "1")
+    s.add("n", 2)
+    assert s.check(["a"]) and s.get("a") == b"1"
+    s.timeout  # an attribute, not a request  # noqa: B018
+    assert s.requests == 4, s.requests
+    assert s.rate() > 0

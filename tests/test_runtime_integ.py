@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from faultkit.hooks import POINTS
-from faultkit.job import finish_job, start_job
+from faultkit.job import finish_job, shadow_pids, start_job
 from leto.workload.train import TrainConfig
 from verifiers import compare
 
@@ -90,20 +90,6 @@ def test_two_agents_as_two_nodes_over_loopback(reference, tmp_path):
     assert [s["failures"] for s in summaries] == [1, 1], summaries  # both nodes recovered
 
 
-def _shadow_pids() -> list[int]:
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"LETO_ROLE=shadow" in env and b"LETO_GENERATION=1" in env:
-            found.append(int(d.name))
-    return found
-
-
 @pytest.mark.parametrize("level", ["L1", "L3"])
 def test_a_shadow_that_dies_while_parked_is_replaced(reference, tmp_path, level):
     """At L3 the dead shadow's process group is gone with it: every shadow of that
@@ -111,7 +97,7 @@ def test_a_shadow_that_dies_while_parked_is_replaced(reference, tmp_path, level)
     faults = [{"generation": 0, "rank": 0, "at": "update.commit@4#1"}]
     (p,) = leto_run(tmp_path, level, faults, wait=False)
     deadline = time.monotonic() + 60
-    while not (pids := _shadow_pids()) and time.monotonic() < deadline:
+    while not (pids := shadow_pids(tmp_path, 1)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pids, "no parked shadow appeared within 60 s"
     os.kill(pids[0], signal.SIGKILL)

@@ -25,6 +25,7 @@ generation in a fresh process-group namespace (``_replace_dead_shadows``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import asdict
@@ -36,6 +37,7 @@ from leto.runtime import store as job_store
 from leto.runtime.cell import Cell
 from leto.runtime.config import ENV_FAULT_PLAN, ENV_PREINIT, RunConfig
 
+log = logging.getLogger("leto.agent")
 EXIT_FATAL = 13  # a trainer's retained state cannot be restored: checkpoint needed
 
 
@@ -56,6 +58,8 @@ class Agent:
         self.shadow_restarts = 0
         self._reshadows: dict[int, int] = {}  # generation -> L3 shadow restarts seen
         self._beats: dict[int, tuple] = {}
+        self._beats_read = 0.0  # monotonic time every rank's beat was last read
+        self.store: job_store.CountingStore | None = None
         self._progress: list[tuple[float, int, int]] = []  # (time, generation, iteration)
         self._started = time.time()
         self.levels = None  # preinit.levels.Levels under --shadow-level auto (controlled)
@@ -83,7 +87,9 @@ class Agent:
 
     def run(self) -> int:
         c = self.cfg
-        store = job_store.connect(c.master_addr, c.master_port, c.node_rank == 0, c.timeout_s)
+        store = job_store.CountingStore(
+            job_store.connect(c.master_addr, c.master_port, c.node_rank == 0, c.timeout_s)
+        )
         self.store = store
         store.add("leto/agents", 1)
         job_store.wait_count(store, "leto/agents", c.nnodes, c.timeout_s, "every node's agent")
@@ -98,6 +104,10 @@ class Agent:
             self._setup_levels()
             for cell in cells:
                 cell.start_active(0, self._fault(0, cell.rank))
+            log.info(
+                "started ranks %s (world %d, %s), shadows %s",
+                [cl.rank for cl in cells], c.world_size, c.device, c.shadow_level,
+            )  # fmt: skip
             if self.levels is not None:
                 self.level = self.levels.start(1, c.timeout_s)
             if self.level not in ("off", None):
@@ -114,6 +124,10 @@ class Agent:
                     for cl, rc in dead:
                         why = {"hang": True} if rc == "hang" else {"code": rc}
                         store.set(f"leto/gen{gen}/failure/rank{cl.rank}", json.dumps(why))
+                        log.warning(
+                            "generation %d: rank %d %s", gen, cl.rank,
+                            "hangs (heartbeat stalled)" if rc == "hang" else f"exited with {rc}",
+                        )  # fmt: skip
                     store.add(f"leto/gen{gen}/failures", 1)
                 if dead and c.recovery == "checkpoint":
                     store.add(f"leto/gen{gen}/fatal", 1)  # the baseline: no in-place recovery
@@ -133,6 +147,7 @@ class Agent:
                     if len(self.records) >= c.max_failures:
                         code = EXIT_FATAL
                         break
+                    log.warning("generation %d: fatal failure, falling back to the checkpoint", gen)
                     self._fallback(gen)
                     gen += 1
                     reported = False
@@ -143,12 +158,14 @@ class Agent:
                     if len(self.records) >= c.max_failures:
                         code = 1
                         break
+                    log.info("generation %d: HOF, recovering in place", gen)
                     self._recover(gen)
                     gen += 1
                     reported = False
                     continue
                 self._replace_dead_shadows(gen)
                 if all(cl.active.poll() == 0 for cl in cells):
+                    log.info("generation %d: every local trainer finished", gen)
                     store.add("leto/done", 1)
                     job_store.wait_count(store, "leto/done", c.nnodes, c.timeout_s, "every node")
                     break
@@ -279,7 +296,12 @@ class Agent:
         """Cells whose live trainer's heartbeat has not moved for hang_timeout_s (before
         its first beat: for timeout_s, which covers start-up and recovery)."""
         now, hung = time.monotonic(), []
-        for cl in self.cells:
+        # Every rank's beat at most every beat_poll_s (each read is two store requests);
+        # the first local rank's every poll, since its beats time the measured ETTR.
+        read_all = now - self._beats_read >= self.cfg.beat_poll_s
+        if read_all:
+            self._beats_read = now
+        for cl in self.cells if read_all else self.cells[:1]:
             if cl.active.poll() is not None:
                 continue
             key = f"leto/gen{gen}/rank{cl.rank}/beat"
@@ -330,7 +352,11 @@ class Agent:
         job_store.wait_count(
             store, f"leto/gen{gen}/fenced", c.nnodes, c.timeout_s, "every node to fence"
         )
+        log.info("generation %d: fenced in %.3f s (every node: %.3f s)", gen,
+                 t_fenced - t0, time.time() - t0)  # fmt: skip
         lost = self._lose(gen)
+        if lost.get("device") or lost.get("host"):
+            log.info("generation %d: fault plan lost %s", gen, lost)
         new = gen + 1
         promoted = self.level
         if self.level in ("off", None):
@@ -343,6 +369,11 @@ class Agent:
                     cl.start_shadow(new, self.level)  # none ready: promote a fresh one
                 cl.promote(self._fault(new, cl.rank))
         t_promoted = time.time()
+        log.info(
+            "generation %d: %s in %.3f s", new,
+            "cold restarts" if promoted in ("off", None) else f"{promoted} shadows promoted",
+            t_promoted - t0,
+        )  # fmt: skip
         self._next_level(new)
         if self.level not in ("off", None):
             for cl in self.cells:
@@ -414,6 +445,7 @@ class Agent:
         new = gen + 1
         for cl in self.cells:
             cl.start_active(new, self._fault(new, cl.rank))
+        log.info("generation %d: fresh pools, cold trainers from the newest checkpoint", new)
         self._next_level(new)
         if self.level not in ("off", None):
             for cl in self.cells:
@@ -480,6 +512,9 @@ class Agent:
             "pools": self.pools,
             "preinit": self.levels.summary() if self.levels is not None else None,
             "shadow_level": self.level,  # of the parked shadows now (None: none fits)
+            # This agent's load on the job's TCPStore (every request it made).
+            "store_requests": self.store.requests if self.store is not None else 0,
+            "store_requests_per_s": self.store.rate() if self.store is not None else 0.0,
         }
 
 

@@ -42,11 +42,15 @@ class RunConfig:
     data_pages: int = 1024
     tier1_pages: int = 16
     allow_fault_injection: bool = False
-    poll_s: float = 0.02  # death detection latency bound
+    poll_s: float = 0.02  # death detection latency bound (process exits: no store access)
+    # Heartbeats are read from the store this often, not every poll: a hang is only
+    # declared after hang_timeout_s (seconds), and every read is a store request.
+    beat_poll_s: float = 0.25
     hang_timeout_s: float = 60.0  # a trainer whose heartbeat stalls this long is hung
     timeout_s: float = 120.0  # every wait on the store and on other processes
     log_dir: str = "leto-run"  # per-rank logs and the recovery records
     max_failures: int = 100
+    log_level: str = "INFO"  # the agent's state transitions on stderr (logging)
     checkpoint_dir: str = ""  # empty: <log_dir>/checkpoints
     checkpoint_interval: int = 0  # iterations; 0: Young's formula with the FF-only MTTF
     mttf_s: float = 3600.0  # expected time between failures of any class (for Young)
@@ -67,6 +71,8 @@ class RunConfig:
             raise ValueError(f"--shadow-level {self.shadow_level!r}: use auto, off, L1, L2 or L3")
         if self.recovery not in ("in-place", "checkpoint"):
             raise ValueError(f"--recovery {self.recovery!r}: use in-place or checkpoint")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"--log-level {self.log_level!r}: DEBUG, INFO, WARNING or ERROR")
         if self.nnodes < 1 or self.nproc_per_node < 1:
             raise ValueError("--nnodes and --nproc-per-node must be at least 1")
         if self.device_memory_bytes < 0:

@@ -52,3 +52,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class CountingStore:
+    """A store that counts the requests made through it (the agent's monitor load on
+    the job's TCPStore, reported in ``leto run``'s summary). Python-side only: it is not
+    a ``dist.Store`` and must not be handed to torch.distributed."""
+
+    REQUESTS = ("get", "set", "add", "check", "multi_get", "multi_set", "compare_set",
+                "wait", "delete_key", "num_keys", "append")  # fmt: skip
+
+    def __init__(self, store: dist.Store):
+        self._store = store
+        self.requests = 0
+        self.since = time.monotonic()
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._store, name)
+        if name not in self.REQUESTS:
+            return attr
+
+        def counted(*args, **kwargs):
+            self.requests += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+    def rate(self) -> float:
+        """Requests per second since this wrapper was made."""
+        return self.requests / max(time.monotonic() - self.since, 1e-9)
