@@ -21,14 +21,30 @@ pytestmark = pytest.mark.timeout(180)
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "spawn_child.py"
 
 
-def _leto_run(tmp_path: Path, env: dict) -> subprocess.Popen:
+def _leto_run(tmp_path: Path, env: dict, script: Path = SCRIPT, stderr=None) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "leto.cli", "run", "--json", "--nproc-per-node", "2",
         "--master-port", str(free_port()), "--shadow-level", "off", "--timeout-s", "60",
-        "--log-dir", str(tmp_path / "logs"), str(SCRIPT), str(tmp_path),
+        "--log-dir", str(tmp_path / "logs"), str(script), str(tmp_path),
     ]  # fmt: skip
     env = dict(os.environ, **env, LETO_PLUGINS="faultkit.hooks")
-    return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=stderr, text=True
+    )
+
+
+@pytest.mark.integ
+def test_an_uncaught_exception_is_in_the_failure_record_with_its_traceback(tmp_path):
+    p = _leto_run(tmp_path, {}, SCRIPT.parent / "raise_once.py", stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=150)
+    assert p.returncode == 0, err[-2000:]
+    (rec,) = json.loads(out.strip().splitlines()[-1])["recoveries"]
+    assert rec["failed_ranks"] == [1], rec
+    error = rec["failures"]["1"]["error"]
+    assert error["exception"] == "ValueError" and "(4, 5) was expected" in error["message"]
+    assert "raise_once.py" in error["traceback"] and Path(error["file"]).is_file(), error
+    # The agent says so on the console, with where the traceback is.
+    assert "ValueError: a batch of shape" in err and error["file"] in err, err[-2000:]
 
 
 def _children(tmp_path: Path) -> dict[str, int]:

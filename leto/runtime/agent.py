@@ -123,10 +123,15 @@ class Agent:
                     self._detected = time.time()
                     for cl, rc in dead:
                         why = {"hang": True} if rc == "hang" else {"code": rc}
+                        error = cl.active_error() if rc != "hang" else None
+                        if error is not None:
+                            why["error"] = error
                         store.set(f"leto/gen{gen}/failure/rank{cl.rank}", json.dumps(why))
                         log.warning(
-                            "generation %d: rank %d %s", gen, cl.rank,
+                            "generation %d: rank %d %s%s", gen, cl.rank,
                             "hangs (heartbeat stalled)" if rc == "hang" else f"exited with {rc}",
+                            f": {error['exception']}: {error['message']} (traceback in "
+                            f"{error['file']})" if error else "",
                         )  # fmt: skip
                     store.add(f"leto/gen{gen}/failures", 1)
                 if dead and c.recovery == "checkpoint":
@@ -471,12 +476,16 @@ class Agent:
                 key = f"leto/gen{g}/rank{r}/resumed"
                 if self.store.check([key]):
                     ranks[r] = json.loads(self.store.get(key))
-            failed = [
-                r
+            keys = {
+                r: f"leto/gen{rec['generation']}/failure/rank{r}"
                 for r in range(self.cfg.world_size)
-                if self.store.check([f"leto/gen{rec['generation']}/failure/rank{r}"])
-            ]
-            rec["failed_ranks"] = failed
+            }
+            why = {
+                r: json.loads(self.store.get(k)) for r, k in keys.items() if self.store.check([k])
+            }
+            rec["failed_ranks"] = sorted(why)
+            # How each failed: exit code or hang, and the uncaught exception's error file.
+            rec["failures"] = {str(r): w for r, w in why.items()}
             rec["trainers"] = ranks
             if ranks:
                 rec["recovery_s"] = max(v["time"] for v in ranks.values()) - rec["detected_at"]

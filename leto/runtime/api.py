@@ -36,6 +36,7 @@ from leto.runtime.config import (
     ENV_CHECKPOINT_DIR,
     ENV_CHECKPOINT_INTERVAL,
     ENV_DEVICE,
+    ENV_ERROR_FILE,
     ENV_GENERATION,
     ENV_HOF_RATIO,
     ENV_MTTF_S,
@@ -171,6 +172,36 @@ def _warm_device(device: torch.device) -> None:
         for_device(device)
 
 
+def _record_uncaught(path: str | None) -> None:
+    """An uncaught exception is written to ``path`` (type, message, traceback) before
+    the interpreter reports it and exits, so the agent's record says why this trainer
+    died (torch elastic's error files)."""
+    if not path:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        import traceback
+
+        try:
+            with open(path, "w") as f:
+                json.dump(
+                    {
+                        "exception": kind.__name__,
+                        "message": str(value),
+                        "traceback": "".join(traceback.format_exception(kind, value, tb)),
+                        "time": time.time(),
+                        "pid": os.getpid(),
+                    },
+                    f,
+                )
+        except OSError:
+            pass  # the report below still reaches the trainer's log
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
 def _park(fd: int, timeout_s: float) -> dict:
     """Block until the agent writes one JSON line; EOF means the agent no longer wants
     this shadow (it stopped, or the job ended): exit quietly."""
@@ -189,6 +220,7 @@ def init(prepare=None) -> Context:
             "start the script with: leto run --nproc-per-node N script.py"
         )
     t0 = time.time()
+    _record_uncaught(os.environ.get(ENV_ERROR_FILE))
     plugins.load()  # the tools named in LETO_PLUGINS (faultkit for a faulted job)
     timeout_s = float(os.environ.get(ENV_TIMEOUT_S, "120"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

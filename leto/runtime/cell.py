@@ -21,6 +21,7 @@ from leto.runtime.config import (
     ENV_CHECKPOINT_DIR,
     ENV_CHECKPOINT_INTERVAL,
     ENV_DEVICE,
+    ENV_ERROR_FILE,
     ENV_GENERATION,
     ENV_HOF_RATIO,
     ENV_MTTF_S,
@@ -43,6 +44,7 @@ class Cell:
         self.sm = start_state_manager(pool)
         self.active: subprocess.Popen | None = None
         self.active_generation = -1
+        self.active_role = "active"
         self.shadow: subprocess.Popen | None = None
         self.shadow_generation = -1
         self._shadow_pipe: int | None = None
@@ -78,12 +80,25 @@ class Cell:
                 ENV_MTTF_S: str(cfg.mttf_s),
                 ENV_HOF_RATIO: str(cfg.hof_ratio),
                 ENV_PG_ATTEMPT: str(self.pg_attempt),
+                ENV_ERROR_FILE: str(self.error_file(generation, role)),
             }
         )
         env.update(self.extra_env)
         for k in ("LETO_FAULT_AT", "LETO_FAULT_MODE"):
             env.pop(k, None)
         return env
+
+    def error_file(self, generation: int, role: str) -> Path:
+        return self.log_dir / f"rank{self.rank}.gen{generation}.{role}.error.json"
+
+    def active_error(self) -> dict | None:
+        """The active trainer's error file (its uncaught exception), if it wrote one."""
+        role = "active" if self.active_role == "active" else "shadow"
+        path = self.error_file(self.active_generation, role)
+        try:
+            return {**json.loads(path.read_text()), "file": str(path)}
+        except (OSError, ValueError):
+            return None
 
     def _log(self, generation: int, role: str):
         return open(self.log_dir / f"rank{self.rank}.gen{generation}.{role}.log", "ab")
@@ -104,6 +119,7 @@ class Cell:
                 start_new_session=True,
             )
         self.active_generation = generation
+        self.active_role = "active"
 
     def start_shadow(self, generation: int, level: str) -> None:
         r, w = os.pipe()
@@ -133,6 +149,7 @@ class Cell:
         os.close(self._shadow_pipe)
         self._shadow_pipe = None
         self.active, self.active_generation = self.shadow, self.shadow_generation
+        self.active_role = "shadow"  # a promoted shadow keeps its files' names
         self.shadow = None
 
     def fence(self) -> None:

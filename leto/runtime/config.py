@@ -24,6 +24,9 @@ ENV_PG_ATTEMPT = "LETO_PG_ATTEMPT"  # checkpoint fallbacks so far (process-group
 # A directory: a restarted or promoted trainer profiles (cProfile) its recovery, from
 # promotion (or process start) to ``Context.resumed``, into rank<r>.gen<g>.profile.txt.
 ENV_PROFILE_RECOVERY = "LETO_PROFILE_RECOVERY"
+# Where a trainer writes its uncaught exception (type, message, traceback) before it
+# dies; the agent puts it in the failure's record (as torch elastic's error files).
+ENV_ERROR_FILE = "LETO_ERROR_FILE"
 ENV_PREINIT = "LETO_PREINIT"  # --shadow-level auto: the trainer's guard configuration (JSON)
 
 LEVELS = ("off", "L1", "L2", "L3")
