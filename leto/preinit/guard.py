@@ -34,22 +34,23 @@ import torch
 from leto.errors import InvalidInput
 from leto.preinit.policy import Footprints
 from leto.proc import alive
+from leto.runtime import keys
 from leto.runtime.config import ENV_PREINIT  # the agent sets it: GuardConfig JSON
 
 
 def parked_key(generation: int, rank: int) -> str:
     """A shadow of ``generation`` writes {"pid", "level"} here once it has parked."""
-    return f"leto/gen{generation}/rank{rank}/parked"
+    return keys.parked(generation, rank)
 
 
 def memory_key(generation: int, rank: int) -> str:
-    return f"leto/gen{generation}/rank{rank}/memory"
+    return keys.memory(generation, rank)
 
 
 def reclaims_key(generation: int, rank: int) -> str:
     """Counter of reclamations the trainer of ``generation`` reported; event k (from 1)
     is at ``reclaims_key(...) + f"/{k}"``."""
-    return f"leto/gen{generation}/rank{rank}/reclaims"
+    return keys.reclaims(generation, rank)
 
 
 @dataclass(frozen=True)

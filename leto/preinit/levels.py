@@ -25,17 +25,18 @@ from pathlib import Path
 
 from leto.preinit.policy import Action, Controller, Decision, MiB, PolicyConfig, level_index
 from leto.preinit.timeline import Timeline
+from leto.runtime import keys
 from leto.runtime import store as job_store
 
 NONE = "none"  # published for "no shadow fits"
 
 
 def level_key(generation: int, rank: int) -> str:
-    return f"leto/gen{generation}/level/rank{rank}"
+    return keys.level(generation, rank)
 
 
 def levels_key(generation: int) -> str:
-    return f"leto/gen{generation}/levels"
+    return keys.levels(generation)
 
 
 class Levels:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from leto import plugins
 from leto.memory.config import PoolConfig
+from leto.runtime import keys
 from leto.runtime import store as job_store
 from leto.runtime.cell import Cell
 from leto.runtime.config import ENV_FAULT_PLAN, ENV_PREINIT, RunConfig
@@ -91,8 +92,8 @@ class Agent:
             job_store.connect(c.master_addr, c.master_port, c.node_rank == 0, c.timeout_s)
         )
         self.store = store
-        store.add("leto/agents", 1)
-        job_store.wait_count(store, "leto/agents", c.nnodes, c.timeout_s, "every node's agent")
+        store.add(keys.AGENTS, 1)
+        job_store.wait_count(store, keys.AGENTS, c.nnodes, c.timeout_s, "every node's agent")
         first = c.node_rank * c.nproc_per_node
         cells = [
             Cell(c, lr, first + lr, self.command, self._pool(lr)) for lr in range(c.nproc_per_node)
@@ -126,27 +127,27 @@ class Agent:
                         error = cl.active_error() if rc != "hang" else None
                         if error is not None:
                             why["error"] = error
-                        store.set(f"leto/gen{gen}/failure/rank{cl.rank}", json.dumps(why))
+                        store.set(keys.failure(gen, cl.rank), json.dumps(why))
                         log.warning(
                             "generation %d: rank %d %s%s", gen, cl.rank,
                             "hangs (heartbeat stalled)" if rc == "hang" else f"exited with {rc}",
                             f": {error['exception']}: {error['message']} (traceback in "
                             f"{error['file']})" if error else "",
                         )  # fmt: skip
-                    store.add(f"leto/gen{gen}/failures", 1)
+                    store.add(keys.failures(gen), 1)
                 if dead and c.recovery == "checkpoint":
-                    store.add(f"leto/gen{gen}/fatal", 1)  # the baseline: no in-place recovery
+                    store.add(keys.fatal(gen), 1)  # the baseline: no in-place recovery
                 if any(rc == EXIT_FATAL for _, rc in dead):
-                    store.add(f"leto/gen{gen}/fatal", 1)
+                    store.add(keys.fatal(gen), 1)
                 sm_dead = [cl for cl in cells if cl.sm.proc.poll() is not None]
-                if sm_dead and not job_store.counter(store, f"leto/gen{gen}/fatal"):
+                if sm_dead and not job_store.counter(store, keys.fatal(gen)):
                     for cl in sm_dead:
-                        store.set(f"leto/gen{gen}/failure/rank{cl.rank}", '{"state_manager": true}')
-                    store.add(f"leto/gen{gen}/fatal", 1)
-                    store.add(f"leto/gen{gen}/failures", 1)
+                        store.set(keys.failure(gen, cl.rank), '{"state_manager": true}')
+                    store.add(keys.fatal(gen), 1)
+                    store.add(keys.failures(gen), 1)
                     if not reported:
                         self._detected, reported = time.time(), True
-                if job_store.counter(store, f"leto/gen{gen}/fatal"):
+                if job_store.counter(store, keys.fatal(gen)):
                     if not reported:
                         self._detected = time.time()
                     if len(self.records) >= c.max_failures:
@@ -157,7 +158,7 @@ class Agent:
                     gen += 1
                     reported = False
                     continue
-                if job_store.counter(store, f"leto/gen{gen}/failures"):
+                if job_store.counter(store, keys.failures(gen)):
                     if not reported:
                         self._detected = time.time()
                     if len(self.records) >= c.max_failures:
@@ -171,8 +172,8 @@ class Agent:
                 self._replace_dead_shadows(gen)
                 if all(cl.active.poll() == 0 for cl in cells):
                     log.info("generation %d: every local trainer finished", gen)
-                    store.add("leto/done", 1)
-                    job_store.wait_count(store, "leto/done", c.nnodes, c.timeout_s, "every node")
+                    store.add(keys.DONE, 1)
+                    job_store.wait_count(store, keys.DONE, c.nnodes, c.timeout_s, "every node")
                     break
         finally:
             if self.levels is not None:
@@ -185,10 +186,10 @@ class Agent:
                 self._collect()
             finally:
                 # Node 0 hosts the store: it stays up until every agent has collected.
-                store.add("leto/collected", 1)
+                store.add(keys.COLLECTED, 1)
                 if c.node_rank == 0:
                     job_store.wait_count(
-                        store, "leto/collected", c.nnodes, c.timeout_s, "every agent to finish"
+                        store, keys.COLLECTED, c.nnodes, c.timeout_s, "every agent to finish"
                     )
             Path(c.log_dir).mkdir(parents=True, exist_ok=True)
             (Path(c.log_dir) / f"node{c.node_rank}.recovery.json").write_text(
@@ -205,7 +206,7 @@ class Agent:
         rank's level goes down, and every node restarts its shadows at the new job
         level (the same counter)."""
         dead = [cl for cl in self.cells if cl.shadow is not None and cl.shadow.poll() is not None]
-        key = f"leto/gen{gen + 1}/reshadow"
+        key = keys.reshadow(gen + 1)
         if self.levels is not None:
             crashed, reclaimed = self._classify_dead(gen, dead)
             if reclaimed:
@@ -309,7 +310,7 @@ class Agent:
         for cl in self.cells if read_all else self.cells[:1]:
             if cl.active.poll() is not None:
                 continue
-            key = f"leto/gen{gen}/rank{cl.rank}/beat"
+            key = keys.beat(gen, cl.rank)
             beat = self.store.get(key) if self.store.check([key]) else None
             last = self._beats.get(cl.rank)
             if self.levels is not None and beat is not None:
@@ -353,10 +354,8 @@ class Agent:
         for cl in self.cells:
             cl.fence()
         t_fenced = time.time()
-        store.add(f"leto/gen{gen}/fenced", 1)
-        job_store.wait_count(
-            store, f"leto/gen{gen}/fenced", c.nnodes, c.timeout_s, "every node to fence"
-        )
+        store.add(keys.fenced(gen), 1)
+        job_store.wait_count(store, keys.fenced(gen), c.nnodes, c.timeout_s, "every node to fence")
         log.info("generation %d: fenced in %.3f s (every node: %.3f s)", gen,
                  t_fenced - t0, time.time() - t0)  # fmt: skip
         lost = self._lose(gen)
@@ -436,10 +435,8 @@ class Agent:
             cl.fence()
             cl.drop_shadow(grace_s=0)  # its generation's process group (L3) has no future
         t_fenced = time.time()
-        store.add(f"leto/gen{gen}/fenced", 1)
-        job_store.wait_count(
-            store, f"leto/gen{gen}/fenced", c.nnodes, c.timeout_s, "every node to fence"
-        )
+        store.add(keys.fenced(gen), 1)
+        job_store.wait_count(store, keys.fenced(gen), c.nnodes, c.timeout_s, "every node to fence")
         for cl in self.cells:
             cl.reset_pool()
             # The dropped L3 shadows formed their group under the next generation; the
@@ -473,15 +470,16 @@ class Agent:
             g = rec["generation"] + 1
             ranks = {}
             for r in rec["local_ranks"]:
-                key = f"leto/gen{g}/rank{r}/resumed"
+                key = keys.resumed(g, r)
                 if self.store.check([key]):
                     ranks[r] = json.loads(self.store.get(key))
-            keys = {
-                r: f"leto/gen{rec['generation']}/failure/rank{r}"
-                for r in range(self.cfg.world_size)
+            failure_keys = {
+                r: keys.failure(rec["generation"], r) for r in range(self.cfg.world_size)
             }
             why = {
-                r: json.loads(self.store.get(k)) for r, k in keys.items() if self.store.check([k])
+                r: json.loads(self.store.get(k))
+                for r, k in failure_keys.items()
+                if self.store.check([k])
             }
             rec["failed_ranks"] = sorted(why)
             # How each failed: exit code or hang, and the uncaught exception's error file.

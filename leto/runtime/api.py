@@ -31,6 +31,7 @@ from leto import plugins
 from leto.errors import InvalidInput
 from leto.memory.client import PoolClient
 from leto.memory.config import ENV_POOL_TOKEN
+from leto.runtime import keys
 from leto.runtime import store as job_store
 from leto.runtime.config import (
     ENV_CHECKPOINT_DIR,
@@ -94,7 +95,7 @@ class Context:
         the preinitialization guard reports first (memory, reclamations)."""
         if iteration != "done" and os.environ.get(ENV_PREINIT):
             self._guard().beat()
-        self.store.set(f"leto/gen{self.generation}/rank{self.rank}/beat", str(iteration))
+        self.store.set(keys.beat(self.generation, self.rank), str(iteration))
 
     def _guard(self):
         if self.guard is None:
@@ -139,7 +140,7 @@ class Context:
         """Tell the agent this rank trains again (the recovery record's last step)."""
         rec = {**self.timings, **timings, "next_iteration": next_iteration, "time": time.time()}
         rec["role"] = self.role
-        key = f"leto/gen{self.generation}/rank{self.rank}/resumed"
+        key = keys.resumed(self.generation, self.rank)
         self.store.set(key, json.dumps(rec))
         if self.profiler is not None:
             self._write_profile()

@@ -12,6 +12,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from leto.runtime import keys
+
 
 def connect(addr: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(
@@ -42,7 +44,7 @@ def pg_store(store: dist.Store, generation: int, attempt: str = "0.0") -> dist.P
     """Where generation ``generation``'s trainers form their process group. ``attempt``
     ("<checkpoint fallbacks>.<L3 shadow restarts>"): trainers started again must not
     meet the addresses that dropped L3 shadows of the same generation left in the store."""
-    return dist.PrefixStore(f"leto/gen{generation}/pg{attempt}/", store)
+    return dist.PrefixStore(keys.pg_prefix(generation, attempt), store)
 
 
 def free_port() -> int:
