@@ -122,3 +122,30 @@ def test_the_counting_store_counts_every_request_and_nothing_else():
     s.timeout  # an attribute, not a request  # noqa: B018
     assert s.requests == 4, s.requests
     assert s.rate() > 0
+
+
+def test_the_trainer_environment_is_read_once_with_clear_errors():
+    from leto.runtime.config import TrainerEnv
+
+    with pytest.raises(ValueError, match="must run under `leto run`"):
+        TrainerEnv.from_environ({})
+    with pytest.raises(ValueError, match="lacks RANK"):
+        TrainerEnv.from_environ({"LETO_ROLE": "active"})
+    env = TrainerEnv.from_environ(
+        {
+            "LETO_ROLE": "shadow",
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "1",
+            "LETO_GENERATION": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500",
+            "LETO_POOL_SOCKET": "/tmp/s",
+            "LETO_POOL_TOKEN": "t",
+            "LETO_PROMOTE_FD": "7",
+            "LETO_CHECKPOINT_INTERVAL": "5",
+        }  # fmt: skip
+    )
+    assert (env.rank, env.generation, env.promote_fd, env.checkpoint_interval) == (1, 3, 7, 5)
+    with pytest.raises(AttributeError):
+        env.rank = 0  # frozen

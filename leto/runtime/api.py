@@ -30,25 +30,10 @@ import torch.distributed as dist
 from leto import plugins
 from leto.errors import InvalidInput
 from leto.memory.client import PoolClient
-from leto.memory.config import ENV_POOL_TOKEN
 from leto.runtime import keys
 from leto.runtime import store as job_store
 from leto.runtime.config import (
-    ENV_CHECKPOINT_DIR,
-    ENV_CHECKPOINT_INTERVAL,
-    ENV_DEVICE,
-    ENV_ERROR_FILE,
-    ENV_GENERATION,
-    ENV_HOF_RATIO,
-    ENV_MTTF_S,
-    ENV_PG_ATTEMPT,
-    ENV_POOL_SOCKET,
-    ENV_PREINIT,
-    ENV_PROFILE_RECOVERY,
-    ENV_PROMOTE_FD,
-    ENV_ROLE,
-    ENV_SHADOW_LEVEL,
-    ENV_TIMEOUT_S,
+    TrainerEnv,
 )
 
 
@@ -68,10 +53,11 @@ class Context:
     store: dist.Store | None = None
     profiler: object = None  # cProfile.Profile of this recovery (LETO_PROFILE_RECOVERY)
     guard: object = None  # preinit.guard.Guard under --shadow-level auto (made at first beat)
+    env: TrainerEnv | None = None  # what leto run told this process
 
     @property
     def checkpoint_dir(self) -> str | None:
-        return os.environ.get(ENV_CHECKPOINT_DIR) or None
+        return self.env.checkpoint_dir
 
     def checkpointer(self):
         """Asynchronous DCP saves at the configured (or Young's) interval."""
@@ -79,13 +65,12 @@ class Context:
 
         if self.checkpoint_dir is None:
             return None
-        interval = int(os.environ.get(ENV_CHECKPOINT_INTERVAL, "0")) or None
         return Checkpointer(
             self.checkpoint_dir,
             self.rank,
-            interval=interval,
-            mttf_s=float(os.environ.get(ENV_MTTF_S, "3600")),
-            hof_ratio=float(os.environ.get(ENV_HOF_RATIO, "0.5")),
+            interval=self.env.checkpoint_interval or None,
+            mttf_s=self.env.mttf_s,
+            hof_ratio=self.env.hof_ratio,
         )
 
     def heartbeat(self, iteration: int | str) -> None:
@@ -93,7 +78,7 @@ class Context:
         ``"done"`` when the loop is over (the final barrier and checkpoint flush are then
         held to the general timeout, not the hang timeout). Under ``--shadow-level auto``
         the preinitialization guard reports first (memory, reclamations)."""
-        if iteration != "done" and os.environ.get(ENV_PREINIT):
+        if iteration != "done" and self.env.preinit:
             self._guard().beat()
         self.store.set(keys.beat(self.generation, self.rank), str(iteration))
 
@@ -103,14 +88,14 @@ class Context:
             # recovery path.
             from leto.preinit.guard import Guard, GuardConfig
 
-            cfg = GuardConfig.from_json(os.environ[ENV_PREINIT])
+            cfg = GuardConfig.from_json(self.env.preinit)
             self.guard = Guard(self.store, self.rank, self.generation, self.device, cfg)
         return self.guard
 
     def device_free_bytes(self) -> int:
         """Free device memory as the preinitialization hook sees it: cudaMemGetInfo, or
         the emulated device's on CPU (``--device-memory-bytes``)."""
-        if os.environ.get(ENV_PREINIT):
+        if self.env.preinit:
             return self._guard().free_bytes()
         if self.device.type == "cuda":
             return torch.cuda.mem_get_info(self.device)[0]
@@ -155,7 +140,7 @@ class Context:
         stats = pstats.Stats(self.profiler, stream=buf)
         stats.sort_stats("cumulative").print_stats(60)
         stats.sort_stats("tottime").print_stats(40)
-        d = Path(os.environ[ENV_PROFILE_RECOVERY])
+        d = Path(self.env.profile_recovery)
         d.mkdir(parents=True, exist_ok=True)
         (d / f"rank{self.rank}.gen{self.generation}.profile.txt").write_text(buf.getvalue())
         self.profiler = None
@@ -214,38 +199,31 @@ def _park(fd: int, timeout_s: float) -> dict:
 
 
 def init(prepare=None) -> Context:
-    role = os.environ.get(ENV_ROLE)
-    if role not in ("active", "shadow"):
-        raise InvalidInput(
-            f"leto.init() must run under `leto run` ({ENV_ROLE} is {role!r}); "
-            "start the script with: leto run --nproc-per-node N script.py"
-        )
+    try:
+        env = TrainerEnv.from_environ()
+    except ValueError as e:
+        raise InvalidInput(f"leto.init(): {e}") from None
     t0 = time.time()
-    _record_uncaught(os.environ.get(ENV_ERROR_FILE))
+    _record_uncaught(env.error_file)
     plugins.load()  # the tools named in LETO_PLUGINS (faultkit for a faulted job)
-    timeout_s = float(os.environ.get(ENV_TIMEOUT_S, "120"))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    generation = int(os.environ[ENV_GENERATION])
-    level = os.environ.get(ENV_SHADOW_LEVEL, "off")
-    dev_kind = os.environ.get(ENV_DEVICE, "cpu")
-    if dev_kind == "cuda":
+    timeout_s = env.timeout_s
+    rank, world, local_rank = env.rank, env.world_size, env.local_rank
+    generation, level, role = env.generation, env.level, env.role
+    if env.device == "cuda":
         # Deterministic cuBLAS needs its workspace fixed before the first handle.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
     else:
         device = torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    store = job_store.connect(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), False, timeout_s
-    )
+    store = job_store.connect(env.master_addr, env.master_port, False, timeout_s)
     done: set[str] = set()
     prepared = None
     profiler = None
 
     def profile_recovery() -> None:
         nonlocal profiler
-        if os.environ.get(ENV_PROFILE_RECOVERY):
+        if env.profile_recovery:
             import cProfile
 
             profiler = cProfile.Profile()
@@ -260,7 +238,7 @@ def init(prepare=None) -> Context:
         elif name == "pg":
             dist.init_process_group(
                 backend,
-                store=job_store.pg_store(store, generation, os.environ.get(ENV_PG_ATTEMPT, "0.0")),
+                store=job_store.pg_store(store, generation, env.pg_attempt),
                 rank=rank,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),
@@ -282,7 +260,7 @@ def init(prepare=None) -> Context:
         from leto.preinit.guard import parked_key
 
         store.set(parked_key(generation, rank), json.dumps({"pid": os.getpid(), "level": level}))
-        msg = _park(int(os.environ[ENV_PROMOTE_FD]), timeout_s)
+        msg = _park(env.promote_fd, timeout_s)
         timings["promoted_at"] = time.time()
         profile_recovery()
         if msg.get("fault_at"):
@@ -295,9 +273,7 @@ def init(prepare=None) -> Context:
             step(name)
     timings["deferred_init_s"] = time.time() - t_deferred
     t_pool = time.time()
-    client = PoolClient.connect(
-        os.environ[ENV_POOL_SOCKET], os.environ[ENV_POOL_TOKEN], takeover=True, timeout_s=timeout_s
-    )
+    client = PoolClient.connect(env.pool_socket, env.pool_token, takeover=True, timeout_s=timeout_s)
     report = client.localize()
     timings["attach_localize_s"] = time.time() - t_pool
     return Context(
@@ -314,4 +290,5 @@ def init(prepare=None) -> Context:
         timings=timings,
         store=store,
         profiler=profiler,
+        env=env,
     )

@@ -33,6 +33,77 @@ LEVELS = ("off", "L1", "L2", "L3")
 
 
 @dataclass(frozen=True)
+class TrainerEnv:
+    """Everything ``leto run`` tells a trainer (or shadow) through its environment, read
+    once at start (``from_environ``): a missing required variable is one clear error,
+    not a KeyError deep in a recovery."""
+
+    role: str  # "active" or "shadow"
+    rank: int
+    world_size: int
+    local_rank: int
+    generation: int
+    master_addr: str
+    master_port: int
+    pool_socket: str
+    pool_token: str
+    level: str = "off"
+    device: str = "cpu"
+    timeout_s: float = 120.0
+    pg_attempt: str = "0.0"
+    promote_fd: int | None = None  # a shadow's pipe
+    checkpoint_dir: str | None = None
+    checkpoint_interval: int = 0  # 0: Young's formula
+    mttf_s: float = 3600.0
+    hof_ratio: float = 0.5
+    preinit: str | None = None  # the guard's JSON configuration (--shadow-level auto)
+    profile_recovery: str | None = None
+    error_file: str | None = None
+
+    @classmethod
+    def from_environ(cls, env=None) -> TrainerEnv:
+        import os
+
+        from leto.memory.config import ENV_POOL_TOKEN
+
+        e = os.environ if env is None else env
+        role = e.get(ENV_ROLE)
+        if role not in ("active", "shadow"):
+            raise ValueError(
+                f"{ENV_ROLE} is {role!r}: this script must run under `leto run` "
+                "(start it with: leto run --nproc-per-node N script.py)"
+            )
+        required = ("RANK", "WORLD_SIZE", "LOCAL_RANK", ENV_GENERATION, "MASTER_ADDR",
+                    "MASTER_PORT", ENV_POOL_SOCKET, ENV_POOL_TOKEN)  # fmt: skip
+        missing = [k for k in required if k not in e]
+        if missing:
+            raise ValueError(f"leto run's environment lacks {', '.join(missing)}")
+        return cls(
+            role=role,
+            rank=int(e["RANK"]),
+            world_size=int(e["WORLD_SIZE"]),
+            local_rank=int(e["LOCAL_RANK"]),
+            generation=int(e[ENV_GENERATION]),
+            master_addr=e["MASTER_ADDR"],
+            master_port=int(e["MASTER_PORT"]),
+            pool_socket=e[ENV_POOL_SOCKET],
+            pool_token=e[ENV_POOL_TOKEN],
+            level=e.get(ENV_SHADOW_LEVEL, "off"),
+            device=e.get(ENV_DEVICE, "cpu"),
+            timeout_s=float(e.get(ENV_TIMEOUT_S, "120")),
+            pg_attempt=e.get(ENV_PG_ATTEMPT, "0.0"),
+            promote_fd=int(e[ENV_PROMOTE_FD]) if e.get(ENV_PROMOTE_FD) else None,
+            checkpoint_dir=e.get(ENV_CHECKPOINT_DIR) or None,
+            checkpoint_interval=int(e.get(ENV_CHECKPOINT_INTERVAL, "0")),
+            mttf_s=float(e.get(ENV_MTTF_S, "3600")),
+            hof_ratio=float(e.get(ENV_HOF_RATIO, "0.5")),
+            preinit=e.get(ENV_PREINIT) or None,
+            profile_recovery=e.get(ENV_PROFILE_RECOVERY) or None,
+            error_file=e.get(ENV_ERROR_FILE) or None,
+        )
+
+
+@dataclass(frozen=True)
 class RunConfig:
     nnodes: int = 1
     nproc_per_node: int = 1
