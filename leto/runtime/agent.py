@@ -1,9 +1,9 @@
 """The node agent: what ``leto run`` runs on each node.
 
 Runs in the agent process. Starts the job store (node 0) and one cell per local rank,
-then monitors: every ``poll_s`` it polls its trainers (a death is seen within that
-bound) and the store's failure counter of the current generation (a death on another
-node). On a failure every agent fences its active trainers, waits until every node has
+then monitors: every ``poll_s`` its ``Monitor`` (``leto.runtime.monitor``) reports the
+local trainers that died or hang (typed ``Failure`` records), and the store's failure
+counter of the current generation tells of a failure on another node. On a failure every agent fences its active trainers, waits until every node has
 fenced, and promotes its shadows together into the next generation (or, with shadows
 off, starts trainers cold as torchrun would); then it starts the next shadows. A
 trainer that exits with ``EXIT_FATAL`` reports a fatal failure (its retained state is
@@ -37,6 +37,7 @@ from leto.runtime import keys
 from leto.runtime import store as job_store
 from leto.runtime.cell import Cell
 from leto.runtime.config import ENV_FAULT_PLAN, ENV_PREINIT, RunConfig
+from leto.runtime.monitor import Failure, FailureKind, Monitor
 
 log = logging.getLogger("leto.agent")
 EXIT_FATAL = 13  # a trainer's retained state cannot be restored: checkpoint needed
@@ -58,11 +59,8 @@ class Agent:
         self.pools: list[dict] = []  # each local pool's final status
         self.shadow_restarts = 0
         self._reshadows: dict[int, int] = {}  # generation -> L3 shadow restarts seen
-        self._beats: dict[int, tuple] = {}
-        self._beats_read = 0.0  # monotonic time every rank's beat was last read
+        self.monitor: Monitor | None = None
         self.store: job_store.CountingStore | None = None
-        self._progress: list[tuple[float, int, int]] = []  # (time, generation, iteration)
-        self._started = time.time()
         self.levels = None  # preinit.levels.Levels under --shadow-level auto (controlled)
         self._reclaims_seen: dict[tuple[int, int], int] = {}  # (generation, rank) -> count
         self._memory_seen: dict[int, bytes] = {}  # rank -> its trainer's last memory report
@@ -99,6 +97,9 @@ class Agent:
             Cell(c, lr, first + lr, self.command, self._pool(lr)) for lr in range(c.nproc_per_node)
         ]
         self.cells = cells
+        self.monitor = Monitor(
+            c, cells, store, on_beat=self._observe_memory if c.controlled else None
+        )
         gen = 0
         code = 0
         try:
@@ -117,32 +118,24 @@ class Agent:
             reported = False
             while True:
                 time.sleep(c.poll_s)
-                dead = [(cl, cl.active.poll()) for cl in cells if cl.active.poll() not in (None, 0)]
-                dead += [(cl, "hang") for cl in self._hung(gen)]
+                dead = self.monitor.failures(gen)
                 if dead and not reported:
                     reported = True
                     self._detected = time.time()
-                    for cl, rc in dead:
-                        why = {"hang": True} if rc == "hang" else {"code": rc}
-                        error = cl.active_error() if rc != "hang" else None
-                        if error is not None:
-                            why["error"] = error
-                        store.set(keys.failure(gen, cl.rank), json.dumps(why))
-                        log.warning(
-                            "generation %d: rank %d %s%s", gen, cl.rank,
-                            "hangs (heartbeat stalled)" if rc == "hang" else f"exited with {rc}",
-                            f": {error['exception']}: {error['message']} (traceback in "
-                            f"{error['file']})" if error else "",
-                        )  # fmt: skip
+                    for f in dead:
+                        store.set(keys.failure(gen, f.rank), json.dumps(f.as_record()))
+                        log.warning("generation %d: rank %d %s", gen, f.rank, f.describe())
                     store.add(keys.failures(gen), 1)
                 if dead and c.recovery == "checkpoint":
                     store.add(keys.fatal(gen), 1)  # the baseline: no in-place recovery
-                if any(rc == EXIT_FATAL for _, rc in dead):
+                if any(f.code == EXIT_FATAL for f in dead):
                     store.add(keys.fatal(gen), 1)
                 sm_dead = [cl for cl in cells if cl.sm.proc.poll() is not None]
                 if sm_dead and not job_store.counter(store, keys.fatal(gen)):
                     for cl in sm_dead:
-                        store.set(keys.failure(gen, cl.rank), '{"state_manager": true}')
+                        lost = Failure(cl.rank, FailureKind.STATE_MANAGER)
+                        store.set(keys.failure(gen, cl.rank), json.dumps(lost.as_record()))
+                        log.warning("generation %d: rank %d %s", gen, cl.rank, lost.describe())
                     store.add(keys.fatal(gen), 1)
                     store.add(keys.failures(gen), 1)
                     if not reported:
@@ -257,7 +250,7 @@ class Agent:
                 cl.drop_shadow(grace_s=0)  # reaped; the restart below replaces it
                 reclaimed.append(cl)
                 continue
-            beat = self._beats.get(cl.rank, ((None, None), 0))[0]
+            beat = self.monitor.last_beat(cl.rank)
             first = self._dead_since.setdefault(cl.shadow.pid, (beat, time.monotonic()))
             if beat != first[0] or time.monotonic() - first[1] > self.cfg.hang_timeout_s:
                 self._dead_since.pop(cl.shadow.pid, None)
@@ -297,39 +290,6 @@ class Agent:
                 return {"rank": cl.rank, **c.status()}
         except Exception as e:  # the summary reports it; the run's outcome stands
             return {"rank": cl.rank, "error": f"{type(e).__name__}: {e}"}
-
-    def _hung(self, gen: int) -> list[Cell]:
-        """Cells whose live trainer's heartbeat has not moved for hang_timeout_s (before
-        its first beat: for timeout_s, which covers start-up and recovery)."""
-        now, hung = time.monotonic(), []
-        # Every rank's beat at most every beat_poll_s (each read is two store requests);
-        # the first local rank's every poll, since its beats time the measured ETTR.
-        read_all = now - self._beats_read >= self.cfg.beat_poll_s
-        if read_all:
-            self._beats_read = now
-        for cl in self.cells if read_all else self.cells[:1]:
-            if cl.active.poll() is not None:
-                continue
-            key = keys.beat(gen, cl.rank)
-            beat = self.store.get(key) if self.store.check([key]) else None
-            last = self._beats.get(cl.rank)
-            if self.levels is not None and beat is not None:
-                self._observe_memory(gen, cl)  # a trainer may report again within a beat
-            if last is None or last[0] != (gen, beat):
-                self._beats[cl.rank] = ((gen, beat), now)
-                if cl is self.cells[0] and beat is not None and beat != b"done":
-                    self._progress.append((time.time(), gen, int(beat)))
-                continue
-            # Before the first beat (start-up, recovery) and after the last (finishing:
-            # final barrier, checkpoint flush) only the general timeout applies.
-            stepping = beat is not None and beat != b"done"
-            limit = self.cfg.hang_timeout_s if stepping else self.cfg.timeout_s
-            if now - last[1] > limit:
-                hung.append((int(beat) if stepping else -1, cl))
-        # Ranks waiting in a collective for a stuck peer stall too, one iteration ahead
-        # of it at most: the stuck one has the oldest beat.
-        oldest = min((b for b, _ in hung), default=None)
-        return [cl for b, cl in hung if b == oldest]
 
     def _observe_memory(self, gen: int, cl: Cell) -> None:
         from leto.preinit.guard import memory_key
@@ -488,29 +448,9 @@ class Agent:
             if ranks:
                 rec["recovery_s"] = max(v["time"] for v in ranks.values()) - rec["detected_at"]
 
-    def ettr(self) -> dict:
-        """Measured ETTR from the first local rank's heartbeats: productive time (distinct
-        iterations x the median fault-free iteration time) over the wall time since the
-        agent started (so start-up, failures and recomputation all count against it)."""
-        p = self._progress
-        steps = [
-            b[0] - a[0] for a, b in zip(p, p[1:], strict=False) if a[1] == b[1] and b[2] == a[2] + 1
-        ]
-        if not steps:
-            return {"ettr": None, "why": "fewer than two consecutive iterations were observed"}
-        t_iter = sorted(steps)[len(steps) // 2]
-        iterations = max(it for _, _, it in p) + 1
-        wall = time.time() - self._started
-        return {
-            "ettr": iterations * t_iter / wall,
-            "iterations": iterations,
-            "median_iteration_s": t_iter,
-            "wall_s": wall,
-        }
-
     def summary(self, last_gen: int) -> dict:
         return {
-            "measured": self.ettr(),
+            "measured": self.monitor.ettr() if self.monitor is not None else {"ettr": None},
             "config": asdict(self.cfg),
             "generations": last_gen + 1,
             "failures": len(self.records),
