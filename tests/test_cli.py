@@ -6,7 +6,7 @@ import json
 
 from faultkit.cli import main as faultkit_main
 from leto.cli import main as leto_main
-from leto.memory.mechanisms import MEMFD_TRUNCATE, kernel_has_memory_failure
+from leto.memory.mechanisms import Mechanism, kernel_has_memory_failure
 
 
 def test_leto_info_json(capsys):
@@ -20,5 +20,5 @@ def test_faultkit_probe_reports_the_emulation_when_hwpoison_is_missing(capsys):
     assert faultkit_main(["probe", "--json"]) == 0
     m = json.loads(capsys.readouterr().out)
     if not kernel_has_memory_failure():
-        assert m["host_poison"] == MEMFD_TRUNCATE
+        assert m["host_poison"] == Mechanism.MEMFD_TRUNCATE
         assert "CONFIG_MEMORY_FAILURE" in m["host_poison_why"]

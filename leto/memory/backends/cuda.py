@@ -22,7 +22,7 @@ import os
 from types import SimpleNamespace
 
 from leto.memory.backends.api import Mapping, PageImporter, PageOwner
-from leto.memory.mechanisms import CUDA_UNMAP
+from leto.memory.mechanisms import Mechanism
 
 
 class CudaError(RuntimeError):
@@ -184,7 +184,7 @@ class _OnDevice:
 
 
 class CudaPageOwner(_OnDevice, PageOwner):
-    loss_mechanism = CUDA_UNMAP
+    loss_mechanism = Mechanism.CUDA_UNMAP
 
     def __init__(self, page_bytes: int, device_index: int = 0):
         super().__init__(page_bytes, device_index)

@@ -15,7 +15,7 @@ import os
 
 from leto.memory import host_pages as hp
 from leto.memory.backends.api import Mapping, PageImporter, PageOwner
-from leto.memory.mechanisms import HWPOISON, host_poison_mechanism
+from leto.memory.mechanisms import Mechanism, host_poison_mechanism
 
 # Regions scanned with one madvise call before bisecting a failed one.
 SCAN_REGION_PAGES = 64
@@ -94,7 +94,7 @@ class HostPageOwner(PageOwner):
         return failed
 
     def lose(self, mapping: Mapping, index: int, handle: HostPage) -> None:
-        if self.loss_mechanism == HWPOISON:
+        if self.loss_mechanism is Mechanism.HWPOISON:
             err = hp.hwpoison(mapping.address + index * self.page_bytes, self.page_bytes)
             if err == 0:
                 return
