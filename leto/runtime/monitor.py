@@ -78,6 +78,7 @@ class Monitor:
         self._beats: dict[int, tuple] = {}  # rank -> ((generation, beat), monotonic seen)
         self._beats_read = 0.0  # monotonic time every rank's beat was last read
         self._progress: list[tuple[float, int, int]] = []  # (time, generation, iteration)
+        self._first: tuple | None = None  # the first local rank's last (generation, beat)
         self._started = time.time()
 
     def failures(self, gen: int) -> list[Failure]:
@@ -106,16 +107,19 @@ class Monitor:
                 continue
             key = keys.beat(gen, cl.rank)
             beat = self.store.get(key) if self.store.check([key]) else None
-            last = self._beats.get(cl.rank)
             if self.on_beat is not None and beat is not None:
                 self.on_beat(gen, cl)  # a trainer may report again within a beat
+            if cl is self.cells[0] and beat not in (None, b"done") and self._first != (gen, beat):
+                self._first = (gen, beat)
+                self._progress.append((time.time(), gen, int(beat)))
+            if not read_all:
+                continue
+            # Stalls are timed from sightings at this one cadence for every rank: a rank
+            # seen more often would look stalled sooner than the peer it waits for.
+            last = self._beats.get(cl.rank)
             if last is None or last[0] != (gen, beat):
                 self._beats[cl.rank] = ((gen, beat), now)
-                if cl is self.cells[0] and beat is not None and beat != b"done":
-                    self._progress.append((time.time(), gen, int(beat)))
                 continue
-            if not read_all:
-                continue  # hangs are judged with every rank's beat fresh (the oldest wins)
             # Before the first beat (start-up, recovery) and after the last (finishing:
             # final barrier, checkpoint flush) only the general timeout applies.
             stepping = beat is not None and beat != b"done"
