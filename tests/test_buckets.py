@@ -84,7 +84,6 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 
 def test_two_ranks_reduce_in_index_order_to_the_same_bytes(tmp_path):
-    mp.get_context("spawn")
     mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for r in range(2):
         got = torch.load(tmp_path / f"{r}.pt")

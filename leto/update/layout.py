@@ -20,9 +20,12 @@ import torch
 
 from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
+from leto.update.optim import CUT_ELEMS
 
 SET_NAMES = ("param", "master", "exp_avg", "exp_avg_sq")
-ALIGN_ELEMS = 64  # = leto.update.optim.CUT_ELEMS; divides every unit (pages >= 256 B)
+# Parameter alignment in elements: the optimizer's cut granularity (it must divide every
+# unit, checked below).
+ALIGN_ELEMS = CUT_ELEMS
 
 
 @dataclass(frozen=True)
