@@ -147,13 +147,12 @@ def leto(
         args.pool_device_gib = sum(a["nbytes"] for a in allocs if a["kind"] != "record") / 2**30
         up.initialize(lambda: init_weights(model, 0))
 
-        buckets = GradBuckets(model, up.state, args.bucket_mib) if args.world > 1 else None
+        buckets = GradBuckets(up.params, up.state, args.bucket_mib) if args.world > 1 else None
         group = dist.group.WORLD if args.world > 1 else None
 
         def reduce():
             if buckets is not None:
-                buckets.finish()
-                up.state.grad.div_(args.world)
+                buckets.finish()  # sums, then divides by the world size
 
         def step(t):
             up.begin(t)

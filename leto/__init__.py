@@ -15,3 +15,12 @@ def init(prepare=None):
     from leto.runtime.api import init as _init
 
     return _init(prepare)
+
+
+def __getattr__(name):
+    # ``leto.Run`` (the script-facing API, ``leto.runtime.run``), imported on first use.
+    if name == "Run":
+        from leto.runtime.run import Run
+
+        return Run
+    raise AttributeError(f"module 'leto' has no attribute {name!r}")

@@ -158,6 +158,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             log_dir=args.log_dir,
             max_failures=args.max_failures,
             log_level=args.log_level,
+            verify=args.verify,
             beat_poll_s=args.beat_poll_s,
             device_memory_bytes=args.device_memory_bytes,
             preinit_footprints=args.preinit_footprints,
@@ -293,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         default="INFO",
         help="the agent's log of every state transition on stderr: DEBUG, INFO, WARNING, ERROR",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="record the verifiers' trace: each iteration's loss and a digest of every "
+        "retained tensor (costs a hash of the whole state per iteration; off by default)",
     )
     p.add_argument(
         "--checkpoint-interval",

@@ -9,6 +9,11 @@ neither: they are caller bugs and change no state.
 
 from __future__ import annotations
 
+# A trainer's exit code for a FatalFailure (its retained state cannot be restored): the
+# agent then falls back to the checkpoint. leto.init() makes an uncaught FatalFailure
+# exit with it.
+EXIT_FATAL = 13
+
 
 class LetoError(Exception):
     """Root of every error Leto raises on purpose."""

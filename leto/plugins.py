@@ -8,7 +8,8 @@ Plugins are modules named in ``LETO_PLUGINS`` (comma-separated), imported by
 ``load()`` at a process's start (``leto.init`` in a trainer, ``leto run`` in the agent);
 ``faultkit.job`` names ``faultkit.hooks`` for the jobs it starts, and ``leto run``
 names it when given a fault plan. A plugin module registers at import with
-``install_point_handler``, ``install_arm`` and ``install_page_loss``.
+``install_point_handler``, ``install_arm``, ``install_page_loss`` and
+``install_iteration_observer`` (the verifiers, under ``leto run --verify``).
 
 The names of the points a trainer passes are here too (``POINTS``), so the updater and
 the tools agree on them without importing each other.
@@ -24,6 +25,7 @@ from collections.abc import Callable
 
 ENV_PLUGINS = "LETO_PLUGINS"
 FAULT_PLUGIN = "faultkit.hooks"  # what leto run loads for a fault plan (by name only)
+VERIFY_PLUGIN = "verifiers.plugin"  # what leto run --verify loads (by name only)
 
 # Every named point, in the order an iteration reaches them. The updater's points fire
 # once per gradient group (grad_parity), per protection group (update.load/store/tier2)
@@ -62,6 +64,7 @@ PHASES = {
     "tier2": "update.tier2",
 }
 
+_observer_factory: Callable | None = None
 _point_handler: Callable | None = None
 _arm: Callable | None = None
 _page_loss: Callable | None = None
@@ -73,6 +76,19 @@ def point(name: str, iteration: int, dest=None) -> None:
     writes (a fault tool may garble them). Free when no plugin listens."""
     if _point_handler is not None:
         _point_handler(name, iteration, dest)
+
+
+def install_iteration_observer(factory: Callable | None) -> None:
+    """``factory(rank, out_dir) -> fn``; ``fn(iteration, loss, tensors)`` is called once
+    per completed iteration with every retained tensor (verification: the verifiers'
+    per-iteration digest)."""
+    global _observer_factory
+    _observer_factory = factory
+
+
+def iteration_observer(rank: int, out_dir) -> Callable | None:
+    """The registered observer for this rank, or None (verification off)."""
+    return _observer_factory(rank, out_dir) if _observer_factory is not None else None
 
 
 def install_point_handler(fn: Callable | None) -> None:

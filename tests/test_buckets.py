@@ -43,7 +43,7 @@ def _model_on_flat():
 
 def test_buckets_are_contiguous_and_cut_at_parameter_boundaries():
     model, state = _model_on_flat()
-    b = GradBuckets(model, state, bucket_mib=0.5)
+    b = GradBuckets(dict(model.named_parameters()), state, bucket_mib=0.5)
     starts = {s.offset for s in state.slots} | {0}
     assert b.ranges[-1][0] == 0 and b.ranges[0][1] == state.numel, b.ranges
     for (a, e), (a2, e2) in zip(b.ranges, b.ranges[1:], strict=False):
@@ -57,7 +57,8 @@ def _rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     torch.set_num_threads(1)
     model, state = _model_on_flat()
-    buckets = GradBuckets(model, state, bucket_mib=0.4)
+    params = dict(model.named_parameters())
+    buckets = GradBuckets(params, state, bucket_mib=0.4)
     launched = []
     real = buckets._launch
     buckets._launch = lambda k: (launched.append(k), real(k))
@@ -75,9 +76,21 @@ def _rank(rank: int, port: int, out: str) -> None:
         model(x).square().mean().backward()
         model(x * 2).square().mean().backward()
     dist.all_reduce(state.grad)
+    state.grad.div_(2)
+    ref = state.grad.clone()
+    # At backward's end (the script's own optimizer: its clipping follows backward): the
+    # engine callback has reduced and averaged before backward() returns.
+    end = GradBuckets(params, state, bucket_mib=0.4, at_backward_end=True)
+    state.grad.zero_()
+    with buckets.no_sync():  # the first object's hooks stay registered: silence them
+        with end.no_sync():
+            model(x).square().mean().backward()
+        model(x * 2).square().mean().backward()
+    at_end = end.reduced and torch.equal(ref.view(torch.int32), state.grad.view(torch.int32))
     torch.save(
         {"in_backward": in_backward, "order": launched, "equal": torch.equal(
-            want.view(torch.int32), state.grad.view(torch.int32)), "n": len(buckets.ranges)},
+            want.view(torch.int32), ref.view(torch.int32)), "n": len(buckets.ranges),
+         "at_end": at_end},
         os.path.join(out, f"{rank}.pt"),
     )  # fmt: skip
     dist.destroy_process_group()
@@ -90,3 +103,4 @@ def test_two_ranks_reduce_in_index_order_to_the_same_bytes(tmp_path):
         assert got["equal"], f"rank {r}: bucketed reduction differs from one all-reduce"
         assert got["order"] == list(range(got["n"])), got["order"]
         assert got["in_backward"], "no bucket was launched while backward ran"
+        assert got["at_end"], f"rank {r}: backward returned before its gradients were reduced"

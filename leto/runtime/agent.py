@@ -32,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from leto import plugins
+from leto.errors import EXIT_FATAL
 from leto.memory.config import PoolConfig
 from leto.runtime import keys
 from leto.runtime import store as job_store
@@ -40,7 +41,6 @@ from leto.runtime.config import ENV_FAULT_PLAN, ENV_PREINIT, RunConfig
 from leto.runtime.monitor import Failure, FailureKind, Monitor
 
 log = logging.getLogger("leto.agent")
-EXIT_FATAL = 13  # a trainer's retained state cannot be restored: checkpoint needed
 
 
 class Agent:
@@ -48,13 +48,17 @@ class Agent:
         self.cfg, self.command = cfg, command
         self.level = cfg.level()
         self.faults = json.loads(os.environ.get(ENV_FAULT_PLAN, "[]"))
+        # A fault plan is executed by the fault plugin (faultkit), in this agent (page
+        # loss) and in the trainers (points); --verify's digest by the verifiers in the
+        # trainers: named here for every process the agent starts.
+        names = [n for n in os.environ.get(plugins.ENV_PLUGINS, "").split(",") if n]
         if self.faults:
-            # A fault plan is executed by the fault plugin (faultkit), in this agent
-            # (page loss) and in the trainers (points): load it here, name it for them.
-            names = [n for n in os.environ.get(plugins.ENV_PLUGINS, "").split(",") if n]
-            if plugins.FAULT_PLUGIN not in names:
-                os.environ[plugins.ENV_PLUGINS] = ",".join([*names, plugins.FAULT_PLUGIN])
-        plugins.load()
+            names.append(plugins.FAULT_PLUGIN)
+        if cfg.verify:
+            names.append(plugins.VERIFY_PLUGIN)
+        if names:
+            os.environ[plugins.ENV_PLUGINS] = ",".join(dict.fromkeys(names))
+        plugins.load(",".join(n for n in names if n != plugins.VERIFY_PLUGIN))  # trainers' only
         self.records: list[dict] = []
         self.pools: list[dict] = []  # each local pool's final status
         self.shadow_restarts = 0

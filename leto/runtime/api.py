@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from leto import plugins
-from leto.errors import InvalidInput
+from leto.errors import EXIT_FATAL, FatalFailure, InvalidInput
 from leto.memory.client import PoolClient
 from leto.runtime import keys
 from leto.runtime import store as job_store
@@ -161,15 +161,16 @@ def _warm_device(device: torch.device) -> None:
 def _record_uncaught(path: str | None) -> None:
     """An uncaught exception is written to ``path`` (type, message, traceback) before
     the interpreter reports it and exits, so the agent's record says why this trainer
-    died (torch elastic's error files)."""
-    if not path:
-        return
+    died (torch elastic's error files). An uncaught ``FatalFailure`` exits with
+    ``EXIT_FATAL`` (the checkpoint fallback), so scripts need no handler."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
         import traceback
 
         try:
+            if not path:
+                raise OSError("no error file")
             with open(path, "w") as f:
                 json.dump(
                     {
@@ -184,6 +185,10 @@ def _record_uncaught(path: str | None) -> None:
         except OSError:
             pass  # the report below still reaches the trainer's log
         previous(kind, value, tb)
+        if issubclass(kind, FatalFailure):
+            # Retained state beyond repair: the agent falls back to the checkpoint.
+            sys.stderr.flush()
+            os._exit(EXIT_FATAL)
 
     sys.excepthook = hook
 

@@ -11,6 +11,11 @@ collectives in the same order whatever order autograd finishes parameters in; ``
 launches what backward did not complete (unused parameters), in order, and waits for
 all of them (each wait bounded by the process group's timeout).
 
+``finish`` also divides the sums by the world size (the mean, after the sum). Under the
+script's own optimizer (``at_backward_end``) it runs when the synchronized backward
+ends, queued on the autograd engine as DDP does, so the script's own clipping between
+backward and ``optimizer.step()`` sees reduced gradients.
+
 Exactness: the fault-free run and every recovered run cut the same buckets and sum them
 with the same collective, so their bytes agree; with two ranks a bucket's sum is the
 whole buffer's sum (a + b either way).
@@ -31,11 +36,18 @@ from leto.update.layout import RetainedModel
 
 
 class GradBuckets:
-    def __init__(self, model: torch.nn.Module, state: RetainedModel, bucket_mib: float):
+    def __init__(
+        self,
+        params: dict[str, torch.nn.Parameter],
+        state: RetainedModel,
+        bucket_mib: float,
+        at_backward_end: bool = False,
+    ):
+        """``params``: the retained parameters by name (``RetainedModel.bind``)."""
         grad = state.grad
         esize = grad.element_size()
         limit = max(1, int(bucket_mib * 2**20) // esize)
-        slots = list(state.slots)
+        slots = [s for s in state.slots if s.trainable]  # frozen ones get no gradient
         self.grad = grad
         self.ranges: list[tuple[int, int]] = []  # [a, b) of the flat gradient, per bucket
         self._members: list[int] = []  # parameters per bucket
@@ -58,8 +70,10 @@ class GradBuckets:
         self._next = 0  # the next bucket to launch (index order)
         self._works: list = []
         self._sync = True
+        self._at_end = at_backward_end
+        self._queued = False
+        self.reduced = False  # this iteration's gradients are summed and averaged
         self._hooks = []
-        params = dict(model.named_parameters())
         for name, b in bucket_of.items():
             self._hooks.append(params[name].register_post_accumulate_grad_hook(self._hook(b)))
 
@@ -67,6 +81,9 @@ class GradBuckets:
         def ready(_param: torch.Tensor) -> None:
             if not self._sync:
                 return
+            if self._at_end and not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self._ready[b] += 1
             self._launch_ready()
 
@@ -93,7 +110,8 @@ class GradBuckets:
             self._sync = True
 
     def finish(self) -> None:
-        """Launch, in order, every bucket backward did not; wait for all; reset."""
+        """Launch, in order, every bucket backward did not; wait for all; divide by the
+        world size; reset."""
         try:
             while self._next < len(self.ranges):
                 self._launch(self._next)
@@ -103,3 +121,10 @@ class GradBuckets:
             self._works = []
             self._ready = [0] * len(self.ranges)
             self._next = 0
+            self._queued = False
+        self.grad.div_(dist.get_world_size())
+        self.reduced = True
+
+    def begin(self) -> None:
+        """A new iteration: nothing reduced yet."""
+        self.reduced = False

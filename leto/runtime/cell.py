@@ -24,6 +24,7 @@ from leto.runtime.config import (
     ENV_ERROR_FILE,
     ENV_GENERATION,
     ENV_HOF_RATIO,
+    ENV_LOG_DIR,
     ENV_MTTF_S,
     ENV_PG_ATTEMPT,
     ENV_POOL_SOCKET,
@@ -81,6 +82,7 @@ class Cell:
                 ENV_HOF_RATIO: str(cfg.hof_ratio),
                 ENV_PG_ATTEMPT: str(self.pg_attempt),
                 ENV_ERROR_FILE: str(self.error_file(generation, role)),
+                ENV_LOG_DIR: os.path.abspath(cfg.log_dir),
             }
         )
         env.update(self.extra_env)

@@ -28,6 +28,7 @@ ENV_PROFILE_RECOVERY = "LETO_PROFILE_RECOVERY"
 # dies; the agent puts it in the failure's record (as torch elastic's error files).
 ENV_ERROR_FILE = "LETO_ERROR_FILE"
 ENV_PREINIT = "LETO_PREINIT"  # --shadow-level auto: the trainer's guard configuration (JSON)
+ENV_LOG_DIR = "LETO_LOG_DIR"  # leto run's --log-dir (a Run's loss log and trace default to it)
 
 LEVELS = ("off", "L1", "L2", "L3")
 
@@ -59,6 +60,7 @@ class TrainerEnv:
     preinit: str | None = None  # the guard's JSON configuration (--shadow-level auto)
     profile_recovery: str | None = None
     error_file: str | None = None
+    log_dir: str = "leto-run"
 
     @classmethod
     def from_environ(cls, env=None) -> TrainerEnv:
@@ -100,6 +102,7 @@ class TrainerEnv:
             preinit=e.get(ENV_PREINIT) or None,
             profile_recovery=e.get(ENV_PROFILE_RECOVERY) or None,
             error_file=e.get(ENV_ERROR_FILE) or None,
+            log_dir=e.get(ENV_LOG_DIR, "leto-run"),
         )
 
 
@@ -125,6 +128,9 @@ class RunConfig:
     log_dir: str = "leto-run"  # per-rank logs and the recovery records
     max_failures: int = 100
     log_level: str = "INFO"  # the agent's state transitions on stderr (logging)
+    # The verifiers' per-iteration digest of every retained tensor (off: it hashes the
+    # whole model state every iteration; faultkit and the tests turn it on).
+    verify: bool = False
     checkpoint_dir: str = ""  # empty: <log_dir>/checkpoints
     checkpoint_interval: int = 0  # iterations; 0: Young's formula with the FF-only MTTF
     mttf_s: float = 3600.0  # expected time between failures of any class (for Young)

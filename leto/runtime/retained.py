@@ -50,33 +50,45 @@ class RetainedTraining:
         on_iteration=None,
         heartbeat=None,
         bucket_mib: float = 25.0,
+        user=None,
     ):
         """``model`` may live on the meta device: its parameters become views of pool
-        memory. ``init_fn()`` initializes them on a fresh pool (first start only)."""
+        memory. ``init_fn()`` initializes them on a fresh pool (first start only).
+        ``user``: the script's own optimizer (``UserOptimizer``; ``leto.Run`` drives
+        this mode) instead of ``updater.adamw`` and ``schedule``."""
         self.rank, self.world, self.out = rank, world, Path(out)
         self.model = model
         self.init_fn = init_fn
         shard = (rank, world) if zero1 else None
         t0 = time.time()
-        self.up = Updater(client, model, schedule, updater or UpdaterConfig(), shard=shard)
+        self.up = Updater(
+            client, model, schedule, updater or UpdaterConfig(), shard=shard, user=user
+        )
+        self.params = self.up.params
         # The recovery record's steps on the trainer's side (the agent adds its own).
         self.timings: dict[str, float] = {"map_retained_s": time.time() - t0}
         self.device = self.up.device
-        self._grad_ptr = next(model.parameters()).grad.data_ptr()
         # Verification is the caller's callback (e.g. verifiers.Recorder.record), called
         # once per iteration with (iteration, loss, {name: retained tensor}).
         self.on_iteration = on_iteration
+        self.fresh = False  # resume initialized a fresh pool (no retained state, no checkpoint)
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
         # Gradients reduced in buckets while backward runs (as DDP does); 0: one
         # all-reduce of the whole retained buffer after backward.
         self.buckets = (
-            GradBuckets(model, self.up.state, bucket_mib) if world > 1 and bucket_mib > 0 else None
+            GradBuckets(self.params, self.up.state, bucket_mib, at_backward_end=user is not None)
+            if world > 1 and bucket_mib > 0
+            else None
         )
 
-    def resume(self, report: dict, checkpoints: str | Path | None = None) -> int:
+    def resume(
+        self, report: dict, checkpoints: str | Path | None = None, before_finish=None
+    ) -> int:
         """Recover this rank, apply the job-wide rule; returns the next iteration. On a
         fresh pool the newest complete checkpoint under ``checkpoints`` (if any) is
-        loaded, else ``init_fn`` runs."""
+        loaded, else ``init_fn`` runs. ``before_finish(t)`` runs before an interrupted
+        update of iteration t is finished (the script's optimizer needs t's
+        hyperparameters)."""
         t0 = time.time()
         m = self.up.recover(report)
         self._settle()
@@ -91,6 +103,7 @@ class RetainedTraining:
                 restored = True
             else:
                 self.up.initialize(self.init_fn)
+                self.fresh = True
             m = self.up.marker.state
         # A failure in the middle of a recovery (pages rebuilt, the job-wide rule not yet
         # agreed): faultkit's "resume@0".
@@ -102,6 +115,8 @@ class RetainedTraining:
         t1 = time.time()
         self.timings["agree_s"] = t1 - t0
         if action == "finish" and m.next_iteration() == t:
+            if before_finish is not None:
+                before_finish(t)
             self.up.finish(m)
             self._log(t, self.up.marker.state)
         elif m.phase is Phase.DONE and m.iteration >= 0 and not restored:
@@ -121,6 +136,9 @@ class RetainedTraining:
             self.heartbeat(t)
         point("gather", t)
         self.up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
+        self.up.state.attach_grads(self.params)
+        if self.buckets is not None:
+            self.buckets.begin()
         self.up.begin(t)
 
     def compute(self):
@@ -132,18 +150,22 @@ class RetainedTraining:
         ``no_sync``): gradients accumulate, nothing is reduced yet."""
         return self.buckets.no_sync() if self.buckets is not None else contextlib.nullcontext()
 
-    def step(self, t: int, loss: torch.Tensor) -> None:
-        if next(self.model.parameters()).grad.data_ptr() != self._grad_ptr:
-            raise RuntimeError(
-                "autograd replaced the retained gradient buffer; gradients would not be retained"
-            )
+    def reduce(self, t: int) -> None:
+        """Finish the reduction of the retained gradients (sum, then divide by the world
+        size). Under the script's optimizer the buckets do it when backward ends."""
+        self.up.state.check_grads(self.params)
         point("allreduce", t)
         if self.buckets is not None:
-            self.buckets.finish()  # the buckets backward launched, then any it did not
-        else:
+            if not self.buckets.reduced:
+                self.buckets.finish()  # the buckets backward launched, then any it did not
+        elif self.world > 1:
             dist.all_reduce(self.up.state.grad)
-        self.up.state.grad.div_(self.world)
-        self.up.protect_grads(t, loss=float(loss.detach()))
+            self.up.state.grad.div_(self.world)
+
+    def step(self, t: int, loss: torch.Tensor | float) -> None:
+        self.reduce(t)
+        loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self.up.protect_grads(t, loss=loss)
         self.up.sync(t, group=dist.group.WORLD)
         self.up.update(t)
         self._log(t, self.up.marker.state)

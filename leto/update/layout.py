@@ -35,6 +35,8 @@ class ParamSlot:
     offset: int  # in elements of the flat tensors
     numel: int
     layerwise: bool = False  # updated as a whole (its own chunk), e.g. by Muon
+    trainable: bool = True  # requires_grad: frozen parameters are retained, never updated
+    aliases: tuple[str, ...] = ()  # other names of the same (tied) parameter
 
 
 class RetainedModel:
@@ -52,6 +54,12 @@ class RetainedModel:
         params = list(model.named_parameters())
         if not params:
             raise ValueError("the model has no parameters")
+        check_buffers(model)
+        # Tied parameters (one tensor under several names, e.g. an LM head sharing the
+        # embedding) are retained once and bound under every name.
+        aliases: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.bfloat16):
             raise ValueError(
@@ -98,7 +106,10 @@ class RetainedModel:
                     )
                 if off // per_group_elems != (off + p.numel() - 1) // per_group_elems:
                     off = -(-off // per_group_elems) * per_group_elems  # start the next group
-            self.slots.append(ParamSlot(name, p.shape, off, p.numel(), whole))
+            others = tuple(n for n in aliases[id(p)] if n != name)
+            self.slots.append(
+                ParamSlot(name, p.shape, off, p.numel(), whole, p.requires_grad, others)
+            )
             off += p.numel()
             if whole:
                 off = -(-off // ue) * ue  # nothing else shares its units
@@ -159,15 +170,43 @@ class RetainedModel:
 
     # -- model binding --------------------------------------------------------------
 
-    def bind(self, model: torch.nn.Module) -> None:
-        """Make every parameter (and its .grad) a view of retained memory."""
+    def bind(self, model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        """Make every parameter (and, if it trains, its .grad) a view of retained
+        memory, under each of its names; returns the new parameters by name."""
+        out = {}
         for slot in self.slots:
-            module_name, _, attr = slot.name.rpartition(".")
-            module = model.get_submodule(module_name)
             view = self.param_full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-            param = torch.nn.Parameter(view)
-            param.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
-            setattr(module, attr, param)
+            param = torch.nn.Parameter(view, requires_grad=slot.trainable)
+            if slot.trainable:
+                param.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            for name in (slot.name, *slot.aliases):
+                module_name, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(module_name), attr, param)
+            out[slot.name] = param
+        return out
+
+    def attach_grads(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Point every trainable parameter's .grad at retained memory again (a script's
+        ``zero_grad(set_to_none=True)`` drops it)."""
+        for slot in self.slots:
+            p = params[slot.name]
+            if slot.trainable and (p.grad is None or p.grad.data_ptr() != self._grad_ptr(slot)):
+                p.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def check_grads(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Every trainable parameter's gradient is still its retained view."""
+        for slot in self.slots:
+            g = params[slot.name].grad
+            if slot.trainable and (g is None or g.data_ptr() != self._grad_ptr(slot)):
+                raise RuntimeError(
+                    f"the gradient of {slot.name} is not in retained memory any more "
+                    f"(set to None or replaced after the iteration began); gradients "
+                    f"would not be retained — zero them with optimizer.zero_grad() "
+                    f"under Leto, which keeps them in place"
+                )
+
+    def _grad_ptr(self, slot: ParamSlot) -> int:
+        return self.grad.data_ptr() + slot.offset * self.grad.element_size()
 
     # -- groups and chunks ----------------------------------------------------------
 
@@ -249,3 +288,22 @@ class RetainedModel:
 
         parts = list(self.param_full.split(self.local_elems))
         dist.all_gather(parts, self.flat["param"], group=group)
+
+
+def check_buffers(model: torch.nn.Module) -> None:
+    """Leto retains parameters only: a buffer on the meta device would never get a value,
+    and a persistent buffer (in the state dict, e.g. BatchNorm statistics) would lose
+    what training wrote into it at a recovery. Both are refused by name."""
+    persistent = set(model.state_dict(keep_vars=True).keys())
+    for name, b in model.named_buffers():
+        if b.device.type == "meta":
+            raise ValueError(
+                f"buffer {name} is on the meta device; build buffers on the real device "
+                f"(Leto retains parameters only)"
+            )
+        if name in persistent:
+            raise ValueError(
+                f"buffer {name} is persistent (in the model's state dict): Leto retains "
+                f"parameters only, so what training writes into it would be lost at a "
+                f"recovery; register it with persistent=False if it is recomputed"
+            )

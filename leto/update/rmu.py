@@ -96,10 +96,17 @@ class Updater:
         schedule: WarmupCosine,
         cfg: UpdaterConfig = UpdaterConfig(),
         shard: tuple[int, int] | None = None,
+        user=None,
     ):
+        """``user``: the script's own optimizer (``leto.update.user_optim.UserOptimizer``)
+        in place of ``cfg.adamw`` and ``schedule``; its per-group hyperparameters for the
+        iteration being updated are ``self.hparams`` (set before ``update``/``finish``),
+        and clipping is the script's own (done in place before its ``step()``)."""
         self.client = client
         self.cfg = cfg
         self.schedule = schedule
+        self.user = user
+        self.hparams: list[dict] | None = None
         layerwise = None
         if cfg.layerwise == "muon":
             layerwise = lambda name, p: p.ndim == 2 and not name.startswith(cfg.muon.exclude)  # noqa: E731
@@ -108,7 +115,7 @@ class Updater:
                 f"layerwise={cfg.layerwise!r}: the only layer-wise optimizer is 'muon'"
             )
         self.state = RetainedModel(client, model, cfg.chunk_units, shard, layerwise)
-        self.state.bind(model)
+        self.params = self.state.bind(model)  # by name: the retained parameters
         self.device = self.state.grad.device
         pb = self.state.page_bytes
         h1, h2 = client.config.tier1_pages, client.config.tier2_pages
@@ -295,7 +302,10 @@ class Updater:
         self._write(MarkerState(iteration, Phase.GRADS_PROTECTED, loss=loss))
 
     def clip(self) -> torch.Tensor:
-        """The clipping coefficient, computed per parameter as clip_grad_norm_ does."""
+        """The clipping coefficient, computed per parameter as clip_grad_norm_ does (1
+        under the script's own optimizer: the script clipped, or not, already)."""
+        if self.user is not None:
+            return torch.ones((), dtype=torch.float32, device=self.device)
         grads = [
             self.state.grad[s.offset : s.offset + s.numel].view(s.shape) for s in self.state.slots
         ]
@@ -444,6 +454,9 @@ class Updater:
         self._copy_pages(g.tier2, t2)
 
     def _optimizer(self, it: int, units: tuple[int, int], clip: torch.Tensor) -> None:
+        if self.user is not None:
+            self._user_step(it, units)
+            return
         e0, e1 = self.state.element_range(units)
         f = self.state.flat
         lr = self.schedule(it)
@@ -499,6 +512,43 @@ class Updater:
                     tripwire.land([live[n] for n in names], [out[n] for n in names])
                 continue
             self._adamw(adamw_piece, it, lr, [(a, b)], clip)
+
+    def _user_step(self, it: int, units: tuple[int, int]) -> None:
+        """The script's optimizer on a chunk: its trainable pieces, in two halves (the
+        crash point between them leaves the chunk half updated)."""
+        if self.hparams is None:
+            raise RuntimeError("the updater has no hyperparameters for this iteration")
+        e0, e1 = self.state.element_range(units)
+        pieces = []
+        for a, b in self.state.pieces(e0, e1):
+            slot = self.state.slot_at(a)
+            gi = self.user.group_of.get(slot.name) if slot.trainable else None
+            if gi is not None:
+                pieces.append((a, b, gi))
+        if len(pieces) == 1:
+            a, b, gi = pieces[0]
+            start = self.state.slot_at(a).offset - self.state.shard_start
+            mid = start + ((a + b) // 2 - start) // CUT_ELEMS * CUT_ELEMS
+            if a < mid < b:
+                pieces = [(a, mid, gi), (mid, b, gi)]
+        half = len(pieces) // 2
+        f, s0 = self.state.flat, self.state.shard_start
+        for k, part in enumerate((pieces[:half], pieces[half:])):
+            if k == 1:
+                point("update.optimizer", it)  # a crash here leaves the chunk half updated
+            if not part:
+                continue
+            live = {n: [f[n][a:b] for a, b, _ in part] for n in self.state.set_names}
+            # faultkit kernel-abort: computed into scratch, landed through the trip-wire.
+            armed = tripwire.armed()
+            out = {n: [v.clone() for v in vs] for n, vs in live.items()} if armed else live
+            grads = [self.state.grad[a + s0 : b + s0] for a, b, _ in part]
+            self.user.step(self.hparams, it + 1, [gi for _, _, gi in part], out, grads)
+            if armed:
+                names = self.state.set_names
+                tripwire.land(
+                    [t for n in names for t in live[n]], [t for n in names for t in out[n]]
+                )
 
     def _adamw(self, fn, it: int, lr: float, ranges: list, clip: torch.Tensor) -> None:
         """AdamW on shard-local element ranges: ``adamw_fused`` takes them all at once,

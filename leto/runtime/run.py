@@ -1,0 +1,317 @@
+"""``leto.Run``: a script's own model, optimizer and LR scheduler under Leto.
+
+Runs in a trainer (active, or a promoted shadow), after ``leto.init()``. The script
+keeps its objects and its loop; Leto takes over what survives a failure::
+
+    ctx = leto.init(prepare=build_model)           # a shadow parks in here
+    model = ctx.prepared or build_model()
+    optimizer = torch.optim.AdamW(groups, lr=6e-4, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    run = leto.Run(ctx, model, optimizer, scheduler)   # retains, resumes
+    for it in run.iterations(max_iters):          # starts where the job left off
+        loss = model(x, y); loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()                          # Leto's crash-consistent update
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+What Leto does with them:
+
+* the model's parameters become views of retained pool memory (tied parameters once,
+  under every name; frozen ones retained, never updated; buffers on the meta device or
+  persistent ones refused by name); gradients accumulate in retained memory and are
+  reduced across data-parallel ranks in buckets while backward runs, averaged by the
+  time ``backward()`` returns (as DDP: do not wrap the model in DDP);
+* on a fresh pool the parameters take the model's own initial values (or ``init()``
+  for a model built on the meta device), checked identical on every rank;
+* ``optimizer.step()`` runs the optimizer's own arithmetic as Leto's resumable update
+  (``leto.update.user_optim``), its hyperparameters read at that moment;
+  ``optimizer.zero_grad()`` and ``model.zero_grad()`` zero the retained gradients in
+  place; ``optimizer.state_dict()`` reports the retained state;
+* the scheduler's state, each group's hyperparameters and ``run.state`` (the script's
+  small state, e.g. the best validation loss) are retained per iteration
+  (``leto.runtime.loop_record``), so a recovery resumes the loop exactly — this assumes
+  one ``scheduler.step()`` after each ``optimizer.step()``, which is checked;
+* heartbeats, the checkpoint fallback, fault points (``compute.forward`` /
+  ``compute.backward`` fire around the model's forward) and verification
+  (``leto run --verify``) are the runtime's.
+
+Code after ``optimizer.step()`` of an iteration a failure interrupted is not run again
+(the loop resumes at the next iteration): evaluate at the top of the loop.
+
+Not covered: several optimizers, closures, GradScaler (fp16), parameters that get no
+gradient in an iteration (torch skips them; Leto updates them with a zero gradient).
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from leto import plugins
+from leto.errors import FatalFailure, InvalidInput
+from leto.plugins import point
+from leto.runtime.loop_record import LoopRecord
+from leto.runtime.retained import RetainedTraining
+from leto.update.rmu import UpdaterConfig
+from leto.update.user_optim import UserOptimizer
+
+
+class Run:
+    def __init__(
+        self,
+        ctx,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler=None,
+        *,
+        init=None,
+        out: str | Path | None = None,
+        zero1: bool = False,
+        chunk_units: int = 2,
+        bucket_mib: float = 25.0,
+    ):
+        """``ctx``: what ``leto.init()`` returned. ``init()``: fills the parameters on a
+        fresh pool when the model was built on the meta device (otherwise the model's
+        own initial values are retained). ``out``: the loss log (and, with ``--verify``,
+        the verifiers' trace); default ``<leto run --log-dir>/train``."""
+        t0 = time.time()
+        self.ctx = ctx
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise InvalidInput("the LR scheduler drives another optimizer than the one given")
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.user = UserOptimizer(optimizer, names)  # refuses what it cannot run, first
+        on_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+        if on_meta and init is None:
+            raise InvalidInput(
+                f"parameter {on_meta[0]} is on the meta device and no init= was given: "
+                f"Leto cannot know its initial value"
+            )
+        originals = (
+            None if init is not None else {n: p.detach() for n, p in model.named_parameters()}
+        )
+        self.out = Path(out) if out is not None else Path(ctx.env.log_dir) / "train"
+        self.loop = LoopRecord(ctx.pool)  # attached before the updater builds its layout
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.job = RetainedTraining(
+            ctx.pool,
+            model,
+            init if init is not None else (lambda: self._copy_in(originals)),
+            None,
+            ctx.rank,
+            ctx.world_size,
+            self.out,
+            UpdaterConfig(chunk_units=chunk_units),
+            zero1=zero1,
+            on_iteration=plugins.iteration_observer(ctx.rank, self.out),
+            heartbeat=ctx.heartbeat,
+            bucket_mib=bucket_mib if bucket_mib > 0 else math.inf,
+            user=self.user,
+        )
+        params = self.job.params
+        # The optimizer now holds the retained parameters.
+        for group in optimizer.param_groups:
+            group["params"] = [params[names[id(p)]] for p in group["params"]]
+        self._orig_state_dict = optimizer.state_dict
+
+        def step(closure=None):
+            return self._step(closure)
+
+        # torch's LR scheduler warns when optimizer.step was replaced after it wrapped it.
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = step
+        optimizer.zero_grad = self._zero_grad
+        optimizer.state_dict = self._state_dict
+        model.zero_grad = self._zero_grad
+        model.register_forward_pre_hook(lambda *_: self._point("compute.forward"))
+        model.register_forward_hook(lambda *_: self._point("compute.backward"))
+        self.state: dict = {}  # the script's small state, retained per iteration
+        self._t: int | None = None  # the iteration in progress
+        self._stepped = False
+        self._loss = float("nan")
+        self._epoch: int | None = None  # the scheduler's last_epoch at the last step
+        t_resume = time.time()
+        self.next_iteration = self.job.resume(
+            ctx.report, checkpoints=ctx.checkpoint_dir, before_finish=self._hparams_of
+        )
+        self.job.init_fn = None  # the original parameters it holds are garbage now
+        self._restore_loop(self.next_iteration)
+        if self.job.fresh and ctx.world_size > 1:
+            self._check_identical()
+        ctx.resumed(
+            self.next_iteration,
+            resume_s=time.time() - t_resume,
+            bind_s=t_resume - t0,
+            **self.job.timings,
+        )
+        self.checkpointer = ctx.checkpointer()  # insurance against fatal failures only
+        atexit.register(self._close)
+
+    # -- the loop -------------------------------------------------------------------
+
+    def iterations(self, total: int):
+        """The iterations still to run, up to ``total`` (exclusive): from where the job
+        stands (0 on a fresh start; after a recovery, the first unfinished one)."""
+        t = self.next_iteration
+        while t < total:
+            self._t, self._stepped, self._loss = t, False, float("nan")
+            self.job.begin(t)
+            yield t
+            if not self._stepped:
+                raise InvalidInput(f"iteration {t} ended without optimizer.step()")
+            self._t = None
+            if self.checkpointer is not None:
+                self.checkpointer.after_iteration(t, self.job)
+            t += 1
+            self.next_iteration = t
+        self.ctx.heartbeat("done")
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            self.checkpointer = None
+        dist.barrier()
+
+    def no_sync(self):
+        """Context for the backward of every micro-batch but the last (DDP's
+        ``no_sync``): gradients accumulate, nothing is reduced yet."""
+        return self.job.no_sync()
+
+    def compute(self):
+        """Optional context for forward and backward: on a GPU their activations borrow
+        the updater's buffers (less device memory)."""
+        return self.job.compute()
+
+    def record_loss(self, loss) -> None:
+        """This iteration's loss, for Leto's loss log and the verifiers' trace."""
+        self._loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+    # -- what the script's objects now do -------------------------------------------
+
+    def _step(self, closure=None):
+        if closure is not None:
+            raise InvalidInput("optimizer.step(closure) is not supported under Leto")
+        t = self._t
+        if t is None:
+            raise InvalidInput(
+                "optimizer.step() was called outside run.iterations(): under Leto the "
+                "optimizer steps only inside the loop, as its crash-consistent update"
+            )
+        if self._stepped:
+            raise InvalidInput(f"optimizer.step() was called twice in iteration {t}")
+        sched = None
+        if self.scheduler is not None:
+            e = self.scheduler.last_epoch
+            if self._epoch is not None and e != self._epoch + 1:
+                raise InvalidInput(
+                    f"the LR scheduler stepped {e - self._epoch} times between two optimizer "
+                    f"steps (iteration {t}); Leto retains it assuming one scheduler.step() "
+                    f"after each optimizer.step()"
+                )
+            self._epoch = e
+            sched = self.scheduler.state_dict()
+        h = self.user.hparams()
+        self.loop.write(t, {"hparams": h, "scheduler": sched, "state": dict(self.state)})
+        self.job.up.hparams = h
+        self.job.step(t, self._loss)
+        self._stepped = True
+        self.optimizer._opt_called = True  # what torch's scheduler checks for
+
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the retained gradients in place (never None: they must stay retained)."""
+        self.job.up.state.grad.zero_()
+
+    def _state_dict(self):
+        views = self._views
+        self.user.expose_state(self.job.params, views, self._steps_done())
+        return self._orig_state_dict()
+
+    def _steps_done(self) -> int:
+        m = self.job.up.marker.state
+        return m.next_iteration() if m is not None else 0
+
+    def _views(self, name: str, state: str) -> torch.Tensor:
+        st = self.job.up.state
+        slot = next(s for s in st.slots if s.name == name)
+        a = slot.offset - st.shard_start
+        if st.shard is not None and not (0 <= a and a + slot.numel <= st.local_valid):
+            raise InvalidInput(
+                f"optimizer state of {name} is on another rank (ZeRO-1): state_dict() under "
+                f"ZeRO-1 covers only this rank's parameters"
+            )
+        return st.flat[state][a : a + slot.numel].view(slot.shape)
+
+    def _point(self, name: str) -> None:
+        if self._t is not None:
+            point(name, self._t)
+
+    # -- resume ---------------------------------------------------------------------
+
+    def _copy_in(self, originals: dict[str, torch.Tensor]) -> None:
+        for name, p in self.job.params.items():
+            p.copy_(originals[name])
+
+    def _hparams_of(self, t: int) -> None:
+        rec = self.loop.read(t)
+        if rec is None:
+            raise FatalFailure(
+                f"the update of iteration {t} was interrupted and its hyperparameters are "
+                f"not in the loop record: it cannot be finished exactly"
+            )
+        self.job.up.hparams = rec["hparams"]
+
+    def _restore_loop(self, n: int) -> None:
+        """The loop's state at the start of iteration ``n``: t's record holds it as of
+        ``optimizer.step()`` of t, i.e. before that iteration's ``scheduler.step()``."""
+        rec, steps = self.loop.read(n), 0
+        if rec is None:
+            rec, steps = self.loop.read(n - 1), 1
+        if rec is None:
+            return  # a fresh start (or a checkpoint restore: the script's fresh objects)
+        for group, h in zip(self.optimizer.param_groups, rec["hparams"], strict=True):
+            group.update(h)
+        self.state = dict(rec["state"])
+        if self.scheduler is not None and rec["scheduler"] is not None:
+            self.scheduler.load_state_dict(rec["scheduler"])
+            for _ in range(steps):
+                self.optimizer._opt_called = True
+                self.scheduler.step()
+            self._epoch = self.scheduler.last_epoch - 1
+
+    def _check_identical(self) -> None:
+        """Every data-parallel rank starts from the same parameters (DDP broadcasts rank
+        0's; Leto checks, so different seeds per rank are an error, not a silent fork)."""
+        st = self.job.up.state
+        sums = torch.stack(
+            [
+                st.param_full[s.offset : s.offset + s.numel]
+                .view(torch.int16 if st.param_full.element_size() == 2 else torch.int32)
+                .sum(dtype=torch.int64)
+                for s in st.slots
+            ]
+        )
+        every = [torch.empty_like(sums) for _ in range(self.ctx.world_size)]
+        dist.all_gather(every, sums)
+        for r, other in enumerate(every):
+            differ = (other != every[0]).nonzero()
+            if differ.numel():
+                name = st.slots[int(differ[0])].name
+                raise InvalidInput(
+                    f"parameter {name} differs between rank 0 and rank {r} at the start: "
+                    f"initialize the model identically on every data-parallel rank (same "
+                    f"seed); nothing was trained"
+                )
+
+    def _close(self) -> None:
+        try:
+            self.ctx.pool.close()
+        except Exception:  # noqa: BLE001 - at exit: the pool's owner cleans up anyway
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,227 @@
+"""The user's own ``torch.optim`` optimizer, run by the updater on pieces of retained state.
+
+Runs in the trainer. A script keeps its optimizer object (``torch.optim.AdamW`` with
+its parameter groups, an LR scheduler driving it) and calls ``optimizer.step()``; Leto
+reads the optimizer's per-group hyperparameters at that moment and runs the same torch
+functional the optimizer's own ``step`` would (``torch.optim.adamw.adamw``,
+``adam.adam``, ``sgd.sgd``) — with the group's ``fused``/``foreach`` choice, defaults
+resolved by torch itself — on the pieces of each chunk, so the arithmetic is exactly
+the optimizer's. Element-wise optimizers give the same bits on a piece as on the whole
+tensor (pieces start at multiples of ``CUT_ELEMS`` from a parameter's start, for the CPU
+kernels' vector body; see ``leto.update.optim``).
+
+The optimizer's state (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ``step``)
+lives in retained memory; ``optimizer.state`` holds views of it, so the user's
+``optimizer.state_dict()`` sees the retained values.
+
+Supported: ``AdamW`` and ``Adam`` (fused, foreach or single-tensor; no ``amsgrad``, no
+``maximize``, no ``capturable``/``differentiable``), ``SGD`` with or without momentum
+(dampening, Nesterov, weight decay). Any number of parameter groups with their own
+hyperparameters. Anything else is refused by name at bind time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.optim.adam import adam
+from torch.optim.adamw import adamw
+from torch.optim.sgd import sgd
+
+from leto.errors import InvalidInput
+
+SUPPORTED = (
+    "torch.optim.AdamW, torch.optim.Adam (fused, foreach or single-tensor) and torch.optim.SGD"
+)
+# Per-group keys that change the arithmetic; read at every step (a scheduler or the
+# script may change any of them).
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+_SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+_ADAM_OFF = ("amsgrad", "maximize", "capturable", "differentiable")
+_SGD_OFF = ("maximize", "differentiable")
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    name: str  # "adamw", "adam" or "sgd"
+    states: tuple[str, ...]  # retained state tensors, as the layout names them
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return _SGD_KEYS if self.name == "sgd" else _ADAM_KEYS
+
+
+ADAMW = OptimizerKind("adamw", ("exp_avg", "exp_avg_sq"))
+ADAM = OptimizerKind("adam", ("exp_avg", "exp_avg_sq"))
+SGD = OptimizerKind("sgd", ("exp_avg",))  # the momentum buffer, in the exp_avg tensors
+
+
+def kind_of(optimizer: torch.optim.Optimizer) -> OptimizerKind:
+    t = type(optimizer)
+    if t is torch.optim.AdamW:
+        return ADAMW
+    if t is torch.optim.Adam:
+        if any(g.get("decoupled_weight_decay") for g in optimizer.param_groups):
+            return ADAMW  # Adam(decoupled_weight_decay=True) is AdamW's arithmetic
+        return ADAM
+    if t is torch.optim.SGD:
+        return SGD
+    raise InvalidInput(
+        f"optimizer {t.__module__}.{t.__qualname__} is not supported by Leto; supported: "
+        f"{SUPPORTED}"
+    )
+
+
+class UserOptimizer:
+    """The bridge between a torch optimizer object and the updater's chunks."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str]):
+        """``names``: id(parameter) -> the model's parameter name, for every parameter
+        the model has (the optimizer may hold a subset; the rest are never updated)."""
+        self.optimizer = optimizer
+        self.kind = kind_of(optimizer)
+        off = _SGD_OFF if self.kind is SGD else _ADAM_OFF
+        self.group_of: dict[str, int] = {}
+        for gi, group in enumerate(optimizer.param_groups):
+            for key in off:
+                if group.get(key):
+                    raise InvalidInput(
+                        f"optimizer parameter group {gi} sets {key}=True; Leto supports "
+                        f"{SUPPORTED} without {', '.join(off)}"
+                    )
+            for p in group["params"]:
+                name = names.get(id(p))
+                if name is None:
+                    raise InvalidInput(
+                        f"optimizer parameter group {gi} holds a tensor of shape "
+                        f"{tuple(p.shape)} that is not a parameter of the model"
+                    )
+                if name in self.group_of:
+                    raise InvalidInput(f"parameter {name} is in two optimizer parameter groups")
+                self.group_of[name] = gi
+        if optimizer.state:
+            raise InvalidInput(
+                "the optimizer has already stepped (it holds state); give Leto a fresh "
+                "optimizer — its state is retained and restored by Leto"
+            )
+
+    # -- hyperparameters ------------------------------------------------------------
+
+    def hparams(self) -> list[dict]:
+        """Each group's hyperparameters now (plain floats/tuples: they are retained)."""
+        out = []
+        for group in self.optimizer.param_groups:
+            h = {}
+            for k in self.kind.keys:
+                v = group[k]
+                if isinstance(v, torch.Tensor) or (
+                    k == "betas" and any(isinstance(x, torch.Tensor) for x in v)
+                ):
+                    raise InvalidInput(
+                        f"optimizer parameter group {len(out)}: {k} is a tensor; Leto "
+                        f"supports plain float hyperparameters"
+                    )
+                h[k] = tuple(float(x) for x in v) if k == "betas" else v
+            out.append(h)
+        return out
+
+    # -- the step on pieces ---------------------------------------------------------
+
+    def step(
+        self,
+        hparams: list[dict],
+        step: int,
+        groups: list[int],
+        views: dict[str, list[torch.Tensor]],
+        grads: list[torch.Tensor],
+    ) -> None:
+        """One step (the ``step``-th, from 1), in place, on pieces: ``groups[i]`` is the
+        parameter group of piece i, ``views`` its retained tensors by name ("param", the
+        state tensors, optionally "master"), ``grads[i]`` its gradient. One functional
+        call per parameter group, as the optimizer's own ``step`` makes."""
+        for gi in sorted(set(groups)):
+            idx = [i for i, g in enumerate(groups) if g == gi]
+            pick = {n: [v[i] for i in idx] for n, v in views.items()}
+            master = pick.get("master")
+            params = master if master is not None else pick["param"]
+            gs = [grads[i] for i in idx]
+            if master is not None:
+                gs = [g.float() for g in gs]  # the fp32 master takes the gradient in fp32
+            group = self.optimizer.param_groups[gi]
+            self._functional(group, hparams[gi], step, params, gs, pick)
+            if master is not None:
+                torch._foreach_copy_(pick["param"], master)
+
+    def _functional(self, group, h, step, params, grads, pick) -> None:
+        fused, foreach = group.get("fused"), group.get("foreach")
+        if self.kind is SGD:
+            # torch's SGD makes the momentum buffer a clone of the first gradient; Leto's
+            # is retained (zeros before the first step), so the first step passes None
+            # and copies the buffer torch made into it.
+            bufs = pick["exp_avg"]
+            first = step == 1 and h["momentum"] != 0
+            mlist = [None] * len(bufs) if first else list(bufs)
+            sgd(
+                params,
+                grads,
+                mlist,
+                foreach=foreach,
+                fused=fused,
+                weight_decay=h["weight_decay"],
+                momentum=h["momentum"],
+                lr=h["lr"],
+                dampening=h["dampening"],
+                nesterov=h["nesterov"],
+                maximize=False,
+            )
+            if first:
+                torch._foreach_copy_(bufs, mlist)
+            return
+        # The step count as the optimizer keeps it: float32, on the parameter's device
+        # when fused, on the CPU otherwise; the functional increments it first.
+        dev = params[0].device if fused else torch.device("cpu")
+        steps = [torch.tensor(float(step - 1), dtype=torch.float32, device=dev) for _ in params]
+        fn = adamw if self.kind is ADAMW else adam
+        fn(
+            params,
+            grads,
+            pick["exp_avg"],
+            pick["exp_avg_sq"],
+            [],
+            steps,
+            foreach=foreach,
+            fused=fused,
+            amsgrad=False,
+            beta1=h["betas"][0],
+            beta2=h["betas"][1],
+            lr=h["lr"],
+            weight_decay=h["weight_decay"],
+            eps=h["eps"],
+            maximize=False,
+        )
+
+    # -- the optimizer's view of retained state -------------------------------------
+
+    def expose_state(self, params: dict[str, torch.nn.Parameter], views, step: int) -> None:
+        """Fill ``optimizer.state`` with views of the retained state (after ``step``
+        updates), so ``state_dict()`` reports it. ``views(name, state) -> tensor``."""
+        opt = self.optimizer
+        opt.state.clear()
+        if step <= 0:
+            return
+        for name, gi in self.group_of.items():
+            p = params[name]
+            st = {}
+            if self.kind is SGD:
+                if opt.param_groups[gi]["momentum"] != 0:
+                    st["momentum_buffer"] = views(name, "exp_avg")
+                else:
+                    st["momentum_buffer"] = None
+            else:
+                fused = opt.param_groups[gi].get("fused")
+                dev = p.device if fused else torch.device("cpu")
+                st["step"] = torch.tensor(float(step), dtype=torch.float32, device=dev)
+                st["exp_avg"] = views(name, "exp_avg")
+                st["exp_avg_sq"] = views(name, "exp_avg_sq")
+            opt.state[p] = st

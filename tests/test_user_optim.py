@@ -1,0 +1,199 @@
+"""The script's own torch optimizer run by the updater: bit-identical to the same
+optimizer, parameter groups and LR scheduler in a plain loop, fault-free and after a
+crash at every step of the update (the hyperparameters of the interrupted iteration
+come back from the loop record, as ``leto.Run`` does it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from faultkit import hooks
+from leto.errors import InvalidInput
+from leto.memory.client import PoolClient
+from leto.memory.launch import start_state_manager
+from leto.runtime.loop_record import LoopRecord
+from leto.update.rmu import Updater, UpdaterConfig, decide
+from leto.update.user_optim import UserOptimizer
+from tests import rmu_harness as h
+from tests.pool_helpers import small_config
+
+ITERS = 4
+OPTIMIZERS = {
+    "adamw-fused": lambda g: torch.optim.AdamW(g, betas=(0.9, 0.95), weight_decay=0.1, fused=True),
+    "adamw-foreach": lambda g: torch.optim.AdamW(g, weight_decay=0.1, foreach=True),
+    "adamw-single": lambda g: torch.optim.AdamW(g, weight_decay=0.1, foreach=False),
+    "adam-fused": lambda g: torch.optim.Adam(g, weight_decay=0.01, fused=True),
+    "adam-single": lambda g: torch.optim.Adam(g, weight_decay=0.01, foreach=False),
+    "sgd-nesterov": lambda g: torch.optim.SGD(
+        g, momentum=0.9, nesterov=True, weight_decay=1e-3, foreach=False
+    ),
+    "sgd-dampening-foreach": lambda g: torch.optim.SGD(
+        g, momentum=0.8, dampening=0.1, foreach=True
+    ),
+    "sgd-plain": lambda g: torch.optim.SGD(g, lr=0.1),
+}
+
+
+def groups(model: torch.nn.Module) -> list[dict]:
+    """Two parameter groups as GPT scripts make them: weight decay off for biases, and
+    a different learning rate."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if n.endswith("weight")], "lr": 1e-2},
+        {"params": [p for n, p in named if n.endswith("bias")], "lr": 3e-3, "weight_decay": 0.0},
+    ]
+
+
+def schedule(t: int) -> float:
+    return (t + 1) / ITERS
+
+
+def reference(kind: str) -> dict[str, torch.Tensor]:
+    model = h.mlp(h.DIMS)
+    with torch.no_grad():
+        h.init_params(model)
+    opt = OPTIMIZERS[kind](groups(model))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    params = list(model.parameters())
+    for t in range(ITERS):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        h.grads_for(model, t)
+        torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=True)
+        opt.step()
+        sched.step()
+    state = opt.state
+    out = {"param": torch.cat([p.detach().reshape(-1) for p in params])}
+    for k, key in (("exp_avg", "momentum_buffer" if kind.startswith("sgd") else "exp_avg"),
+                   ("exp_avg_sq", "exp_avg_sq")):  # fmt: skip
+        if k == "exp_avg_sq" and kind.startswith("sgd"):
+            continue
+        out[k] = torch.cat(
+            [
+                state[p][key].reshape(-1)
+                if state.get(p, {}).get(key) is not None
+                else torch.zeros(p.numel())
+                for p in params
+            ]
+        )
+    return out
+
+
+class Trainer:
+    """One trainer process's objects: the script's optimizer and scheduler over a model
+    built on the meta device, the updater, the loop record."""
+
+    def __init__(self, pool, kind: str):
+        self.client = PoolClient.connect(pool.socket_path, pool.token, takeover=True)
+        report = self.client.localize()
+        self.model = h.build_model()
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self.opt = OPTIMIZERS[kind](groups(self.model))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
+        self.loop = LoopRecord(self.client)
+        self.up = Updater(
+            self.client, self.model, None, UpdaterConfig(chunk_units=1),
+            user=UserOptimizer(self.opt, names),
+        )  # fmt: skip
+        m = self.up.recover(report)
+        if m is None:
+            self.up.initialize(lambda: h.init_params(self.model))
+            self.t = 0
+            return
+        action, t = decide([m])
+        if action == "finish" and m.next_iteration() == t:
+            self.up.hparams = self.loop.read(t)["hparams"]
+            self.up.finish(m)
+            t += 1
+        self.t = t
+        rec = self.loop.read(t - 1)  # the scheduler as of iteration t - 1's step ...
+        self.sched.load_state_dict(rec["scheduler"])
+        for g, hp in zip(self.opt.param_groups, rec["hparams"], strict=True):
+            g.update(hp)
+        self.opt._opt_called = True  # as leto.Run marks it: the update ran
+        self.sched.step()  # ... then its step after that iteration
+
+    def iteration(self) -> None:
+        t = self.t
+        self.up.begin(t)
+        hooks.point("compute.backward", t)
+        h.grads_for(self.model, t)
+        torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), 0.5, foreach=True)
+        hp = UserOptimizer.hparams(self.up.user)
+        self.loop.write(t, {"hparams": hp, "scheduler": self.sched.state_dict(), "state": {}})
+        self.up.hparams = hp
+        self.up.protect_grads(t)
+        self.up.sync(t)
+        self.up.update(t)
+        self.opt._opt_called = True
+        self.sched.step()
+        self.t += 1
+
+
+def train(pool, kind: str, crash=None) -> dict[str, torch.Tensor]:
+    if crash is not None:
+        hooks.arm(*crash, mode="raise")
+    tr = Trainer(pool, kind)
+    try:
+        while tr.t < ITERS:
+            tr.iteration()
+    except hooks.InjectedCrash:
+        tr.client.close()
+        hooks.disarm()
+        tr = Trainer(pool, kind)
+        while tr.t < ITERS:
+            tr.iteration()
+    finally:
+        hooks.disarm()
+    st = tr.up.state
+    out = {
+        k: torch.cat([v[s.offset : s.offset + s.numel] for s in st.slots]).clone()
+        for k, v in st.flat.items()
+    }
+    tr.client.close()
+    return out
+
+
+@pytest.fixture
+def pool():
+    sm = start_state_manager(small_config(data_pages=8, tier1_pages=2))
+    yield sm
+    sm.stop()
+
+
+def assert_same(got: dict, want: dict, what: str) -> None:
+    for k, w in want.items():
+        g = got[k]
+        diff = (g.view(torch.uint8) != w.view(torch.uint8)).nonzero()
+        assert diff.numel() == 0, f"{what}: {k} differs from torch at byte {int(diff[0])}"
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_the_scripts_optimizer_is_bit_identical_to_a_plain_loop(pool, kind):
+    assert_same(train(pool, kind), reference(kind), kind)
+
+
+@pytest.mark.parametrize("at", ["update.optimizer", "update.parity", "update.commit", "sync"])
+@pytest.mark.parametrize("kind", ["adamw-fused", "sgd-nesterov"])
+def test_a_crash_in_the_update_resumes_with_that_iterations_hyperparameters(pool, kind, at):
+    # The crash strikes in iteration 2, whose learning rates differ from 3's: finishing
+    # it with the wrong ones would show.
+    assert_same(train(pool, kind, crash=(at, 2, 1)), reference(kind), f"{kind}, crash at {at}")
+
+
+def test_what_leto_cannot_run_is_refused_by_name():
+    model = h.mlp(h.DIMS)
+    names = {id(p): n for n, p in model.named_parameters()}
+    with pytest.raises(
+        InvalidInput, match="RMSprop is not supported.*supported: torch.optim.AdamW"
+    ):
+        UserOptimizer(torch.optim.RMSprop(model.parameters()), names)
+    with pytest.raises(InvalidInput, match="amsgrad=True"):
+        UserOptimizer(torch.optim.AdamW(model.parameters(), amsgrad=True), names)
+    stranger = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(InvalidInput, match=r"shape \(3,\) that is not a parameter of the model"):
+        UserOptimizer(torch.optim.SGD([stranger], lr=0.1), names)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    with pytest.raises(InvalidInput, match="lr is a tensor"):
+        UserOptimizer(opt, names).hparams()
