@@ -1,12 +1,15 @@
-"""Train the example GPT under ``leto run``: the user-facing shape of a Leto job.
+"""Train the example GPT under ``leto run``: a plain PyTorch script with ``leto.Run``.
 
     leto run --nproc-per-node 2 --shadow-level L2 examples/train_gpt.py --iterations 20
 
-``leto.init()`` returns the rank's context (a shadow parks inside it until promoted);
-the model is built on the meta device and retained in one call; the loop resumes at
-the right iteration after a promotion. The model definition (``leto.workload.gpt``) is
-ordinary PyTorch, unmodified. Flags: ``leto.workload.train.TrainConfig`` (faultkit, the
-benchmarks and the tests run this script with them) plus ``--out``.
+The script keeps its own model, ``torch.optim.AdamW`` (two parameter groups: no weight
+decay for biases and LayerNorm weights), ``LambdaLR`` schedule, gradient accumulation,
+clipping and autocast; Leto's part is ``leto.init()`` (a shadow parks inside it until
+promoted, with the model already built on the meta device) and ``leto.Run`` (retains
+the model and the optimizer's state, resumes where the job left off, makes
+``optimizer.step()`` crash-consistent). Fault points, heartbeats and verification are
+the runtime's. The model (``leto.workload.gpt``) is ordinary PyTorch. Flags:
+``leto.workload.train.TrainConfig`` plus ``--out``.
 """
 
 from __future__ import annotations
@@ -14,25 +17,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import leto
-from leto.errors import FatalFailure
-from leto.plugins import point
 from leto.proc import alive
-from leto.runtime.agent import EXIT_FATAL
-from leto.runtime.retained import RetainedTraining
-from leto.update.optim import AdamWConfig
-from leto.update.rmu import UpdaterConfig
 from leto.update.schedule import WarmupCosine
 from leto.workload.corpus import batch
 from leto.workload.gpt import GPT, init_weights
 from leto.workload.train import add_arguments, from_args
-from verifiers import Recorder
 
 
 def grow_demand(ctx, cfg) -> list[torch.Tensor]:
@@ -69,7 +62,7 @@ def grow_demand(ctx, cfg) -> list[torch.Tensor]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
-    ap.add_argument("--out", default="leto-run/train", help="loss logs and verifiers traces")
+    ap.add_argument("--out", default=None, help="loss log (and trace under --verify)")
     args = ap.parse_args()
     cfg = from_args(args)
     torch.set_num_threads(1)  # ranks share the machine's cores
@@ -77,82 +70,67 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     torch.backends.cudnn.allow_tf32 = cfg.tf32
 
-    def prepare():  # runs while a shadow is parked (L2 and up): no pool access here
+    def build():  # runs while a shadow is parked (L2 and up): no pool access here
         with torch.device("meta"):
             return GPT(cfg.gpt()).to(getattr(torch, cfg.dtype))
 
-    ctx = leto.init(prepare=prepare)
-    model = ctx.prepared if ctx.prepared is not None else prepare()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        t_resume = time.time()
-        job = RetainedTraining(
-            ctx.pool,
-            model,
-            lambda: init_weights(model, cfg.seed),
-            WarmupCosine(peak_lr=cfg.peak_lr, total_iters=cfg.iterations),
-            ctx.rank,
-            ctx.world_size,
-            out,
-            UpdaterConfig(chunk_units=cfg.chunk_units, adamw=AdamWConfig(impl=cfg.optimizer)),
-            zero1=cfg.zero1,
-            on_iteration=Recorder(out, ctx.rank, keep_tensors=cfg.keep_tensors).record
-            if cfg.record
-            else None,
-            heartbeat=ctx.heartbeat,
-            bucket_mib=cfg.bucket_mib,
-        )
-        t = job.resume(ctx.report, checkpoints=ctx.checkpoint_dir)
-        ctx.resumed(t, resume_s=time.time() - t_resume, **job.timings)
-        ckpt = ctx.checkpointer()  # insurance against fatal failures only
-        demand = None
-        first = t
-        while t < cfg.iterations:
-            job.begin(t)
-            if t == cfg.demand_at and demand is None:
-                demand = grow_demand(ctx, cfg)
-            k = cfg.micro_batches
-            loss = torch.zeros((), device=ctx.device)
-            with job.compute():
-                for mb in range(k):  # gradients accumulate in the retained buffer
-                    stream = ctx.rank * k + mb  # data and dropout per (rank, micro-batch)
-                    torch.manual_seed(((cfg.seed * 7_919) + t) * 104_729 + stream)  # dropout
-                    x, y = (
-                        v.to(ctx.device)
-                        for v in batch(cfg.seed, t, stream, cfg.batch_size, cfg.seq_len)
-                    )
-                    point("compute.forward", t)  # the n-th hit is micro-batch n - 1
-                    with cfg.autocast_context(ctx.device):
-                        mb_loss = model(x, y) / k
-                    point("compute.backward", t)
-                    # As with DDP: only the last micro-batch's backward reduces gradients.
-                    with job.no_sync() if mb < k - 1 else contextlib.nullcontext():
-                        mb_loss.backward()
-                    loss += mb_loss.detach()
-            if t == first:
-                print(
-                    f"rank {ctx.rank}: attention backend {model.attention_backend()}, "
-                    f"autocast {cfg.autocast}, TF32 {cfg.tf32}, AdamW {cfg.optimizer}, "
-                    f"{k} micro-batch(es) of {cfg.batch_size} x {cfg.seq_len} tokens",
-                    flush=True,
+    ctx = leto.init(prepare=build)
+    model = ctx.prepared if ctx.prepared is not None else build()
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    impl = {"fused": True} if cfg.optimizer == "fused" else {"foreach": False}
+    optimizer = torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.95), eps=1e-8, **impl)
+    shape = WarmupCosine(peak_lr=1.0, total_iters=cfg.iterations)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, shape)
+    run = leto.Run(
+        ctx,
+        model,
+        optimizer,
+        scheduler,
+        init=lambda: init_weights(model, cfg.seed),
+        out=args.out,
+        zero1=cfg.zero1,
+        chunk_units=cfg.chunk_units,
+        bucket_mib=cfg.bucket_mib,
+    )
+    demand = None
+    first = run.next_iteration
+    k = cfg.micro_batches
+    for t in run.iterations(cfg.iterations):
+        if t == cfg.demand_at and demand is None:
+            demand = grow_demand(ctx, cfg)
+        loss = torch.zeros((), device=ctx.device)
+        with run.compute():
+            for mb in range(k):  # gradients accumulate in the retained buffer
+                stream = ctx.rank * k + mb  # data and dropout per (rank, micro-batch)
+                torch.manual_seed(((cfg.seed * 7_919) + t) * 104_729 + stream)  # dropout
+                x, y = (
+                    v.to(ctx.device)
+                    for v in batch(cfg.seed, t, stream, cfg.batch_size, cfg.seq_len)
                 )
-            job.step(t, loss)
-            if ckpt is not None:
-                ckpt.after_iteration(t, job)
-            t += 1
-        ctx.heartbeat("done")
-        if ckpt is not None:
-            ckpt.close()
-        dist.barrier()
-        if cfg.save_state:
-            job.save_state()
-    except FatalFailure as e:
-        print(f"rank {ctx.rank}: fatal failure: {e}", file=sys.stderr)
-        return EXIT_FATAL
-    finally:
-        ctx.pool.close()
-    dist.destroy_process_group()
+                with cfg.autocast_context(ctx.device):
+                    mb_loss = model(x, y) / k
+                # As with DDP: only the last micro-batch's backward reduces gradients.
+                with run.no_sync() if mb < k - 1 else contextlib.nullcontext():
+                    mb_loss.backward()
+                loss += mb_loss.detach()
+        if t == first:
+            print(
+                f"rank {ctx.rank}: attention backend {model.attention_backend()}, "
+                f"autocast {cfg.autocast}, TF32 {cfg.tf32}, AdamW {cfg.optimizer}, "
+                f"{k} micro-batch(es) of {cfg.batch_size} x {cfg.seq_len} tokens",
+                flush=True,
+            )
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cfg.optimizer == "fused")
+        run.record_loss(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    if cfg.save_state:  # for tests: every retained tensor, to compare runs
+        run.job.save_state()
     return 0
 
 

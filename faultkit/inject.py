@@ -35,6 +35,7 @@ from leto.memory.config import PoolConfig
 from leto.sim.schedule import Schedule
 from leto.workload.train import TrainConfig
 from verifiers import compare
+from verifiers.recorder import ENV_KEEP
 
 PHASES = plugins.PHASES  # phase -> point (defined beside the points, in leto)
 # Phases whose injection point is in the middle of a parity copy (copy-corrupt needs one).
@@ -102,11 +103,7 @@ def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
 
 
 def _job(cfg: InjectConfig) -> tuple[TrainConfig, PoolConfig]:
-    train = TrainConfig(
-        iterations=cfg.iterations,
-        seed=cfg.seed,
-        keep_tensors=cfg.device == "cpu",  # small CPU job: name the byte offset
-    )
+    train = TrainConfig(iterations=cfg.iterations, seed=cfg.seed)
     pool = PoolConfig(
         device="cpu" if cfg.device == "cpu" else "cuda:0",
         page_bytes=cfg.page_bytes if cfg.device == "cpu" else 2 << 20,
@@ -121,6 +118,8 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
     train, pool = _job(cfg)
     t0 = time.perf_counter()
     env = {"LETO_TRIPWIRE_BLOCKS": str(cfg.abort_after_blocks)}
+    if cfg.device == "cpu":  # a small CPU job: save the tensors, so a divergence names its byte
+        env[ENV_KEEP] = "1"
     got = run_job(
         cfg.world_size, train, out, faults, pool=pool, device=cfg.device,
         shadow_level=cfg.shadow_level, allow_failure=bool(faults), env=env,

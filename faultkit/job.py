@@ -103,7 +103,7 @@ def start_job(
     """Start the job on ``world`` ranks over ``nnodes`` agents (nodes over loopback),
     without waiting: one ``leto run`` process per node, node n in ``out/node{n}`` (its
     logs, the checkpoints) — node 0's are ``out/logs``. Training output goes to
-    ``out/train``; ``finish_job`` waits. Every test, faultkit and the benchmarks start
+    ``out/train``, with the verifiers' trace (``--verify``); ``finish_job`` waits. Every test, faultkit and the benchmarks start
     jobs here (or through ``run_job``)."""
     out = Path(out)
     if world % nnodes:
@@ -124,7 +124,7 @@ def start_job(
             "--nnodes", str(nnodes), "--node-rank", str(node),
             "--nproc-per-node", str(world // nnodes), "--master-port", str(port),
             "--shadow-level", shadow_level, "--log-dir", str(cwd / "logs"),
-            "--timeout-s", str(agent_timeout_s), *_pool_flags(pool), *extra,
+            "--timeout-s", str(agent_timeout_s), "--verify", *_pool_flags(pool), *extra,
             str(SCRIPT), *cfg.flags(), "--out", str(out / "train"),
         ]  # fmt: skip
         log = open(cwd / "leto-run.log", "w")  # noqa: SIM115 - closed by finish_job

@@ -9,9 +9,7 @@ from __future__ import annotations
 import os
 
 from leto import plugins
-from verifiers.recorder import Recorder
-
-ENV_KEEP = "LETO_VERIFY_KEEP_TENSORS"
+from verifiers.recorder import ENV_KEEP, Recorder
 
 
 def _observer(rank: int, out_dir):

@@ -40,6 +40,9 @@ from verifiers.trace import (
     trace_path,
 )
 
+# Under `leto run --verify` (verifiers.plugin): "1" also saves the tensors.
+ENV_KEEP = "LETO_VERIFY_KEEP_TENSORS"
+
 
 class Recorder:
     """Appends records and marks to ``out_dir/rank{rank}.trace.jsonl``.

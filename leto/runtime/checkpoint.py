@@ -75,8 +75,7 @@ class Checkpointer:
         self.agree_pg = dist.new_group(backend="gloo")  # interval agreement, main thread
 
     def _state(self, job) -> dict[str, torch.Tensor]:
-        st = job.up.state
-        return {f"rank{self.rank}.{k}": v[: st.local_valid] for k, v in st.flat.items()}
+        return _tensors(job, self.rank)
 
     def after_iteration(self, t: int, job) -> None:
         """Call once iteration ``t`` is complete (its update done)."""
@@ -128,8 +127,19 @@ def restore(path: Path, iteration: int, job) -> None:
     rank = job.rank
 
     def load():
-        st = job.up.state
-        state = {f"rank{rank}.{k}": v[: st.local_valid] for k, v in st.flat.items()}
-        dcp.load(state, checkpoint_id=path)  # in place, into the pool's pages
+        dcp.load(_tensors(job, rank), checkpoint_id=path)  # in place, into the pool's pages
+        if getattr(job, "loop", None) is not None:
+            job.loop.restored()
 
     job.up.initialize(load, iteration=iteration)
+
+
+def _tensors(job, rank: int) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of a rank: its retained tensors and, under ``leto.Run``,
+    the loop record (hyperparameters, LR scheduler, the script's state)."""
+    st = job.up.state
+    out = {f"rank{rank}.{k}": v[: st.local_valid] for k, v in st.flat.items()}
+    if getattr(job, "loop", None) is not None:
+        for k, rec in enumerate(job.loop.records):
+            out[f"rank{rank}.loop{k}"] = rec
+    return out

@@ -73,6 +73,12 @@ class LoopRecord:
         for t in (self.records[k], *self.mirrors[k]):
             t[: len(raw)].copy_(data)
 
+    def restored(self) -> None:
+        """The records were loaded in place (a checkpoint): bring their parity along."""
+        for rec, mirrors in zip(self.records, self.mirrors, strict=True):
+            for m in mirrors:
+                m[: rec.numel()].copy_(rec)
+
     def read(self, iteration: int) -> dict | None:
         """The payload written for ``iteration``, or None (never written, torn, or
         overwritten by iteration + 2)."""

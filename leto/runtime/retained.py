@@ -71,6 +71,7 @@ class RetainedTraining:
         # Verification is the caller's callback (e.g. verifiers.Recorder.record), called
         # once per iteration with (iteration, loss, {name: retained tensor}).
         self.on_iteration = on_iteration
+        self.loop = None  # leto.Run's loop record (checkpoints carry it)
         self.fresh = False  # resume initialized a fresh pool (no retained state, no checkpoint)
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
         # Gradients reduced in buckets while backward runs (as DDP does); 0: one

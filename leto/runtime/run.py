@@ -89,6 +89,12 @@ class Run:
             raise InvalidInput("the LR scheduler drives another optimizer than the one given")
         names = {id(p): n for n, p in model.named_parameters()}
         self.user = UserOptimizer(optimizer, names)  # refuses what it cannot run, first
+        other = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype != torch.float32]
+        if other:
+            raise InvalidInput(
+                f"parameter {other[0][0]} is {other[0][1]}: under leto.Run parameters are "
+                f"float32 (train in bf16 with torch.autocast); nothing was retained"
+            )
         on_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
         if on_meta and init is None:
             raise InvalidInput(
@@ -116,6 +122,7 @@ class Run:
             bucket_mib=bucket_mib if bucket_mib > 0 else math.inf,
             user=self.user,
         )
+        self.job.loop = self.loop
         params = self.job.params
         # The optimizer now holds the retained parameters.
         for group in optimizer.param_groups:

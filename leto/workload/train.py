@@ -41,8 +41,6 @@ class TrainConfig:
     # Gradients all-reduced in buckets of this size while backward runs (0: one
     # all-reduce of the whole buffer after backward).
     bucket_mib: float = 25.0
-    record: bool = True  # verifiers trace: loss + SHA-256 of retained tensors per iteration
-    keep_tensors: bool = False  # also save them, so a divergence names its byte offset
     save_state: bool = False  # every retained tensor to rank{r}.state.pt at the end
     # Memory pressure (the preinitialization demo): at iteration demand_at (-1: never),
     # once this rank's shadow has parked, the job's device memory grows past the free
