@@ -26,6 +26,7 @@ import torch
 
 from leto.memory.config import PoolConfig
 from leto.plugins import ENV_PLUGINS
+from leto.runtime.config import ENV_TRAIN_DIR
 from leto.runtime.store import free_port
 from leto.workload.train import TrainConfig
 from nvbit_tools.tripwire import ENV_LOG
@@ -99,9 +100,12 @@ def start_job(
     env: dict | None = None,
     nnodes: int = 1,
     agent_timeout_s: float = 120,
+    script: Path = SCRIPT,
+    script_args: list[str] | None = None,
 ) -> list[subprocess.Popen]:
     """Start the job on ``world`` ranks over ``nnodes`` agents (nodes over loopback),
-    without waiting: one ``leto run`` process per node, node n in ``out/node{n}`` (its
+    without waiting (the example job with ``cfg``'s flags, or ``script`` with
+    ``script_args``): one ``leto run`` process per node, node n in ``out/node{n}`` (its
     logs, the checkpoints) — node 0's are ``out/logs``. Training output goes to
     ``out/train``, with the verifiers' trace (``--verify``); ``finish_job`` waits. Every test, faultkit and the benchmarks start
     jobs here (or through ``run_job``)."""
@@ -115,6 +119,9 @@ def start_job(
     names = [n for n in env.get(ENV_PLUGINS, "").split(",") if n]
     env[ENV_PLUGINS] = ",".join(dict.fromkeys([*names, "faultkit.hooks"]))
     env[ENV_LOG] = str(out / "aborts.jsonl")
+    env[ENV_TRAIN_DIR] = str(out / "train")  # a leto.Run's loss log and trace
+    if script_args is None:
+        script_args = [*cfg.flags(), "--out", str(out / "train")]
     procs = []
     for node in range(nnodes):
         cwd = out if node == 0 else out / f"node{node}"
@@ -125,7 +132,7 @@ def start_job(
             "--nproc-per-node", str(world // nnodes), "--master-port", str(port),
             "--shadow-level", shadow_level, "--log-dir", str(cwd / "logs"),
             "--timeout-s", str(agent_timeout_s), "--verify", *_pool_flags(pool), *extra,
-            str(SCRIPT), *cfg.flags(), "--out", str(out / "train"),
+            str(script), *script_args,
         ]  # fmt: skip
         log = open(cwd / "leto-run.log", "w")  # noqa: SIM115 - closed by finish_job
         p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -186,6 +193,8 @@ def run_job(
     env: dict | None = None,
     plan: list[dict] | None = None,
     nnodes: int = 1,
+    script: Path = SCRIPT,
+    script_args: list[str] | None = None,
 ) -> dict:
     """Run the job on ``world`` ranks; returns leto run's summary (node 0's; every
     node's under ``"nodes"``) plus each rank's losses (and final state with
@@ -195,7 +204,10 @@ def run_job(
     out.mkdir(parents=True, exist_ok=True)
     if plan is None:
         plan = plan_of(faults, pool)
-    procs = start_job(world, cfg, out, plan, pool, device, shadow_level, extra, env, nnodes)
+    procs = start_job(
+        world, cfg, out, plan, pool, device, shadow_level, extra, env, nnodes,
+        script=script, script_args=script_args,
+    )  # fmt: skip
     nodes = finish_job(procs, timeout_s)
     code = next((c for c, _ in nodes if c != 0), 0)
     summary = nodes[0][1]

@@ -47,6 +47,25 @@ def test_an_uncaught_exception_is_in_the_failure_record_with_its_traceback(tmp_p
     assert "ValueError: a batch of shape" in err and error["file"] in err, err[-2000:]
 
 
+@pytest.mark.integ
+@pytest.mark.parametrize("when", ["startup", "always"])
+def test_a_script_error_stops_the_job_instead_of_recovering(tmp_path, when):
+    # A start-up exception stops the job at once; one that comes back at the same place
+    # after a recovery stops it the second time (not 100 restarts).
+    p = _leto_run(tmp_path, {"LETO_TEST_RAISE": when}, SCRIPT.parent / "raise_once.py",
+                  stderr=subprocess.PIPE)  # fmt: skip
+    t0 = time.monotonic()
+    out, err = p.communicate(timeout=150)
+    assert p.returncode == 1, err[-2000:]
+    assert time.monotonic() - t0 < 60, "the job did not stop promptly"
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert len(summary["recoveries"]) == (0 if when == "startup" else 1), summary["recoveries"]
+    why = summary["stopped"]
+    assert ("before it began training" if when == "startup" else "the same ValueError") in why
+    # The console shows the traceback's tail and where the rest is.
+    assert 'raise ValueError("a batch of shape' in err and "logs in" in err, err[-2000:]
+
+
 def _children(tmp_path: Path) -> dict[str, int]:
     return {p.name: int(p.read_text()) for p in tmp_path.glob("child-*")}
 

@@ -12,7 +12,6 @@ from faultkit import hooks
 from leto.errors import InvalidInput
 from leto.memory.client import PoolClient
 from leto.memory.launch import start_state_manager
-from leto.runtime.loop_record import LoopRecord
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.user_optim import UserOptimizer
 from tests import rmu_harness as h
@@ -91,11 +90,11 @@ class Trainer:
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.opt = OPTIMIZERS[kind](groups(self.model))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
-        self.loop = LoopRecord(self.client)
         self.up = Updater(
             self.client, self.model, None, UpdaterConfig(chunk_units=1),
             user=UserOptimizer(self.opt, names),
         )  # fmt: skip
+        self.loop = self.up.loop
         m = self.up.recover(report)
         if m is None:
             self.up.initialize(lambda: h.init_params(self.model))

@@ -60,6 +60,8 @@ class Agent:
             os.environ[plugins.ENV_PLUGINS] = ",".join(dict.fromkeys(names))
         plugins.load(",".join(n for n in names if n != plugins.VERIFY_PLUGIN))  # trainers' only
         self.records: list[dict] = []
+        self._signatures: set[tuple] = set()  # script errors recovered from once
+        self.stopped: str | None = None  # why the job stopped early (a script error)
         self.pools: list[dict] = []  # each local pool's final status
         self.shadow_restarts = 0
         self._reshadows: dict[int, int] = {}  # generation -> L3 shadow restarts seen
@@ -130,6 +132,12 @@ class Agent:
                         store.set(keys.failure(gen, f.rank), json.dumps(f.as_record()))
                         log.warning("generation %d: rank %d %s", gen, f.rank, f.describe())
                     store.add(keys.failures(gen), 1)
+                    stop = self._script_error(gen, dead)
+                    if stop is not None:
+                        log.error("%s", stop)
+                        self.stopped = stop
+                        code = 1
+                        break
                 if dead and c.recovery == "checkpoint":
                     store.add(keys.fatal(gen), 1)  # the baseline: no in-place recovery
                 if any(f.code == EXIT_FATAL for f in dead):
@@ -193,6 +201,32 @@ class Agent:
                 json.dumps(self.summary(gen), indent=2)
             )
         return code
+
+    def _script_error(self, gen: int, dead: list[Failure]) -> str | None:
+        """Why the job stops instead of recovering, or None. A Python exception is a
+        script error, not a hardware failure: before its trainer began training (start-up,
+        or a recovery's resume) it stops the job at once; the same exception at the same
+        place as one already recovered from stops it too (a restart loop otherwise)."""
+        for f in dead:
+            if not f.script_error:
+                continue
+            exc, file = f.error["exception"], f.error.get("file", "?")
+            where = f"full traceback in {file}; logs in {self.cfg.log_dir}"
+            if not self.store.check([keys.resumed(gen, f.rank)]):
+                return (
+                    f"rank {f.rank} raised {exc} before it began training (generation {gen}): "
+                    f"a script error, not a hardware failure — the job stops.\n"
+                    f"{f.traceback_tail()}\n({where})"
+                )
+            sig = f.signature()
+            if sig in self._signatures:
+                return (
+                    f"rank {f.rank} raised the same {exc} at the same place again after a "
+                    f"recovery (generation {gen}): the job stops instead of looping.\n"
+                    f"{f.traceback_tail()}\n({where})"
+                )
+            self._signatures.add(sig)
+        return None
 
     def _replace_dead_shadows(self, gen: int) -> None:
         """A parked shadow that died is replaced. At L1/L2 alone; at L3 its process group
@@ -459,6 +493,7 @@ class Agent:
             "generations": last_gen + 1,
             "failures": len(self.records),
             "shadow_restarts": self.shadow_restarts,
+            "stopped": self.stopped,  # why the job stopped early (a script error), or None
             "recoveries": self.records,
             "pools": self.pools,
             "preinit": self.levels.summary() if self.levels is not None else None,

@@ -28,7 +28,9 @@ ENV_PROFILE_RECOVERY = "LETO_PROFILE_RECOVERY"
 # dies; the agent puts it in the failure's record (as torch elastic's error files).
 ENV_ERROR_FILE = "LETO_ERROR_FILE"
 ENV_PREINIT = "LETO_PREINIT"  # --shadow-level auto: the trainer's guard configuration (JSON)
-ENV_LOG_DIR = "LETO_LOG_DIR"  # leto run's --log-dir (a Run's loss log and trace default to it)
+ENV_LOG_DIR = "LETO_LOG_DIR"  # leto run's --log-dir
+# Where a leto.Run writes its loss log and the verifiers' trace (default <log dir>/train).
+ENV_TRAIN_DIR = "LETO_TRAIN_DIR"
 
 LEVELS = ("off", "L1", "L2", "L3")
 
@@ -61,6 +63,7 @@ class TrainerEnv:
     profile_recovery: str | None = None
     error_file: str | None = None
     log_dir: str = "leto-run"
+    train_dir: str = ""  # a Run's output; "" is <log_dir>/train
 
     @classmethod
     def from_environ(cls, env=None) -> TrainerEnv:
@@ -103,6 +106,7 @@ class TrainerEnv:
             profile_recovery=e.get(ENV_PROFILE_RECOVERY) or None,
             error_file=e.get(ENV_ERROR_FILE) or None,
             log_dir=e.get(ENV_LOG_DIR, "leto-run"),
+            train_dir=e.get(ENV_TRAIN_DIR, ""),
         )
 
 

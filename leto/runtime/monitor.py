@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from leto.errors import EXIT_FATAL
 from leto.runtime import keys
 from leto.runtime.cell import Cell
 from leto.runtime.config import RunConfig
@@ -50,6 +51,22 @@ class Failure:
             out["error"] = self.error
         return out
 
+    @property
+    def script_error(self) -> bool:
+        """An uncaught Python exception in the script (or Leto's own code), not a
+        hardware failure; Leto's fatal exit (``EXIT_FATAL``) is not one."""
+        return self.kind is FailureKind.EXIT and self.error is not None and self.code != EXIT_FATAL
+
+    def signature(self) -> tuple[str, str, str]:
+        """(exception, message, the innermost frame's "File ..., line N"): the same
+        error at the same place compares equal across processes."""
+        frames = [ln.strip() for ln in self.error.get("traceback", "").splitlines()]
+        where = next((ln for ln in reversed(frames) if ln.startswith('File "')), "")
+        return self.error["exception"], self.error["message"], where
+
+    def traceback_tail(self, lines: int = 8) -> str:
+        return "\n".join(self.error.get("traceback", "").rstrip().splitlines()[-lines:])
+
     def describe(self) -> str:
         if self.kind is FailureKind.HANG:
             return "hangs (heartbeat stalled)"
@@ -76,6 +93,7 @@ class Monitor:
         controller reads the memory report beside it)."""
         self.cfg, self.cells, self.store, self.on_beat = cfg, cells, store, on_beat
         self._beats: dict[int, tuple] = {}  # rank -> ((generation, beat), monotonic seen)
+        self._first_beat: dict[tuple[int, int], bytes] = {}  # (generation, rank) -> its first beat
         self._beats_read = 0.0  # monotonic time every rank's beat was last read
         self._progress: list[tuple[float, int, int]] = []  # (time, generation, iteration)
         self._first: tuple | None = None  # the first local rank's last (generation, beat)
@@ -119,10 +137,13 @@ class Monitor:
             last = self._beats.get(cl.rank)
             if last is None or last[0] != (gen, beat):
                 self._beats[cl.rank] = ((gen, beat), now)
+                if beat not in (None, b"done"):
+                    self._first_beat.setdefault((gen, cl.rank), beat)
                 continue
-            # Before the first beat (start-up, recovery) and after the last (finishing:
-            # final barrier, checkpoint flush) only the general timeout applies.
-            stepping = beat is not None and beat != b"done"
+            # Before the first beat (start-up, recovery), in a generation's first iteration
+            # (torch.compile, allocator and kernel warm-up) and after the last beat
+            # (final barrier, checkpoint flush) only the general timeout applies.
+            stepping = beat not in (None, b"done") and beat != self._first_beat.get((gen, cl.rank))
             limit = self.cfg.hang_timeout_s if stepping else self.cfg.timeout_s
             if now - last[1] > limit:
                 hung.append((int(beat) if stepping else -1, cl))

@@ -30,7 +30,7 @@ What Leto does with them:
   place; ``optimizer.state_dict()`` reports the retained state;
 * the scheduler's state, each group's hyperparameters and ``run.state`` (the script's
   small state, e.g. the best validation loss) are retained per iteration
-  (``leto.runtime.loop_record``), so a recovery resumes the loop exactly — this assumes
+  (``leto.update.loop_record``), so a recovery resumes the loop exactly — this assumes
   one ``scheduler.step()`` after each ``optimizer.step()``, which is checked;
 * heartbeats, the checkpoint fallback, fault points (``compute.forward`` /
   ``compute.backward`` fire around the model's forward) and verification
@@ -56,7 +56,6 @@ import torch.distributed as dist
 from leto import plugins
 from leto.errors import FatalFailure, InvalidInput
 from leto.plugins import point
-from leto.runtime.loop_record import LoopRecord
 from leto.runtime.retained import RetainedTraining
 from leto.update.rmu import UpdaterConfig
 from leto.update.user_optim import UserOptimizer
@@ -79,7 +78,7 @@ class Run:
         """``ctx``: what ``leto.init()`` returned. ``init()``: fills the parameters on a
         fresh pool when the model was built on the meta device (otherwise the model's
         own initial values are retained). ``out``: the loss log (and, with ``--verify``,
-        the verifiers' trace); default ``<leto run --log-dir>/train``."""
+        the verifiers' trace); default ``$LETO_TRAIN_DIR``, else ``<--log-dir>/train``."""
         t0 = time.time()
         self.ctx = ctx
         self.model = model
@@ -104,8 +103,8 @@ class Run:
         originals = (
             None if init is not None else {n: p.detach() for n, p in model.named_parameters()}
         )
-        self.out = Path(out) if out is not None else Path(ctx.env.log_dir) / "train"
-        self.loop = LoopRecord(ctx.pool)  # attached before the updater builds its layout
+        env = ctx.env
+        self.out = Path(out or env.train_dir or Path(env.log_dir) / "train")
         self.out.mkdir(parents=True, exist_ok=True)
         self.job = RetainedTraining(
             ctx.pool,
@@ -122,7 +121,7 @@ class Run:
             bucket_mib=bucket_mib if bucket_mib > 0 else math.inf,
             user=self.user,
         )
-        self.job.loop = self.loop
+        self.loop = self.job.loop = self.job.up.loop
         params = self.job.params
         # The optimizer now holds the retained parameters.
         for group in optimizer.param_groups:

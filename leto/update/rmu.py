@@ -58,6 +58,7 @@ from leto.memory.config import AllocationKind
 from leto.memory.lending import Lender
 from leto.plugins import point
 from leto.update.layout import RetainedModel
+from leto.update.loop_record import LoopRecord
 from leto.update.marker import Auth, Marker, MarkerState, Phase, Step, StreamOrderedWrites
 from leto.update.optim import (
     CUT_ELEMS,
@@ -134,6 +135,9 @@ class Updater:
         gp = client.attach("rmu.gradparity", (h1 + h2) * pb, kind=reusable)
         self.gradparity = [gp[i * pb : (i + 1) * pb] for i in range(h1 + h2)]
         record = client.attach(MARKER_NAME, 128, kind=AllocationKind.RECORD)
+        # The script's loop state (hyperparameters per iteration), after every other
+        # allocation so group numbers stay those of a job without it.
+        self.loop = LoopRecord(client) if user is not None else None
         self.views = client.layout()
         self.groups = self.state.set_groups(self.views)
         self.grad_groups = RetainedModel.groups_of(self.views, "grad")

@@ -34,8 +34,8 @@ _HEAD = struct.Struct("<IqII")  # magic, iteration, payload length, crc32 of the
 
 class LoopRecord:
     def __init__(self, client: PoolClient):
-        """Attaches the records; make it before the updater (whose layout needs every
-        allocation of the pool attached)."""
+        """Attaches the records (the updater does, before it reads the pool's layout,
+        which needs every allocation attached)."""
         nbytes = client.config.record_page_bytes
         self.client = client
         self.records = [client.attach(n, nbytes, kind=AllocationKind.RECORD) for n in NAMES]
