@@ -56,7 +56,6 @@ def _same(a: list[dict], b: list[dict]) -> str | None:
 
 @pytest.mark.integ
 def test_the_ported_llama_is_bit_identical_to_ddp_and_exact_under_faults(tmp_path):
-    pytest.importorskip("transformers")
     ddp = tmp_path / "ddp"
     subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -168,3 +168,28 @@ def test_the_trainer_environment_is_read_once_with_clear_errors():
     assert (env.rank, env.generation, env.promote_fd, env.checkpoint_interval) == (1, 3, 7, 5)
     with pytest.raises(AttributeError):
         env.rank = 0  # frozen
+
+
+def test_a_fault_plan_meeting_a_pool_with_nothing_attached_does_not_crash_the_agent():
+    # A trainer that died before it attached its state leaves an empty pool: the plan's
+    # page loss is refused and reported, the agent goes on (it crashed here before).
+    from types import SimpleNamespace
+
+    import faultkit.hooks  # noqa: F401 - registers the page-loss plugin, as leto run loads it
+    from leto.memory.launch import start_state_manager
+    from leto.runtime.agent import Agent
+    from tests.pool_helpers import small_config
+
+    sm = start_state_manager(small_config())
+    try:
+        agent = Agent.__new__(Agent)
+        agent.cells = [SimpleNamespace(rank=0, sm=sm)]
+        agent.faults = [
+            {"generation": 0, "rank": 0, "at": "update.optimizer@1#1", "lose_pages": 2,
+             "inject": [["data", "grad", [1]]]}
+        ]  # fmt: skip
+        lost = agent._lose(0)
+    finally:
+        sm.stop()
+    assert lost["device"] == 0 and len(lost["refused"]) == 1, lost
+    assert "grad" in lost["refused"][0] or "allocation" in lost["refused"][0], lost

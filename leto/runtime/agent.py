@@ -32,7 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from leto import plugins
-from leto.errors import EXIT_FATAL
+from leto.errors import EXIT_FATAL, LetoError
 from leto.memory.config import PoolConfig
 from leto.runtime import keys
 from leto.runtime import store as job_store
@@ -413,15 +413,21 @@ class Agent:
         for cl in self.cells:
             rng = random.Random(gen * 1_000 + cl.rank)
             with PoolClient.connect(cl.sm.socket_path, cl.sm.token, role="faultkit") as f:
-                if pages or host:
-                    for k, v in plugins.lose_pages(f, pages, host, rng).items():
-                        if isinstance(v, list):  # e.g. groups smaller than asked
-                            lost.setdefault(k, []).extend([cl.rank, *x] for x in v)
-                        else:
-                            lost[k] += v
-                for kind, name, idx in explicit:
-                    f.inject_loss(kind, name, list(idx))
-                    lost["host" if kind.startswith("tier") else "device"] += len(idx)
+                try:
+                    if pages or host:
+                        for k, v in plugins.lose_pages(f, pages, host, rng).items():
+                            if isinstance(v, list):  # e.g. groups smaller than asked
+                                lost.setdefault(k, []).extend([cl.rank, *x] for x in v)
+                            else:
+                                lost[k] += v
+                    for kind, name, idx in explicit:
+                        f.inject_loss(kind, name, list(idx))
+                        lost["host" if kind.startswith("tier") else "device"] += len(idx)
+                except LetoError as e:
+                    # E.g. a trainer that died before it attached its state: the pool has
+                    # nothing (or not that) to lose. The failure is still recovered.
+                    log.warning("rank %d: the fault plan's page loss was refused: %s", cl.rank, e)
+                    lost.setdefault("refused", []).append(f"rank {cl.rank}: {e}")
         return lost
 
     def _fallback(self, gen: int) -> None:
