@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-x2|abort|faultkit|faultkit-abort|runtime|preinit|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|preinit|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -47,6 +47,14 @@ if [[ $what == overhead-x2 ]]; then
   python3 -m bench.rmu_overhead $M --world-size 2 --iters 4 --warmup 2 --tier1-pages ${LETO_H1:-4} \
     --json-out "$OUT/overhead_x2_16k.json" 2>&1 | tee "$OUT/overhead_x2_16k.txt" || rc=1
   timeout 240 python3 -m pytest -p no:cacheprovider -q tests/test_dp_multigpu.py 2>&1 | tail -3 | tee "$OUT/multigpu_tests.txt" || rc=1
+fi
+if [[ $what == run-api ]]; then
+  # Issue 16 on two GPUs (nvidia-h200-x2): the script's own optimizers through the updater
+  # on CUDA, the ported Hugging Face Llama against torchrun + DDP (NCCL) fault-free and
+  # after a kill, and the example job (a plain script on leto.Run) killed on either GPU.
+  python3 -c 'import transformers; print("transformers", transformers.__version__)' 2>&1 | tee "$OUT/run_api_env.txt"
+  timeout 560 python3 -m pytest -p no:cacheprovider -q -rs tests/test_user_optim.py tests/test_porting.py \
+    tests/test_dp_multigpu.py 2>&1 | tail -25 | tee "$OUT/run_api_tests.txt" || rc=1
 fi
 if [[ $what == overhead || $what == all ]]; then
   # Issue 15: steady-state overhead against the loop users run (fused AdamW, clip foreach,

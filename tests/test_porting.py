@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from faultkit.job import JobFault, first_difference, run_job
+from leto.memory.config import PoolConfig
 from leto.runtime.store import free_port
 from leto.workload.train import TrainConfig
 
@@ -54,8 +55,31 @@ def _same(a: list[dict], b: list[dict]) -> str | None:
     return None
 
 
+# On two GPUs (nvidia-h200-x2: NCCL, CUDA VMM pools of 2 MiB pages) the tiny model's
+# state is one group: its H1 = 2 data pages and the gradient group's host parity page.
+CUDA_POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_injection=True)
+CUDA_LOSE = (("data", "param", (0,)), ("data", "exp_avg", (0,)), ("tier1", 1, (0,)))
+CPU_LOSE = (("data", "param", (0, 3)), ("data", "exp_avg", (1, 2)), ("tier1", 1, (0,)),
+            ("data", "grad", (1,)))  # fmt: skip
+
+
 @pytest.mark.integ
-def test_the_ported_llama_is_bit_identical_to_ddp_and_exact_under_faults(tmp_path):
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    torch.cuda.device_count() < 2, reason="needs two CUDA devices (nvidia-h200-x2)"
+                ),
+            ],
+        ),
+    ],
+)
+def test_the_ported_llama_is_bit_identical_to_ddp_and_exact_under_faults(tmp_path, device):
     ddp = tmp_path / "ddp"
     subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -66,18 +90,19 @@ def test_the_ported_llama_is_bit_identical_to_ddp_and_exact_under_faults(tmp_pat
 
     def leto(name: str, faults=()) -> dict:
         out = tmp_path / name
+        pool = {"pool": CUDA_POOL} if device == "cuda" else {}
         got = run_job(
             2, TrainConfig(), out, faults, shadow_level="L2" if faults else "off",
             script=LETO, script_args=["--iterations", str(ITERS), "--out", str(out / "train")],
+            device=device, **pool,
         )  # fmt: skip
         return got
 
     ref = leto("leto")
     assert (why := _same(_params(ddp, 2), _params(tmp_path / "leto" / "train", 2))) is None, why
     # Rank 1 killed in the middle of iteration 2's optimizer; H1 pages of a parameter
-    # group, a host parity page and a gradient page lost on every rank.
-    lose = (("data", "param", (0, 3)), ("data", "exp_avg", (1, 2)), ("tier1", 1, (0,)),
-            ("data", "grad", (1,)))  # fmt: skip
+    # group, a host parity page (and on the CPU a gradient page) lost on every rank.
+    lose = CUDA_LOSE if device == "cuda" else CPU_LOSE
     got = leto("faulted", [JobFault(1, "update.optimizer@2#1", inject=lose)])
     assert got["injections"] == 1, got["recoveries"]
     assert first_difference(ref, got) is None, first_difference(ref, got)

@@ -11,6 +11,7 @@ import torch
 from faultkit import hooks
 from leto.errors import InvalidInput
 from leto.memory.client import PoolClient
+from leto.memory.config import PoolConfig
 from leto.memory.launch import start_state_manager
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.user_optim import UserOptimizer
@@ -48,10 +49,11 @@ def schedule(t: int) -> float:
     return (t + 1) / ITERS
 
 
-def reference(kind: str) -> dict[str, torch.Tensor]:
+def reference(kind: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     model = h.mlp(h.DIMS)
     with torch.no_grad():
         h.init_params(model)
+    model = model.to(device)
     opt = OPTIMIZERS[kind](groups(model))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     params = list(model.parameters())
@@ -72,11 +74,11 @@ def reference(kind: str) -> dict[str, torch.Tensor]:
             [
                 state[p][key].reshape(-1)
                 if state.get(p, {}).get(key) is not None
-                else torch.zeros(p.numel())
+                else torch.zeros(p.numel(), device=device)
                 for p in params
             ]
         )
-    return out
+    return {k: v.cpu() for k, v in out.items()}
 
 
 class Trainer:
@@ -137,6 +139,7 @@ def train(pool, kind: str, crash=None) -> dict[str, torch.Tensor]:
     try:
         while tr.t < ITERS:
             tr.iteration()
+        assert crash is None, f"crash point {crash} was never reached: the test proves nothing"
     except hooks.InjectedCrash:
         tr.client.close()
         hooks.disarm()
@@ -147,7 +150,7 @@ def train(pool, kind: str, crash=None) -> dict[str, torch.Tensor]:
         hooks.disarm()
     st = tr.up.state
     out = {
-        k: torch.cat([v[s.offset : s.offset + s.numel] for s in st.slots]).clone()
+        k: torch.cat([v[s.offset : s.offset + s.numel] for s in st.slots]).cpu()
         for k, v in st.flat.items()
     }
     tr.client.close()
@@ -196,3 +199,16 @@ def test_what_leto_cannot_run_is_refused_by_name():
     opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
     with pytest.raises(InvalidInput, match="lr is a tensor"):
         UserOptimizer(opt, names).hparams()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("crash", [None, ("update.optimizer", 2, 1)])
+@pytest.mark.parametrize("kind", ["adamw-fused", "adamw-foreach", "adam-fused", "sgd-nesterov"])
+def test_on_the_gpu_too(kind, crash):
+    sm = start_state_manager(
+        PoolConfig.for_cuda(0, data_pages=8, tier1_pages=2, allow_fault_injection=True)
+    )
+    try:
+        assert_same(train(sm, kind, crash), reference(kind, "cuda"), f"{kind} on CUDA, {crash}")
+    finally:
+        sm.stop()

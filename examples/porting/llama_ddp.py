@@ -28,17 +28,21 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank()
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.manual_seed(0)  # the same initial weights on every rank
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
         tie_word_embeddings=True,
+        # Deterministic algorithms on: SDPA's fp32 CUDA backward is not deterministic.
+        attn_implementation="eager" if torch.cuda.is_available() else "sdpa",
     )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(device)
     named = list(model.named_parameters())
     optimizer = torch.optim.AdamW(
         [
@@ -48,10 +52,10 @@ def main() -> None:
         lr=3e-3, betas=(0.9, 0.95), fused=True,
     )  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
-    model = DDP(model)
+    model = DDP(model, device_ids=[rank] if device.type == "cuda" else None)
     for it in range(args.iterations):
         for micro in range(ACCUM):
-            x = tokens(rank, it, micro)
+            x = tokens(rank, it, micro).to(device)
             with model.no_sync() if micro < ACCUM - 1 else contextlib.nullcontext():
                 loss = model(input_ids=x, labels=x).loss / ACCUM
                 loss.backward()

@@ -28,15 +28,19 @@ def main() -> None:
     args = ap.parse_args()
     ctx = leto.init()
     rank = ctx.rank
+    device = ctx.device
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.manual_seed(0)  # the same initial weights on every rank
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
         tie_word_embeddings=True,
+        # Deterministic algorithms on: SDPA's fp32 CUDA backward is not deterministic.
+        attn_implementation="eager" if torch.cuda.is_available() else "sdpa",
     )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(device)
     named = list(model.named_parameters())
     optimizer = torch.optim.AdamW(
         [
@@ -49,7 +53,7 @@ def main() -> None:
     run = leto.Run(ctx, model, optimizer, scheduler)
     for it in run.iterations(args.iterations):
         for micro in range(ACCUM):
-            x = tokens(rank, it, micro)
+            x = tokens(rank, it, micro).to(device)
             with run.no_sync() if micro < ACCUM - 1 else contextlib.nullcontext():
                 loss = model(input_ids=x, labels=x).loss / ACCUM
                 loss.backward()
