@@ -1,28 +1,26 @@
-"""A trainer for the script-error tests. ``LETO_TEST_RAISE`` says when rank 1 raises:
-``running`` (default): once, in generation 0, after it began training (a recovery
-follows); ``startup``: in generation 0 before it began training (the job stops at
-once); ``always``: in every generation after it began (the job stops the second time).
-Every other trainer finishes at once."""
+"""A trainer for the script-error tests. ``LETO_TEST_RAISE`` says what goes wrong:
+``running`` (default): rank 1 raises once, in generation 0, after it began training (a
+recovery follows); ``always``: it raises in every generation after it began (the job
+stops the second time); ``startup``: each rank initializes its model from its own seed,
+which ``leto.Run`` refuses at start-up (the job stops at once). Every other trainer
+finishes at once."""
 
 import os
 
+import torch
 import torch.distributed as dist
 
 import leto
 
 when = os.environ.get("LETO_TEST_RAISE", "running")
 ctx = leto.init()
-
-
-def fail():
-    raise ValueError("a batch of shape (3, 5) where (4, 5) was expected")
-
-
-if when == "startup" and ctx.generation == 0 and ctx.rank == 1:
-    fail()
+if when == "startup":
+    torch.manual_seed(ctx.rank)  # the bug: different initial weights per rank
+    model = torch.nn.Linear(8, 4)
+    leto.Run(ctx, model, torch.optim.SGD(model.parameters(), lr=0.1))
 ctx.resumed(0)
-if ctx.rank == 1 and (when == "always" or ctx.generation == 0) and when != "startup":
-    fail()
+if ctx.rank == 1 and (when == "always" or ctx.generation == 0):
+    raise ValueError("a batch of shape (3, 5) where (4, 5) was expected")
 if ctx.generation == 0 or when == "always":
     dist.barrier()  # rank 0 waits here until the agent fences it
 ctx.heartbeat("done")
