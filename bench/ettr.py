@@ -487,7 +487,7 @@ def run_leto(
     wall time (launch to exit) as ``run_wall_s``."""
     work.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "leto.cli", "run", "--json", "--device", args.device,
+        sys.executable, "-m", "leto.cli", "run", "--json", "--verify", "--device", args.device,
         "--nproc-per-node", str(args.nproc_per_node), "--master-port", str(free_port()),
         "--shadow-level", spec.shadow_level, "--recovery", spec.recovery,
         "--log-dir", str(work / "logs"), "--checkpoint-dir", str(ckpt_dir),

@@ -53,7 +53,7 @@ VARIANTS = {
 def run_variant(work: Path, level: str, recovery: str, args, faults) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "leto.cli", "run", "--json", "--device", args.device,
+        sys.executable, "-m", "leto.cli", "run", "--json", "--verify", "--device", args.device,
         "--nproc-per-node", str(args.nproc_per_node), "--master-port", str(free_port()),
         "--shadow-level", level, "--recovery", recovery, "--log-dir", str(work / "logs"),
         "--checkpoint-interval", str(args.checkpoint_interval), *args.pool_flags,

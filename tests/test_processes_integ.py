@@ -173,18 +173,17 @@ def test_a_fault_plan_meeting_a_pool_with_nothing_attached_does_not_crash_the_ag
 
     import faultkit.hooks  # noqa: F401 - registers the page-loss plugin, as leto run loads it
     from leto.memory.launch import start_state_manager
-    from leto.runtime.agent import Agent
+    from leto.runtime.recovery import Recovery
     from tests.pool_helpers import small_config
 
     sm = start_state_manager(small_config())
     try:
-        agent = Agent.__new__(Agent)
-        agent.cells = [SimpleNamespace(rank=0, sm=sm)]
-        agent.faults = [
+        plan = [
             {"generation": 0, "rank": 0, "at": "update.optimizer@1#1", "lose_pages": 2,
              "inject": [["data", "grad", [1]]]}
         ]  # fmt: skip
-        lost = agent._lose(0)
+        cells = [SimpleNamespace(rank=0, sm=sm)]
+        lost = Recovery(None, cells, None, None, plan).lose(0)
     finally:
         sm.stop()
     assert lost["device"] == 0 and len(lost["refused"]) == 1, lost

@@ -1,25 +1,20 @@
 """The node agent: what ``leto run`` runs on each node.
 
 Runs in the agent process. Starts the job store (node 0) and one cell per local rank,
-then monitors: every ``poll_s`` its ``Monitor`` (``leto.runtime.monitor``) reports the
+then watches: every ``poll_s`` its ``Monitor`` (``leto.runtime.monitor``) reports the
 local trainers that died or hang (typed ``Failure`` records), and the store's failure
-counter of the current generation tells of a failure on another node. On a failure every agent fences its active trainers, waits until every node has
-fenced, and promotes its shadows together into the next generation (or, with shadows
-off, starts trainers cold as torchrun would); then it starts the next shadows. A
-trainer that exits with ``EXIT_FATAL`` reports a fatal failure (its retained state is
-beyond parity): the job stops and says so.
+counter of the current generation tells of a failure on another node. What happens
+then is ``leto.runtime.recovery`` (in place: fence every node, promote the shadows
+together; fatal: the checkpoint fallback), and the shadows are
+``leto.runtime.shadows``'. The agent decides which, and when the job stops:
 
-Hangs: a trainer's heartbeat (``Context.heartbeat``, once per iteration) that stalls
-for ``hang_timeout_s`` is a failure like a death (fencing SIGKILLs a stopped process).
-
-A fatal failure (a trainer exits ``EXIT_FATAL``: its retained state is beyond parity;
-or a state manager dies) falls back to checkpoints: every rank restarts cold on a
-fresh pool from the newest complete DCP checkpoint.
+* a trainer exiting ``EXIT_FATAL`` (its retained state is beyond parity) or a dead state
+  manager is a fatal failure;
+* a script error (an uncaught Python exception) before its trainer began training, or
+  the same one again after a recovery, stops the job (``_script_error``);
+* ``max_failures`` failures stop it.
 
 A failure during a recovery is one more failure of the new generation.
-
-A parked shadow that dies is replaced; at L3 every node restarts all shadows of that
-generation in a fresh process-group namespace (``_replace_dead_shadows``).
 """
 
 from __future__ import annotations
@@ -32,13 +27,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from leto import plugins
-from leto.errors import EXIT_FATAL, LetoError
+from leto.errors import EXIT_FATAL
 from leto.memory.config import PoolConfig
 from leto.runtime import keys
 from leto.runtime import store as job_store
 from leto.runtime.cell import Cell
-from leto.runtime.config import ENV_FAULT_PLAN, ENV_PREINIT, RunConfig
+from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
 from leto.runtime.monitor import Failure, FailureKind, Monitor
+from leto.runtime.recovery import Recovery, RecoveryRecord
+from leto.runtime.shadows import Shadows
 
 log = logging.getLogger("leto.agent")
 
@@ -46,7 +43,6 @@ log = logging.getLogger("leto.agent")
 class Agent:
     def __init__(self, cfg: RunConfig, command: list[str]):
         self.cfg, self.command = cfg, command
-        self.level = cfg.level()
         self.faults = json.loads(os.environ.get(ENV_FAULT_PLAN, "[]"))
         # A fault plan is executed by the fault plugin (faultkit), in this agent (page
         # loss) and in the trainers (points); --verify's digest by the verifiers in the
@@ -59,24 +55,14 @@ class Agent:
         if names:
             os.environ[plugins.ENV_PLUGINS] = ",".join(dict.fromkeys(names))
         plugins.load(",".join(n for n in names if n != plugins.VERIFY_PLUGIN))  # trainers' only
-        self.records: list[dict] = []
+        self.records: list[RecoveryRecord] = []
         self._signatures: set[tuple] = set()  # script errors recovered from once
         self.stopped: str | None = None  # why the job stopped early (a script error)
         self.pools: list[dict] = []  # each local pool's final status
-        self.shadow_restarts = 0
-        self._reshadows: dict[int, int] = {}  # generation -> L3 shadow restarts seen
         self.monitor: Monitor | None = None
         self.store: job_store.CountingStore | None = None
-        self.levels = None  # preinit.levels.Levels under --shadow-level auto (controlled)
-        self._reclaims_seen: dict[tuple[int, int], int] = {}  # (generation, rank) -> count
-        self._memory_seen: dict[int, bytes] = {}  # rank -> its trainer's last memory report
-        self._dead_since: dict[int, tuple] = {}  # shadow pid -> (trainer beat, monotonic)
-
-    def _fault(self, generation: int, rank: int) -> dict | None:
-        for f in self.faults:
-            if f["generation"] == generation and f["rank"] == rank:
-                return f
-        return None
+        self.shadows: Shadows | None = None
+        self.recovery: Recovery | None = None
 
     def _pool(self, local_rank: int) -> PoolConfig:
         c = self.cfg
@@ -103,24 +89,23 @@ class Agent:
             Cell(c, lr, first + lr, self.command, self._pool(lr)) for lr in range(c.nproc_per_node)
         ]
         self.cells = cells
+        shadows = self.shadows = Shadows(c, cells)
         self.monitor = Monitor(
-            c, cells, store, on_beat=self._observe_memory if c.controlled else None
+            c, cells, store, on_beat=shadows.observe_memory if c.controlled else None
         )
+        shadows.monitor = self.monitor
+        recovery = self.recovery = Recovery(c, cells, store, shadows, self.faults)
         gen = 0
         code = 0
         try:
-            self._setup_levels()
+            shadows.setup(store)
             for cell in cells:
-                cell.start_active(0, self._fault(0, cell.rank))
+                cell.start_active(0, recovery.fault(0, cell.rank))
             log.info(
                 "started ranks %s (world %d, %s), shadows %s",
                 [cl.rank for cl in cells], c.world_size, c.device, c.shadow_level,
             )  # fmt: skip
-            if self.levels is not None:
-                self.level = self.levels.start(1, c.timeout_s)
-            if self.level not in ("off", None):
-                for cell in cells:
-                    cell.start_shadow(1, self.level)
+            shadows.start_first()
             reported = False
             while True:
                 time.sleep(c.poll_s)
@@ -159,7 +144,7 @@ class Agent:
                         code = EXIT_FATAL
                         break
                     log.warning("generation %d: fatal failure, falling back to the checkpoint", gen)
-                    self._fallback(gen)
+                    self.records.append(recovery.fallback(gen, self._detected))
                     gen += 1
                     reported = False
                     continue
@@ -170,25 +155,25 @@ class Agent:
                         code = 1
                         break
                     log.info("generation %d: HOF, recovering in place", gen)
-                    self._recover(gen)
+                    self.records.append(recovery.in_place(gen, self._detected))
                     gen += 1
                     reported = False
                     continue
-                self._replace_dead_shadows(gen)
+                shadows.replace_dead(gen)
                 if all(cl.active.poll() == 0 for cl in cells):
                     log.info("generation %d: every local trainer finished", gen)
                     store.add(keys.DONE, 1)
                     job_store.wait_count(store, keys.DONE, c.nnodes, c.timeout_s, "every node")
                     break
         finally:
-            if self.levels is not None:
+            if shadows.levels is not None:
                 Path(c.log_dir).mkdir(parents=True, exist_ok=True)
-                self.levels.write(Path(c.log_dir))
+                shadows.levels.write(Path(c.log_dir))
             self.pools = [self._pool_status(cl) for cl in cells]
             for cl in cells:
                 cl.stop()
             try:
-                self._collect()
+                recovery.collect(self.records)
             finally:
                 # Node 0 hosts the store: it stays up until every agent has collected.
                 store.add(keys.COLLECTED, 1)
@@ -228,92 +213,6 @@ class Agent:
             self._signatures.add(sig)
         return None
 
-    def _replace_dead_shadows(self, gen: int) -> None:
-        """A parked shadow that died is replaced. At L1/L2 alone; at L3 its process group
-        is gone with it, so every node restarts all shadows of the next generation in a
-        fresh process-group namespace (a counter in the store tells the other nodes).
-
-        Under the controller a shadow the trainer's hook reclaimed is not a crash: its
-        rank's level goes down, and every node restarts its shadows at the new job
-        level (the same counter)."""
-        dead = [cl for cl in self.cells if cl.shadow is not None and cl.shadow.poll() is not None]
-        key = keys.reshadow(gen + 1)
-        if self.levels is not None:
-            crashed, reclaimed = self._classify_dead(gen, dead)
-            if reclaimed:
-                self.store.add(key, 1)
-            dead = crashed
-        if self.level != "L3" and self.levels is None:
-            for cl in dead:
-                self.shadow_restarts += 1
-                cl.start_shadow(cl.shadow_generation, self.level)
-            return
-        if dead and self.level == "L3":
-            self.store.add(key, 1)
-        elif dead:  # below L3 a crashed shadow is replaced alone
-            for cl in dead:
-                self.shadow_restarts += 1
-                cl.start_shadow(cl.shadow_generation, self.level)
-        n = job_store.counter(self.store, key)
-        if n > self._reshadows.get(gen + 1, 0):
-            self._reshadows[gen + 1] = n
-            if self.levels is not None:
-                self.level = self.levels.relaunch(gen + 1)
-            for cl in self.cells:
-                cl.drop_shadow(grace_s=0)
-            if self.level in ("off", None):
-                return  # the controller found no level that fits: none until a recovery
-            for cl in self.cells:
-                self.shadow_restarts += 1
-                cl.pg_attempt = f"{cl.fallbacks}.{n}"
-                cl.start_shadow(gen + 1, self.level)
-
-    def _classify_dead(self, gen: int, dead: list[Cell]) -> tuple[list[Cell], list[Cell]]:
-        """(crashed, reclaimed) among dead shadows; one not yet known either way (its
-        trainer reports reclamations before its next beat) is in neither."""
-        from leto.preinit.guard import reclaims_key
-
-        crashed, reclaimed = [], []
-        for cl in dead:
-            key = reclaims_key(gen, cl.rank)
-            n = job_store.counter(self.store, key)
-            seen = self._reclaims_seen.get((gen, cl.rank), 0)
-            events = [json.loads(self.store.get(f"{key}/{k}")) for k in range(seen + 1, n + 1)]
-            self._reclaims_seen[(gen, cl.rank)] = n
-            mine = [e for e in events if e["pid"] == cl.shadow.pid]
-            if mine:
-                for e in mine:
-                    self.levels.on_reclaim(cl.rank, gen + 1, e)
-                self._dead_since.pop(cl.shadow.pid, None)
-                cl.drop_shadow(grace_s=0)  # reaped; the restart below replaces it
-                reclaimed.append(cl)
-                continue
-            beat = self.monitor.last_beat(cl.rank)
-            first = self._dead_since.setdefault(cl.shadow.pid, (beat, time.monotonic()))
-            if beat != first[0] or time.monotonic() - first[1] > self.cfg.hang_timeout_s:
-                self._dead_since.pop(cl.shadow.pid, None)
-                crashed.append(cl)  # the trainer moved on without reporting it: a crash
-        return crashed, reclaimed
-
-    def _setup_levels(self) -> None:
-        """``--shadow-level auto``: the controller's per-rank state and the guard
-        configuration every trainer gets (on a GPU or an emulated CPU device)."""
-        c = self.cfg
-        if not c.controlled:
-            return
-        from leto.preinit.guard import GuardConfig
-        from leto.preinit.levels import Levels
-
-        emulated = c.device == "cpu"
-        capacity = c.device_memory_bytes or _device_total_bytes(self.cells[0].local_rank)
-        pcfg = c.policy(capacity)
-        fp = pcfg.footprints
-        ranks = [cl.rank for cl in self.cells]
-        self.levels = Levels(self.store, ranks, c.world_size, pcfg, emulated)
-        guard = GuardConfig(fp, c.reclaim_below_bytes, capacity, emulated).to_json()
-        for cl in self.cells:
-            cl.extra_env[ENV_PREINIT] = guard
-
     def _pool_status(self, cl: Cell) -> dict:
         """The pool's final status (pages found lost, rebuilt, pending) for the summary;
         a dead state manager is reported, not waited for."""
@@ -329,192 +228,20 @@ class Agent:
         except Exception as e:  # the summary reports it; the run's outcome stands
             return {"rank": cl.rank, "error": f"{type(e).__name__}: {e}"}
 
-    def _observe_memory(self, gen: int, cl: Cell) -> None:
-        from leto.preinit.guard import memory_key
-
-        key = memory_key(gen, cl.rank)
-        if self.store.check([key]):
-            raw = self.store.get(key)
-            if self._memory_seen.get(cl.rank) != raw:  # each report once
-                self._memory_seen[cl.rank] = raw
-                self.levels.observe(cl.rank, json.loads(raw))
-
-    def _next_level(self, new: int) -> None:
-        """After a recovery into generation ``new``: the level of its successors'
-        shadows (the controller may raise it)."""
-        if self.levels is not None:
-            self.level = self.levels.on_recovery(new + 1, self.cfg.timeout_s)
-            self._dead_since.clear()
-
-    def _recover(self, gen: int) -> None:
-        c, store = self.cfg, self.store
-        t0 = time.time()
-        for cl in self.cells:
-            cl.fence()
-        t_fenced = time.time()
-        store.add(keys.fenced(gen), 1)
-        job_store.wait_count(store, keys.fenced(gen), c.nnodes, c.timeout_s, "every node to fence")
-        log.info("generation %d: fenced in %.3f s (every node: %.3f s)", gen,
-                 t_fenced - t0, time.time() - t0)  # fmt: skip
-        lost = self._lose(gen)
-        if lost.get("device") or lost.get("host"):
-            log.info("generation %d: fault plan lost %s", gen, lost)
-        new = gen + 1
-        promoted = self.level
-        if self.level in ("off", None):
-            for cl in self.cells:
-                cl.drop_shadow(grace_s=0)
-                cl.start_active(new, self._fault(new, cl.rank))
-        else:
-            for cl in self.cells:
-                if cl.shadow is None or cl.shadow.poll() is not None:
-                    cl.start_shadow(new, self.level)  # none ready: promote a fresh one
-                cl.promote(self._fault(new, cl.rank))
-        t_promoted = time.time()
-        log.info(
-            "generation %d: %s in %.3f s", new,
-            "cold restarts" if promoted in ("off", None) else f"{promoted} shadows promoted",
-            t_promoted - t0,
-        )  # fmt: skip
-        self._next_level(new)
-        if self.level not in ("off", None):
-            for cl in self.cells:
-                cl.start_shadow(new + 1, self.level)
-        self.records.append(
-            {
-                "generation": gen,
-                "class": "HOF",
-                "detected_at": self._detected,
-                "fencing_s": t_fenced - t0,
-                "all_nodes_fenced_s": time.time() - t0,
-                "promotion_s": t_promoted - t0,
-                "level": promoted,
-                "local_ranks": [cl.rank for cl in self.cells],
-                "pages_lost": lost,
-            }
-        )
-
-    def _lose(self, gen: int) -> dict:
-        """A fault plan's page losses for this failure, on every local rank's pool, while
-        no trainer runs (faultkit's mechanism: the pools must allow fault injection):
-        ``lose_pages`` random data pages per protection group, ``host_parity_pages``
-        tier-1 pages, and ``inject``, explicit ``[kind, name, [pages]]`` losses."""
-        plan = [f for f in self.faults if f["generation"] == gen]
-        pages = sum(f.get("lose_pages", 0) for f in plan)
-        host = sum(f.get("host_parity_pages", 0) for f in plan)
-        explicit = [e for f in plan for e in f.get("inject", [])]
-        lost = {"device": 0, "host": 0}
-        if not (pages or host or explicit):
-            return lost
-        import random
-
-        from leto.memory.client import PoolClient
-
-        for cl in self.cells:
-            rng = random.Random(gen * 1_000 + cl.rank)
-            with PoolClient.connect(cl.sm.socket_path, cl.sm.token, role="faultkit") as f:
-                try:
-                    if pages or host:
-                        for k, v in plugins.lose_pages(f, pages, host, rng).items():
-                            if isinstance(v, list):  # e.g. groups smaller than asked
-                                lost.setdefault(k, []).extend([cl.rank, *x] for x in v)
-                            else:
-                                lost[k] += v
-                    for kind, name, idx in explicit:
-                        f.inject_loss(kind, name, list(idx))
-                        lost["host" if kind.startswith("tier") else "device"] += len(idx)
-                except LetoError as e:
-                    # E.g. a trainer that died before it attached its state: the pool has
-                    # nothing (or not that) to lose. The failure is still recovered.
-                    log.warning("rank %d: the fault plan's page loss was refused: %s", cl.rank, e)
-                    lost.setdefault("refused", []).append(f"rank {cl.rank}: {e}")
-        return lost
-
-    def _fallback(self, gen: int) -> None:
-        """A fatal failure: every rank restarts cold on a fresh pool from the newest
-        complete checkpoint (torchrun-style, but only for FFs)."""
-        c, store = self.cfg, self.store
-        t0 = time.time()
-        for cl in self.cells:
-            cl.fence()
-            cl.drop_shadow(grace_s=0)  # its generation's process group (L3) has no future
-        t_fenced = time.time()
-        store.add(keys.fenced(gen), 1)
-        job_store.wait_count(store, keys.fenced(gen), c.nnodes, c.timeout_s, "every node to fence")
-        for cl in self.cells:
-            cl.reset_pool()
-            # The dropped L3 shadows formed their group under the next generation; the
-            # cold trainers must not find those addresses (seen in a trace replay: gloo
-            # connectFullMesh refused).
-            cl.fallbacks += 1
-            cl.pg_attempt = f"{cl.fallbacks}.0"
-        new = gen + 1
-        for cl in self.cells:
-            cl.start_active(new, self._fault(new, cl.rank))
-        log.info("generation %d: fresh pools, cold trainers from the newest checkpoint", new)
-        self._next_level(new)
-        if self.level not in ("off", None):
-            for cl in self.cells:
-                cl.start_shadow(new + 1, self.level)
-        self.records.append(
-            {
-                "generation": gen,
-                "class": "FF",
-                "detected_at": self._detected,
-                "fencing_s": t_fenced - t0,
-                "promotion_s": time.time() - t0,
-                "level": "checkpoint",
-                "local_ranks": [cl.rank for cl in self.cells],
-            }
-        )
-
-    def _collect(self) -> None:
-        """Trainer-side timings of each recovery, as the promoted trainers reported."""
-        for rec in self.records:
-            g = rec["generation"] + 1
-            ranks = {}
-            for r in rec["local_ranks"]:
-                key = keys.resumed(g, r)
-                if self.store.check([key]):
-                    ranks[r] = json.loads(self.store.get(key))
-            failure_keys = {
-                r: keys.failure(rec["generation"], r) for r in range(self.cfg.world_size)
-            }
-            why = {
-                r: json.loads(self.store.get(k))
-                for r, k in failure_keys.items()
-                if self.store.check([k])
-            }
-            rec["failed_ranks"] = sorted(why)
-            # How each failed: exit code or hang, and the uncaught exception's error file.
-            rec["failures"] = {str(r): w for r, w in why.items()}
-            rec["trainers"] = ranks
-            if ranks:
-                rec["recovery_s"] = max(v["time"] for v in ranks.values()) - rec["detected_at"]
-
     def summary(self, last_gen: int) -> dict:
         return {
             "measured": self.monitor.ettr() if self.monitor is not None else {"ettr": None},
             "config": asdict(self.cfg),
             "generations": last_gen + 1,
             "failures": len(self.records),
-            "shadow_restarts": self.shadow_restarts,
+            "shadow_restarts": self.shadows.restarts if self.shadows else 0,
             "stopped": self.stopped,  # why the job stopped early (a script error), or None
-            "recoveries": self.records,
+            "recoveries": [r.as_dict() for r in self.records],
             "pools": self.pools,
-            "preinit": self.levels.summary() if self.levels is not None else None,
-            "shadow_level": self.level,  # of the parked shadows now (None: none fits)
+            "preinit": self.shadows.summary() if self.shadows else None,
+            # of the parked shadows now (None: none fits)
+            "shadow_level": self.shadows.level if self.shadows else None,
             # This agent's load on the job's TCPStore (every request it made).
             "store_requests": self.store.requests if self.store is not None else 0,
             "store_requests_per_s": self.store.rate() if self.store is not None else 0.0,
         }
-
-
-def _device_total_bytes(index: int) -> int:
-    """The GPU's memory through the driver API: no CUDA context in the agent."""
-    from leto.memory.backends.cuda import _call, _driver
-
-    d = _driver()
-    _call("cuInit", d.cuInit, 0)
-    dev = _call(f"cuDeviceGet({index})", d.cuDeviceGet, index)
-    return int(_call("cuDeviceTotalMem", d.cuDeviceTotalMem, dev))
