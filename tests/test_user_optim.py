@@ -13,6 +13,7 @@ from leto.errors import InvalidInput
 from leto.memory.client import PoolClient
 from leto.memory.config import PoolConfig
 from leto.memory.launch import start_state_manager
+from leto.update.loop_record import LoopRecord
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.user_optim import UserOptimizer
 from tests import rmu_harness as h
@@ -212,3 +213,60 @@ def test_on_the_gpu_too(kind, crash):
         assert_same(train(sm, kind, crash), reference(kind, "cuda"), f"{kind} on CUDA, {crash}")
     finally:
         sm.stop()
+
+
+def test_the_optimizers_state_dict_reports_the_retained_state(pool):
+    kind = "adamw-fused"
+    tr = Trainer(pool, kind)
+    while tr.t < ITERS:
+        tr.iteration()
+    st = tr.up.state
+
+    def view(name, state):
+        slot = next(s for s in st.slots if s.name == name)
+        return st.flat[state][slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    tr.up.user.adopt(tr.up.params)  # as leto.Run does
+    tr.up.user.expose_state(tr.up.params, view, ITERS)
+    got = tr.opt.state_dict()
+    model = h.mlp(h.DIMS)
+    with torch.no_grad():
+        h.init_params(model)
+    opt = OPTIMIZERS[kind](groups(model))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    for t in range(ITERS):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        h.grads_for(model, t)
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5, foreach=True)
+        opt.step()
+        sched.step()
+    want = opt.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for i, s in want["state"].items():
+        for k, v in s.items():
+            g = got["state"][i][k]
+            assert torch.equal(g.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), (
+                i,
+                k,
+            )
+    tr.client.close()
+
+
+def test_the_loop_record_keeps_two_iterations_and_refuses_what_does_not_fit(pool):
+    with PoolClient.connect(pool.socket_path, pool.token) as client:
+        client.localize()
+        rec = LoopRecord(client)
+        rec.write(4, {"state": {"best": 1.5}})
+        rec.write(5, {"state": {"best": 1.25}})
+        assert rec.read(4) == {"state": {"best": 1.5}} and rec.read(5)["state"]["best"] == 1.25
+        rec.write(6, {"x": 1})  # overwrites 4's slot
+        assert rec.read(4) is None and rec.read(5) is not None and rec.read(7) is None
+        with pytest.raises(InvalidInput, match="pickles to .* bytes; a record holds"):
+            rec.write(7, {"big": "x" * rec.capacity})
+        assert rec.read(5) is not None, "a refused write must leave the other slot intact"
+        # A write torn by a crash (payload half written) fails its CRC: not read back.
+        raw = rec.records[0]
+        raw[40:48] = raw[40:48] ^ 0xFF
+        assert rec.read(6) is None

@@ -122,10 +122,7 @@ class Run:
             user=self.user,
         )
         self.loop = self.job.loop = self.job.up.loop
-        params = self.job.params
-        # The optimizer now holds the retained parameters.
-        for group in optimizer.param_groups:
-            group["params"] = [params[names[id(p)]] for p in group["params"]]
+        self.user.adopt(self.job.params)  # the optimizer now holds the retained parameters
         self._orig_state_dict = optimizer.state_dict
 
         def step(closure=None):
@@ -136,6 +133,7 @@ class Run:
         optimizer.step = step
         optimizer.zero_grad = self._zero_grad
         optimizer.state_dict = self._state_dict
+        optimizer.load_state_dict = self._load_state_dict
         model.zero_grad = self._zero_grad
         model.register_forward_pre_hook(lambda *_: self._point("compute.forward"))
         model.register_forward_hook(lambda *_: self._point("compute.backward"))
@@ -237,6 +235,13 @@ class Run:
         views = self._views
         self.user.expose_state(self.job.params, views, self._steps_done())
         return self._orig_state_dict()
+
+    def _load_state_dict(self, state_dict) -> None:
+        raise InvalidInput(
+            "optimizer.load_state_dict() under Leto: the optimizer's state is retained and "
+            "restored by Leto itself (and by its checkpoint fallback); loading a state from "
+            "elsewhere into retained memory is not supported yet — nothing was changed"
+        )
 
     def _steps_done(self) -> int:
         m = self.job.up.marker.state

@@ -80,6 +80,7 @@ class UserOptimizer:
         """``names``: id(parameter) -> the model's parameter name, for every parameter
         the model has (the optimizer may hold a subset; the rest are never updated)."""
         self.optimizer = optimizer
+        self.names = names
         self.kind = kind_of(optimizer)
         off = _SGD_OFF if self.kind is SGD else _ADAM_OFF
         self.group_of: dict[str, int] = {}
@@ -105,6 +106,12 @@ class UserOptimizer:
                 "the optimizer has already stepped (it holds state); give Leto a fresh "
                 "optimizer — its state is retained and restored by Leto"
             )
+
+    def adopt(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Point the optimizer's groups at the retained parameters (``RetainedModel.bind``
+        replaced the model's), so its ``state`` and ``state_dict`` use them."""
+        for group in self.optimizer.param_groups:
+            group["params"] = [params[self.names[id(p)]] for p in group["params"]]
 
     # -- hyperparameters ------------------------------------------------------------
 
