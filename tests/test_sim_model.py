@@ -190,3 +190,22 @@ def test_leto_advantage_grows_with_hof_ratio_and_costs_omega_at_zero():
             trail = -gap[0]
             bound = LETO_SYS.omega + 1e-12
             assert 0 < trail <= bound, f"{dep} M={m}: trails by {trail:.4%}, bound {bound:.4%}"
+
+
+def test_the_h1_sweep_trades_overhead_against_hofs_turned_fatal():
+    from leto.errors import InvalidInput
+    from leto.sim.scenarios import sweep_h1
+
+    omega = {4: 0.10, 16: 0.20}
+    # No memory errors: every HOF is recovered whatever H1, so the cheaper H1 wins.
+    rows = sweep_h1("deepseek_v3_16k", omega, {16: 1.0}, memory_fraction=0.0)
+    assert [r["h1"] for r in rows if r["best"]] == [4]
+    assert all(r["hof_ratio"] == 1.0 for r in rows)
+    # Every HOF retires 16 pages of a group: at H1 = 4 each becomes a fatal failure
+    # (h_eff = 0) and pays a checkpoint rollback; H1 = 16 recovers them all.
+    rows = sweep_h1("deepseek_v3_16k", {4: 0.10, 16: 0.10}, {16: 1.0}, memory_fraction=1.0)
+    by = {r["h1"]: r for r in rows}
+    assert by[4]["hof_ratio"] == 0.0 and by[16]["hof_ratio"] == 1.0
+    assert by[16]["best"] and by[16]["ettr"] > by[4]["ettr"]
+    with pytest.raises(InvalidInput, match="sum to 1"):
+        sweep_h1("deepseek_v3_16k", omega, {4: 0.5, 16: 0.2}, memory_fraction=0.5)

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leto.errors import InvalidInput
+from leto.sim.scenarios import OMEGA_H200_16K
 
 _COLUMNS = {
     "deployment": "{}",
@@ -44,6 +45,10 @@ _COLUMNS = {
     "recompute_s": "{:.0f}",
     "recovery_restarts": "{}",
     "during_recompute": "{}",
+    "h1": "{}",
+    "omega": "{:.1%}",
+    "hof_beyond_h1": "{:.2%}",
+    "best": "{}",
     "wasted_gpu_hours": "{:.1f}",
     "recovery_gpu_hours": "{:.1f}",
 }
@@ -96,6 +101,20 @@ def cmd_sim(args: argparse.Namespace) -> int:
                     f"{args.deployment}: ETTR vs HOF ratio",
                 )
             title = "leto sim sweep-hof (paper Fig. 10)"
+        elif args.sim_command == "h1":
+            rows = scenarios.sweep_h1(
+                args.deployment,
+                _pairs(args.omega, "--omega", int, float),
+                _pairs(args.pages_per_error, "--pages-per-error", int, float),
+                args.memory_fraction,
+                args.mttf_s,
+                args.hof_ratio,
+            )
+            best = next(r for r in rows if r["best"])
+            title = (
+                f"leto sim h1: ETTR against tier-1 parity pages — best H1 = {best['h1']} "
+                f"({best['ettr']:.1%})"
+            )
         else:
             schedule = Schedule.from_json(Path(args.schedule).read_text())
             rows = scenarios.replay(args.deployment, schedule, interval=args.interval)
@@ -109,8 +128,21 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pairs(items: list[str], flag: str, kt, vt) -> dict:
+    out = {}
+    for it in items:
+        k, sep, v = it.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[kt(k)] = vt(v)
+        except ValueError:
+            raise InvalidInput(f"{flag} {it!r}: expected KEY=VALUE, e.g. 4=0.108") from None
+    return out
+
+
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``sim scenarios|sweep-interval|sweep-hof|replay`` to the leto parser."""
+    """Add ``sim scenarios|sweep-interval|sweep-hof|h1|replay`` to the leto parser."""
     p = subparsers.add_parser("sim", help="ETTR model and failure simulator (paper Appendix C)")
     sub = p.add_subparsers(dest="sim_command", required=True)
 
@@ -157,6 +189,31 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="HOF ratios",
     )
     g.add_argument("--mttf-s", type=float, default=600.0, help="MTTF in seconds")
+    out(g)
+    g = sub.add_parser("h1", help="ETTR against the number of tier-1 parity pages H1")
+    g.add_argument("--deployment", default="deepseek_v3_16k", help="profile name or .json path")
+    g.add_argument(
+        "--omega",
+        nargs="+",
+        default=[f"{k}={v}" for k, v in sorted(OMEGA_H200_16K.items())],
+        help="H1=OVERHEAD pairs, the RMU's measured steady overhead at each H1 (default: "
+        "the H200 figures at 16 K tokens per iteration, docs/benchmarks.md)",
+    )
+    g.add_argument(
+        "--pages-per-error",
+        nargs="+",
+        default=["16=1.0"],
+        help="PAGES=PROBABILITY pairs: device pages of one group a memory error retires "
+        "(default 16, the paper's MI300X row)",
+    )
+    g.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.3,
+        help="fraction of HOFs that retire device pages (the rest lose none)",
+    )
+    g.add_argument("--mttf-s", type=float, default=600.0, help="MTTF in seconds")
+    g.add_argument("--hof-ratio", type=float, default=1.0, help="HOF ratio")
     out(g)
     g = sub.add_parser("replay", help="discrete-event replay of a faultkit schedule")
     g.add_argument("--deployment", default="kimi_testbed", help="profile name or .json path")

@@ -9,6 +9,9 @@ JIT-Checkpointing, which the paper's simulations do not use.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from leto.errors import InvalidInput
 from leto.sim.events import simulate
 from leto.sim.model import Job, choose_interval, predict
 from leto.sim.profiles import SCENARIOS, load_deployment, load_systems, published
@@ -122,4 +125,54 @@ def replay(
                 "recovery_gpu_hours": r.recovery_gpu_hours,
             }
         )
+    return rows
+
+
+# RMU overhead (omega) against tier-1 parity pages, measured on the H200 against the loop
+# users run (docs/benchmarks.md, 1.01 B GPT, bf16 autocast, 16 K tokens per iteration):
+# H1 = 4: +10.8 %, H1 = 16: +21.7 %. Callers pass their own with --omega.
+OMEGA_H200_16K = {4: 0.108, 16: 0.217}
+
+
+def sweep_h1(
+    deployment: str,
+    omega_by_h1: dict[int, float],
+    pages_per_error: dict[int, float],
+    memory_fraction: float,
+    mttf_s: float = 600.0,
+    hof_ratio: float = 1.0,
+) -> list[dict]:
+    """What each number of tier-1 parity pages H1 buys (issue 15: the ETTR model picks
+    it). A HOF that retires device pages loses ``b`` pages of one protection group, with
+    ``P(b) = pages_per_error[b]``; a ``memory_fraction`` of HOFs do. Within ``H1`` pages
+    the HOF is recovered in place; beyond, parity cannot rebuild the group and it becomes
+    a fatal failure (the checkpoint path). Fewer rows cost less every iteration
+    (``omega_by_h1``, measured) but turn more HOFs into FFs:
+
+    ``h_eff(H1) = h * (1 - memory_fraction * P(b > H1))``,
+    ``ETTR(H1) = Eq. 6 with omega(H1), h_eff(H1)``, the FF interval by Young at the
+    FF-only MTTF ``M / (1 - h_eff)``. The best row has ``best`` set."""
+    if not omega_by_h1:
+        raise InvalidInput("give at least one H1 with its measured overhead (--omega H1=FRACTION)")
+    total = sum(pages_per_error.values())
+    if not pages_per_error or abs(total - 1.0) > 1e-6 or min(pages_per_error.values()) < 0:
+        raise InvalidInput(
+            f"--pages-per-error probabilities must be >= 0 and sum to 1 (got {total:.6g})"
+        )
+    if not 0.0 <= memory_fraction <= 1.0:
+        raise InvalidInput(f"--memory-fraction {memory_fraction}: expected a fraction in [0, 1]")
+    dep = load_deployment(deployment)
+    leto = load_systems()["leto"]
+    rows = []
+    for h1, omega in sorted(omega_by_h1.items()):
+        beyond = sum(p for b, p in pages_per_error.items() if b > h1)
+        h_eff = hof_ratio * (1.0 - memory_fraction * beyond)
+        job = Job(dep.t_iter_s, dep.ckpt_p, mttf_s, h_eff)
+        system = replace(leto, omega=omega)
+        row = _row(dep, system, job, choose_interval(job, system, dep.max_interval))
+        row.update(h1=h1, omega=omega, hof_beyond_h1=beyond * memory_fraction * hof_ratio)
+        rows.append(row)
+    best = max(rows, key=lambda r: r["ettr"])
+    for r in rows:
+        r["best"] = r is best
     return rows
