@@ -188,7 +188,9 @@ class UserOptimizer:
         # The step count as the optimizer keeps it: float32, on the parameter's device
         # when fused, on the CPU otherwise; the functional increments it first.
         dev = params[0].device if fused else torch.device("cpu")
-        steps = [torch.tensor(float(step - 1), dtype=torch.float32, device=dev) for _ in params]
+        # One fill for all pieces (not one host-to-device copy each); views, so the
+        # functional's in-place increment counts each piece once.
+        steps = list(torch.full((len(params),), float(step - 1), dtype=torch.float32, device=dev))
         fn = adamw if self.kind is ADAMW else adam
         fn(
             params,
