@@ -77,19 +77,25 @@ def main() -> int:
     ctx = leto.init(prepare=build)
     model = ctx.prepared if ctx.prepared is not None else build()
     named = list(model.named_parameters())
+    muon = []
+    if cfg.optimizer == "muon":  # the blocks' matrices by Muon, the rest by AdamW
+        mats = [p for n, p in named if p.ndim == 2 and n.startswith("blocks.")]
+        muon = [torch.optim.Muon(mats, lr=cfg.peak_lr * 20, weight_decay=0.1)]
+        named = [(n, p) for n, p in named if not any(p is m for m in mats)]
     groups = [
         {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.1},
         {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
     ]
-    impl = {"fused": True} if cfg.optimizer == "fused" else {"foreach": False}
-    optimizer = torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.95), eps=1e-8, **impl)
+    impl = {"foreach": False} if cfg.optimizer == "single" else {"fused": True}
+    adamw = torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.95), eps=1e-8, **impl)
+    optimizers = [*muon, adamw]
     shape = WarmupCosine(peak_lr=1.0, total_iters=cfg.iterations)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, shape)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, shape) for o in optimizers]
     run = leto.Run(
         ctx,
         model,
-        optimizer,
-        scheduler,
+        optimizers,
+        schedulers,
         init=lambda: init_weights(model, cfg.seed),
         out=args.out,
         zero1=cfg.zero1,
@@ -124,11 +130,13 @@ def main() -> int:
                 f"{k} micro-batch(es) of {cfg.batch_size} x {cfg.seq_len} tokens",
                 flush=True,
             )
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cfg.optimizer == "fused")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cfg.optimizer != "single")
         run.record_loss(loss)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        for o in optimizers:
+            o.step()
+        for sc in schedulers:
+            sc.step()
+        adamw.zero_grad(set_to_none=True)
     if cfg.save_state:  # for tests: every retained tensor, to compare runs
         run.job.save_state()
     return 0

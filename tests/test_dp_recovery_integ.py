@@ -34,6 +34,11 @@ MATRIX_POINTS = set(PHASES.values())
 POINTS = [p for p in hooks.POINTS if p != "gather" and p not in MATRIX_POINTS]
 
 
+# The script's two optimizers, torch.optim.Muon for the blocks' matrices (each updated
+# whole, its own chunk) and fused AdamW for the rest: one transaction once both stepped.
+MUON = TrainConfig(iterations=4, optimizer="muon")
+
+
 class _References:
     """The session's shared fault-free references, by name (built on first use)."""
 
@@ -41,7 +46,9 @@ class _References:
         self.get = job_reference
 
     def __getitem__(self, key):
-        world, cfg = {2: (2, CFG), 4: (4, CFG), "zero1": (2, ZERO1), "accum": (2, ACCUM)}[key]
+        world, cfg = {
+            2: (2, CFG), 4: (4, CFG), "zero1": (2, ZERO1), "accum": (2, ACCUM), "muon": (2, MUON)
+        }[key]  # fmt: skip
         return self.get(world, cfg)
 
 
@@ -123,4 +130,15 @@ def test_gradient_accumulation_recovers_exactly(reference, tmp_path, victim, poi
     assert got["injections"] == 1, f"the fault {point} was not injected"
     assert first_difference(reference["accum"], got) is None, first_difference(
         reference["accum"], got
+    )
+
+
+def test_muon_beside_adamw_recovers_exactly(reference, tmp_path):
+    # Killed in the middle of iteration 2's update, H1 pages of a group lost.
+    got = run(
+        2, MUON, tmp_path, fault=(1, "update.optimizer@2#2"), lose=LOSE_H1_PAGES_AND_A_PARITY_PAGE
+    )
+    assert got["injections"] == 1, "the fault was not injected"
+    assert first_difference(reference["muon"], got) is None, first_difference(
+        reference["muon"], got
     )

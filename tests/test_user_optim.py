@@ -36,6 +36,21 @@ OPTIMIZERS = {
 }
 
 
+def muon_and_adamw(model: torch.nn.Module) -> list:
+    """Muon for the 2-D weights, fused AdamW for the rest: how Muon scripts run."""
+    named = list(model.named_parameters())
+    return [
+        torch.optim.Muon([p for _, p in named if p.ndim == 2], lr=2e-2, weight_decay=0.05),
+        torch.optim.AdamW([p for _, p in named if p.ndim != 2], lr=3e-3, fused=True),
+    ]
+
+
+def make(kind: str, model: torch.nn.Module) -> list:
+    if kind == "muon+adamw":
+        return muon_and_adamw(model)
+    return [OPTIMIZERS[kind](groups(model))]
+
+
 def groups(model: torch.nn.Module) -> list[dict]:
     """Two parameter groups as GPT scripts make them: weight decay off for biases, and
     a different learning rate."""
@@ -55,21 +70,34 @@ def reference(kind: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     with torch.no_grad():
         h.init_params(model)
     model = model.to(device)
-    opt = OPTIMIZERS[kind](groups(model))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    opts = make(kind, model)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in opts]
     params = list(model.parameters())
     for t in range(ITERS):
         for p in params:
             p.grad = torch.zeros_like(p)
         h.grads_for(model, t)
         torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=True)
-        opt.step()
-        sched.step()
-    state = opt.state
+        for o in opts:
+            o.step()
+        for sc in scheds:
+            sc.step()
+    state = {p: st for o in opts for p, st in o.state.items()}
+    momentum = kind.startswith("sgd") or kind.startswith("muon")
     out = {"param": torch.cat([p.detach().reshape(-1) for p in params])}
     for k, key in (("exp_avg", "momentum_buffer" if kind.startswith("sgd") else "exp_avg"),
                    ("exp_avg_sq", "exp_avg_sq")):  # fmt: skip
-        if k == "exp_avg_sq" and kind.startswith("sgd"):
+        if k == "exp_avg_sq" and momentum:
+            continue
+        if kind.startswith("muon"):  # Muon's buffer is momentum_buffer, AdamW's exp_avg
+            out[k] = torch.cat(
+                [
+                    (state[p]["momentum_buffer"] if p.ndim == 2 else state[p]["exp_avg"]).reshape(
+                        -1
+                    )
+                    for p in params
+                ]
+            )
             continue
         out[k] = torch.cat(
             [
@@ -91,11 +119,12 @@ class Trainer:
         report = self.client.localize()
         self.model = h.build_model()
         names = {id(p): n for n, p in self.model.named_parameters()}
-        self.opt = OPTIMIZERS[kind](groups(self.model))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
+        self.opts = make(kind, self.model)
+        self.opt = self.opts[0]
+        self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.opts]
         self.up = Updater(
             self.client, self.model, None, UpdaterConfig(chunk_units=1),
-            user=UserOptimizer(self.opt, names),
+            user=UserOptimizer(self.opts, names),
         )  # fmt: skip
         self.loop = self.up.loop
         m = self.up.recover(report)
@@ -109,12 +138,13 @@ class Trainer:
             self.up.finish(m)
             t += 1
         self.t = t
-        rec = self.loop.read(t - 1)  # the scheduler as of iteration t - 1's step ...
-        self.sched.load_state_dict(rec["scheduler"])
-        for g, hp in zip(self.opt.param_groups, rec["hparams"], strict=True):
+        rec = self.loop.read(t - 1)  # the schedulers as of iteration t - 1's step ...
+        for (_, g), hp in zip(self.up.user.groups, rec["hparams"], strict=True):
             g.update(hp)
-        self.opt._opt_called = True  # as leto.Run marks it: the update ran
-        self.sched.step()  # ... then its step after that iteration
+        for o, sc, st in zip(self.opts, self.scheds, rec["scheduler"], strict=True):
+            sc.load_state_dict(st)
+            o._opt_called = True  # as leto.Run marks it: the update ran
+            sc.step()  # ... then their step after that iteration
 
     def iteration(self) -> None:
         t = self.t
@@ -123,13 +153,15 @@ class Trainer:
         h.grads_for(self.model, t)
         torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), 0.5, foreach=True)
         hp = UserOptimizer.hparams(self.up.user)
-        self.loop.write(t, {"hparams": hp, "scheduler": self.sched.state_dict(), "state": {}})
+        scheds = [sc.state_dict() for sc in self.scheds]
+        self.loop.write(t, {"hparams": hp, "scheduler": scheds, "state": {}})
         self.up.hparams = hp
         self.up.protect_grads(t)
         self.up.sync(t)
         self.up.update(t)
-        self.opt._opt_called = True
-        self.sched.step()
+        for o, sc in zip(self.opts, self.scheds, strict=True):
+            o._opt_called = True
+            sc.step()
         self.t += 1
 
 
@@ -160,7 +192,8 @@ def train(pool, kind: str, crash=None) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def pool():
-    sm = start_state_manager(small_config(data_pages=8, tier1_pages=2))
+    # Groups large enough that Muon's layers (updated whole) each fit one.
+    sm = start_state_manager(small_config(data_pages=24, tier1_pages=2))
     yield sm
     sm.stop()
 
@@ -172,13 +205,13 @@ def assert_same(got: dict, want: dict, what: str) -> None:
         assert diff.numel() == 0, f"{what}: {k} differs from torch at byte {int(diff[0])}"
 
 
-@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("kind", [*OPTIMIZERS, "muon+adamw"])
 def test_the_scripts_optimizer_is_bit_identical_to_a_plain_loop(pool, kind):
     assert_same(train(pool, kind), reference(kind), kind)
 
 
 @pytest.mark.parametrize("at", ["update.optimizer", "update.parity", "update.commit", "sync"])
-@pytest.mark.parametrize("kind", ["adamw-fused", "sgd-nesterov"])
+@pytest.mark.parametrize("kind", ["adamw-fused", "sgd-nesterov", "muon+adamw"])
 def test_a_crash_in_the_update_resumes_with_that_iterations_hyperparameters(pool, kind, at):
     # The crash strikes in iteration 2, whose learning rates differ from 3's: finishing
     # it with the wrong ones would show.

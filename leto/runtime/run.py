@@ -39,7 +39,7 @@ What Leto does with them:
 Code after ``optimizer.step()`` of an iteration a failure interrupted is not run again
 (the loop resumes at the next iteration): evaluate at the top of the loop.
 
-Not covered: several optimizers, closures, GradScaler (fp16), parameters that get no
+Not covered: closures, GradScaler (fp16: a skipped step), parameters that get no
 gradient in an iteration (torch skips them; Leto updates them with a zero gradient).
 """
 
@@ -66,7 +66,7 @@ class Run:
         self,
         ctx,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer,
         scheduler=None,
         *,
         init=None,
@@ -75,19 +75,25 @@ class Run:
         chunk_units: int = 2,
         bucket_mib: float = 25.0,
     ):
-        """``ctx``: what ``leto.init()`` returned. ``init()``: fills the parameters on a
+        """``ctx``: what ``leto.init()`` returned. ``optimizer``: the script's optimizer,
+        or a list of them (e.g. Muon for the 2-D weights and AdamW for the rest; the update
+        runs once all have stepped); ``scheduler``: None, one or a list. ``init()``: fills the parameters on a
         fresh pool when the model was built on the meta device (otherwise the model's
         own initial values are retained). ``out``: the loss log (and, with ``--verify``,
         the verifiers' trace); default ``$LETO_TRAIN_DIR``, else ``<--log-dir>/train``."""
         t0 = time.time()
         self.ctx = ctx
         self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
-            raise InvalidInput("the LR scheduler drives another optimizer than the one given")
+        self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self.schedulers = (
+            [] if scheduler is None
+            else list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+        )  # fmt: skip
+        for sc in self.schedulers:
+            if not any(getattr(sc, "optimizer", None) is o for o in self.optimizers):
+                raise InvalidInput("an LR scheduler drives an optimizer that was not given")
         names = {id(p): n for n, p in model.named_parameters()}
-        self.user = UserOptimizer(optimizer, names)  # refuses what it cannot run, first
+        self.user = UserOptimizer(self.optimizers, names)  # refuses what it cannot run, first
         other = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype != torch.float32]
         if other:
             raise InvalidInput(
@@ -122,26 +128,18 @@ class Run:
             user=self.user,
         )
         self.loop = self.job.loop = self.job.up.loop
-        self.user.adopt(self.job.params)  # the optimizer now holds the retained parameters
-        self._orig_state_dict = optimizer.state_dict
-
-        def step(closure=None):
-            return self._step(closure)
-
-        # torch's LR scheduler warns when optimizer.step was replaced after it wrapped it.
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        optimizer.step = step
-        optimizer.zero_grad = self._zero_grad
-        optimizer.state_dict = self._state_dict
-        optimizer.load_state_dict = self._load_state_dict
+        self.user.adopt(self.job.params)  # the optimizers now hold the retained parameters
+        for oi, opt in enumerate(self.optimizers):
+            self._patch(oi, opt)
         model.zero_grad = self._zero_grad
         model.register_forward_pre_hook(lambda *_: self._point("compute.forward"))
         model.register_forward_hook(lambda *_: self._point("compute.backward"))
         self.state: dict = {}  # the script's small state, retained per iteration
         self._t: int | None = None  # the iteration in progress
         self._stepped = False
+        self._called: set[int] = set()  # optimizers whose step() this iteration called
         self._loss = float("nan")
-        self._epoch: int | None = None  # the scheduler's last_epoch at the last step
+        self._epochs: list[int] | None = None  # the schedulers' last_epoch at the last step
         t_resume = time.time()
         self.next_iteration = self.job.resume(
             ctx.report, checkpoints=ctx.checkpoint_dir, before_finish=self._hparams_of
@@ -167,10 +165,14 @@ class Run:
         t = self.next_iteration
         while t < total:
             self._t, self._stepped, self._loss = t, False, float("nan")
+            self._called = set()
             self.job.begin(t)
             yield t
             if not self._stepped:
-                raise InvalidInput(f"iteration {t} ended without optimizer.step()")
+                raise InvalidInput(
+                    f"iteration {t} ended without the step() of every optimizer given to "
+                    f"leto.Run (a GradScaler that skips steps is not supported yet)"
+                )
             self._t = None
             if self.checkpointer is not None:
                 self.checkpointer.after_iteration(t, self.job)
@@ -198,7 +200,26 @@ class Run:
 
     # -- what the script's objects now do -------------------------------------------
 
-    def _step(self, closure=None):
+    def _patch(self, oi: int, opt: torch.optim.Optimizer) -> None:
+        orig_state_dict = opt.state_dict
+
+        def step(closure=None):
+            return self._step(oi, closure)
+
+        def state_dict():
+            self.user.expose_state(self.job.params, self._views, self._steps_done())
+            return orig_state_dict()
+
+        # torch's LR scheduler warns when optimizer.step was replaced after it wrapped it.
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        opt.step = step
+        opt.zero_grad = self._zero_grad
+        opt.state_dict = state_dict
+        opt.load_state_dict = self._load_state_dict
+
+    def _step(self, oi: int, closure=None):
+        """One optimizer's ``step()``: the update runs when every optimizer given to Leto
+        has stepped in this iteration (Muon and AdamW side by side: one transaction)."""
         if closure is not None:
             raise InvalidInput("optimizer.step(closure) is not supported under Leto")
         t = self._t
@@ -207,34 +228,32 @@ class Run:
                 "optimizer.step() was called outside run.iterations(): under Leto the "
                 "optimizer steps only inside the loop, as its crash-consistent update"
             )
-        if self._stepped:
-            raise InvalidInput(f"optimizer.step() was called twice in iteration {t}")
-        sched = None
-        if self.scheduler is not None:
-            e = self.scheduler.last_epoch
-            if self._epoch is not None and e != self._epoch + 1:
-                raise InvalidInput(
-                    f"the LR scheduler stepped {e - self._epoch} times between two optimizer "
-                    f"steps (iteration {t}); Leto retains it assuming one scheduler.step() "
-                    f"after each optimizer.step()"
-                )
-            self._epoch = e
-            sched = self.scheduler.state_dict()
+        if self._stepped or oi in self._called:
+            raise InvalidInput(f"optimizer {oi}'s step() was called twice in iteration {t}")
+        self._called.add(oi)
+        self.optimizers[oi]._opt_called = True  # what torch's scheduler checks for
+        if len(self._called) < len(self.optimizers):
+            return
+        epochs = [sc.last_epoch for sc in self.schedulers]
+        if self._epochs is not None:
+            for sc, e, before in zip(self.schedulers, epochs, self._epochs, strict=True):
+                if e != before + 1:
+                    raise InvalidInput(
+                        f"the LR scheduler {type(sc).__name__} stepped {e - before} times "
+                        f"between two optimizer steps (iteration {t}); Leto retains it "
+                        f"assuming one scheduler.step() after each optimizer.step()"
+                    )
+        self._epochs = epochs
+        scheds = [sc.state_dict() for sc in self.schedulers]
         h = self.user.hparams()
-        self.loop.write(t, {"hparams": h, "scheduler": sched, "state": dict(self.state)})
+        self.loop.write(t, {"hparams": h, "scheduler": scheds, "state": dict(self.state)})
         self.job.up.hparams = h
         self.job.step(t, self._loss)
         self._stepped = True
-        self.optimizer._opt_called = True  # what torch's scheduler checks for
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the retained gradients in place (never None: they must stay retained)."""
         self.job.up.state.grad.zero_()
-
-    def _state_dict(self):
-        views = self._views
-        self.user.expose_state(self.job.params, views, self._steps_done())
-        return self._orig_state_dict()
 
     def _load_state_dict(self, state_dict) -> None:
         raise InvalidInput(
@@ -285,15 +304,15 @@ class Run:
             rec, steps = self.loop.read(n - 1), 1
         if rec is None:
             return  # a fresh start (or a checkpoint restore: the script's fresh objects)
-        for group, h in zip(self.optimizer.param_groups, rec["hparams"], strict=True):
+        for (_, group), h in zip(self.user.groups, rec["hparams"], strict=True):
             group.update(h)
         self.state = dict(rec["state"])
-        if self.scheduler is not None and rec["scheduler"] is not None:
-            self.scheduler.load_state_dict(rec["scheduler"])
+        for sc, st in zip(self.schedulers, rec["scheduler"], strict=True):
+            sc.load_state_dict(st)
             for _ in range(steps):
-                self.optimizer._opt_called = True
-                self.scheduler.step()
-            self._epoch = self.scheduler.last_epoch - 1
+                sc.optimizer._opt_called = True
+                sc.step()
+        self._epochs = [sc.last_epoch - 1 for sc in self.schedulers]
 
     def _check_identical(self) -> None:
         """Every data-parallel rank starts from the same parameters (DDP broadcasts rank

@@ -115,6 +115,8 @@ class Updater:
             raise ValueError(
                 f"layerwise={cfg.layerwise!r}: the only layer-wise optimizer is 'muon'"
             )
+        if user is not None and any(k.layerwise for k in user.kinds):
+            layerwise = lambda name, p: user.layerwise(name)  # noqa: E731 - the script's Muon
         self.state = RetainedModel(client, model, cfg.chunk_units, shard, layerwise)
         self.params = self.state.bind(model)  # by name: the retained parameters
         self.device = self.state.grad.device
@@ -529,7 +531,7 @@ class Updater:
             gi = self.user.group_of.get(slot.name) if slot.trainable else None
             if gi is not None:
                 pieces.append((a, b, gi))
-        if len(pieces) == 1:
+        if len(pieces) == 1 and not self.state.slot_at(pieces[0][0]).layerwise:
             a, b, gi = pieces[0]
             start = self.state.slot_at(a).offset - self.state.shard_start
             mid = start + ((a + b) // 2 - start) // CUT_ELEMS * CUT_ELEMS
@@ -542,11 +544,23 @@ class Updater:
                 point("update.optimizer", it)  # a crash here leaves the chunk half updated
             if not part:
                 continue
-            live = {n: [f[n][a:b] for a, b, _ in part] for n in self.state.set_names}
+            # A layer-wise (Muon) piece is a whole layer: the optimizer sees its shape.
+            slots = [self.state.slot_at(a) for a, _, _ in part]
+            shapes = [
+                sl.shape if sl.layerwise else (b - a,)
+                for sl, (a, b, _) in zip(slots, part, strict=True)
+            ]
+            live = {
+                n: [f[n][a:b].view(sh) for (a, b, _), sh in zip(part, shapes, strict=True)]
+                for n in self.state.set_names
+            }
             # faultkit kernel-abort: computed into scratch, landed through the trip-wire.
             armed = tripwire.armed()
             out = {n: [v.clone() for v in vs] for n, vs in live.items()} if armed else live
-            grads = [self.state.grad[a + s0 : b + s0] for a, b, _ in part]
+            grads = [
+                self.state.grad[a + s0 : b + s0].view(sh)
+                for (a, b, _), sh in zip(part, shapes, strict=True)
+            ]
             self.user.step(self.hparams, it + 1, [gi for _, _, gi in part], out, grads)
             if armed:
                 names = self.state.set_names

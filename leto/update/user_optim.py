@@ -16,8 +16,10 @@ lives in retained memory; ``optimizer.state`` holds views of it, so the user's
 
 Supported: ``AdamW`` and ``Adam`` (fused, foreach or single-tensor; no ``amsgrad``, no
 ``maximize``, no ``capturable``/``differentiable``), ``SGD`` with or without momentum
-(dampening, Nesterov, weight decay). Any number of parameter groups with their own
-hyperparameters. Anything else is refused by name at bind time.
+(dampening, Nesterov, weight decay), and ``Muon`` (its 2-D parameters are updated whole:
+the updater gives each its own chunk), beside another optimizer for the rest as Muon
+scripts do. Any number of parameter groups with their own hyperparameters, across any
+number of optimizers (each parameter in exactly one). Anything else is refused by name.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.optim._muon import muon
 from torch.optim.adam import adam
 from torch.optim.adamw import adamw
 from torch.optim.sgd import sgd
@@ -40,6 +43,8 @@ _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 _SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
 _ADAM_OFF = ("amsgrad", "maximize", "capturable", "differentiable")
 _SGD_OFF = ("maximize", "differentiable")
+_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+              "adjust_lr_fn")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,18 @@ class OptimizerKind:
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return _SGD_KEYS if self.name == "sgd" else _ADAM_KEYS
+        return {"sgd": _SGD_KEYS, "muon": _MUON_KEYS}.get(self.name, _ADAM_KEYS)
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether a parameter is updated whole (never cut into pieces)."""
+        return self.name == "muon"
 
 
 ADAMW = OptimizerKind("adamw", ("exp_avg", "exp_avg_sq"))
 ADAM = OptimizerKind("adam", ("exp_avg", "exp_avg_sq"))
 SGD = OptimizerKind("sgd", ("exp_avg",))  # the momentum buffer, in the exp_avg tensors
+MUON = OptimizerKind("muon", ("exp_avg",))  # its momentum buffer, likewise
 
 
 def kind_of(optimizer: torch.optim.Optimizer) -> OptimizerKind:
@@ -67,6 +78,8 @@ def kind_of(optimizer: torch.optim.Optimizer) -> OptimizerKind:
         return ADAM
     if t is torch.optim.SGD:
         return SGD
+    if t is torch.optim.Muon:
+        return MUON
     raise InvalidInput(
         f"optimizer {t.__module__}.{t.__qualname__} is not supported by Leto; supported: "
         f"{SUPPORTED}"
@@ -74,53 +87,74 @@ def kind_of(optimizer: torch.optim.Optimizer) -> OptimizerKind:
 
 
 class UserOptimizer:
-    """The bridge between a torch optimizer object and the updater's chunks."""
+    """The bridge between the script's torch optimizer(s) and the updater's chunks. The
+    parameter groups of every optimizer, in order, are numbered globally: ``groups[g]``
+    is (optimizer, its group) and ``group_of[name]`` the number of a parameter's."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str]):
-        """``names``: id(parameter) -> the model's parameter name, for every parameter
-        the model has (the optimizer may hold a subset; the rest are never updated)."""
-        self.optimizer = optimizer
+    def __init__(self, optimizer, names: dict[int, str]):
+        """``optimizer``: one torch optimizer or a list; ``names``: id(parameter) ->
+        the model's parameter name, for every parameter the model has (the optimizers
+        may hold a subset; the rest are never updated)."""
+        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if not opts:
+            raise InvalidInput("no optimizer given")
+        self.optimizers = opts
         self.names = names
-        self.kind = kind_of(optimizer)
-        off = _SGD_OFF if self.kind is SGD else _ADAM_OFF
+        self.kinds = [kind_of(o) for o in opts]
+        self.groups: list[tuple[int, dict]] = []  # (optimizer index, its param group)
         self.group_of: dict[str, int] = {}
-        for gi, group in enumerate(optimizer.param_groups):
-            for key in off:
-                if group.get(key):
-                    raise InvalidInput(
-                        f"optimizer parameter group {gi} sets {key}=True; Leto supports "
-                        f"{SUPPORTED} without {', '.join(off)}"
-                    )
-            for p in group["params"]:
-                name = names.get(id(p))
-                if name is None:
-                    raise InvalidInput(
-                        f"optimizer parameter group {gi} holds a tensor of shape "
-                        f"{tuple(p.shape)} that is not a parameter of the model"
-                    )
-                if name in self.group_of:
-                    raise InvalidInput(f"parameter {name} is in two optimizer parameter groups")
-                self.group_of[name] = gi
-        if optimizer.state:
-            raise InvalidInput(
-                "the optimizer has already stepped (it holds state); give Leto a fresh "
-                "optimizer — its state is retained and restored by Leto"
-            )
+        for oi, (opt, kind) in enumerate(zip(opts, self.kinds, strict=True)):
+            off = _SGD_OFF if kind is SGD else () if kind is MUON else _ADAM_OFF
+            for li, group in enumerate(opt.param_groups):
+                g = len(self.groups)
+                self.groups.append((oi, group))
+                where = f"optimizer {oi} ({type(opt).__name__}) parameter group {li}"
+                for key in off:
+                    if group.get(key):
+                        raise InvalidInput(
+                            f"{where} sets {key}=True; Leto supports {SUPPORTED} without "
+                            f"{', '.join(off)}"
+                        )
+                for p in group["params"]:
+                    name = names.get(id(p))
+                    if name is None:
+                        raise InvalidInput(
+                            f"{where} holds a tensor of shape {tuple(p.shape)} that is not a "
+                            f"parameter of the model"
+                        )
+                    if name in self.group_of:
+                        raise InvalidInput(f"parameter {name} is in two optimizer parameter groups")
+                    if kind is MUON and p.ndim != 2:
+                        raise InvalidInput(
+                            f"{where}: Muon takes 2-D parameters, {name} is {p.ndim}-D"
+                        )
+                    self.group_of[name] = g
+            if opt.state:
+                raise InvalidInput(
+                    f"optimizer {oi} has already stepped (it holds state); give Leto fresh "
+                    f"optimizers — their state is retained and restored by Leto"
+                )
+
+    def layerwise(self, name: str) -> bool:
+        """Whether parameter ``name`` is updated whole (a Muon parameter)."""
+        g = self.group_of.get(name)
+        return g is not None and self.kinds[self.groups[g][0]].layerwise
 
     def adopt(self, params: dict[str, torch.nn.Parameter]) -> None:
         """Point the optimizer's groups at the retained parameters (``RetainedModel.bind``
         replaced the model's), so its ``state`` and ``state_dict`` use them."""
-        for group in self.optimizer.param_groups:
-            group["params"] = [params[self.names[id(p)]] for p in group["params"]]
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["params"] = [params[self.names[id(p)]] for p in group["params"]]
 
     # -- hyperparameters ------------------------------------------------------------
 
     def hparams(self) -> list[dict]:
         """Each group's hyperparameters now (plain floats/tuples: they are retained)."""
         out = []
-        for group in self.optimizer.param_groups:
+        for oi, group in self.groups:
             h = {}
-            for k in self.kind.keys:
+            for k in self.kinds[oi].keys:
                 v = group[k]
                 if isinstance(v, torch.Tensor) or (
                     k == "betas" and any(isinstance(x, torch.Tensor) for x in v)
@@ -129,7 +163,7 @@ class UserOptimizer:
                         f"optimizer parameter group {len(out)}: {k} is a tensor; Leto "
                         f"supports plain float hyperparameters"
                     )
-                h[k] = tuple(float(x) for x in v) if k == "betas" else v
+                h[k] = tuple(float(x) for x in v) if k in ("betas", "ns_coefficients") else v
             out.append(h)
         return out
 
@@ -155,14 +189,31 @@ class UserOptimizer:
             gs = [grads[i] for i in idx]
             if master is not None:
                 gs = [g.float() for g in gs]  # the fp32 master takes the gradient in fp32
-            group = self.optimizer.param_groups[gi]
-            self._functional(group, hparams[gi], step, params, gs, pick)
+            oi, group = self.groups[gi]
+            self._functional(self.kinds[oi], group, hparams[gi], step, params, gs, pick)
             if master is not None:
                 torch._foreach_copy_(pick["param"], master)
 
-    def _functional(self, group, h, step, params, grads, pick) -> None:
+    def _functional(self, kind, group, h, step, params, grads, pick) -> None:
         fused, foreach = group.get("fused"), group.get("foreach")
-        if self.kind is SGD:
+        if kind is MUON:
+            # Whole 2-D parameters (the updater never cuts a layer-wise one).
+            muon(
+                params,
+                grads,
+                pick["exp_avg"],
+                lr=h["lr"],
+                weight_decay=h["weight_decay"],
+                momentum=h["momentum"],
+                nesterov=h["nesterov"],
+                ns_coefficients=h["ns_coefficients"],
+                ns_steps=h["ns_steps"],
+                eps=h["eps"],
+                adjust_lr_fn=h["adjust_lr_fn"],
+                has_complex=False,
+            )
+            return
+        if kind is SGD:
             # torch's SGD makes the momentum buffer a clone of the first gradient; Leto's
             # is retained (zeros before the first step), so the first step passes None
             # and copies the buffer torch made into it.
@@ -191,7 +242,7 @@ class UserOptimizer:
         # One fill for all pieces (not one host-to-device copy each); views, so the
         # functional's in-place increment counts each piece once.
         steps = list(torch.full((len(params),), float(step - 1), dtype=torch.float32, device=dev))
-        fn = adamw if self.kind is ADAMW else adam
+        fn = adamw if kind is ADAMW else adam
         fn(
             params,
             grads,
@@ -215,20 +266,24 @@ class UserOptimizer:
     def expose_state(self, params: dict[str, torch.nn.Parameter], views, step: int) -> None:
         """Fill ``optimizer.state`` with views of the retained state (after ``step``
         updates), so ``state_dict()`` reports it. ``views(name, state) -> tensor``."""
-        opt = self.optimizer
-        opt.state.clear()
+        for opt in self.optimizers:
+            opt.state.clear()
         if step <= 0:
             return
         for name, gi in self.group_of.items():
             p = params[name]
+            oi, group = self.groups[gi]
+            kind, opt = self.kinds[oi], self.optimizers[oi]
             st = {}
-            if self.kind is SGD:
-                if opt.param_groups[gi]["momentum"] != 0:
+            if kind is MUON:
+                st["momentum_buffer"] = views(name, "exp_avg")
+            elif kind is SGD:
+                if group["momentum"] != 0:
                     st["momentum_buffer"] = views(name, "exp_avg")
                 else:
                     st["momentum_buffer"] = None
             else:
-                fused = opt.param_groups[gi].get("fused")
+                fused = group.get("fused")
                 dev = p.device if fused else torch.device("cpu")
                 st["step"] = torch.tensor(float(step), dtype=torch.float32, device=dev)
                 st["exp_avg"] = views(name, "exp_avg")

@@ -37,7 +37,9 @@ class TrainConfig:
     micro_batches: int = 1
     autocast: str = "off"  # "bf16": forward and backward under torch.autocast(bfloat16)
     tf32: bool = False  # TF32 matmuls and convolutions on CUDA
-    optimizer: str = "fused"  # AdamW as AdamW(fused=True), or "single" (foreach=False)
+    # AdamW as AdamW(fused=True); "single": AdamW(foreach=False); "muon": torch.optim.Muon
+    # for the blocks' 2-D weights beside fused AdamW for the rest (two optimizers).
+    optimizer: str = "fused"
     # Gradients all-reduced in buckets of this size while backward runs (0: one
     # all-reduce of the whole buffer after backward).
     bucket_mib: float = 25.0
@@ -55,6 +57,8 @@ class TrainConfig:
             raise ValueError(f"micro_batches={self.micro_batches}: at least 1")
         if self.autocast not in ("off", "bf16"):
             raise ValueError(f"autocast={self.autocast!r}: 'off' or 'bf16'")
+        if self.optimizer not in ("fused", "single", "muon"):
+            raise ValueError(f"optimizer={self.optimizer!r}: 'fused', 'single' or 'muon'")
 
     def autocast_context(self, device: torch.device):
         """The forward/backward context this configuration asks for."""
