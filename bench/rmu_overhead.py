@@ -41,6 +41,7 @@ from leto.runtime.buckets import GradBuckets  # noqa: E402
 from leto.update.optim import AdamWConfig  # noqa: E402
 from leto.update.rmu import Updater, UpdaterConfig  # noqa: E402
 from leto.update.schedule import WarmupCosine  # noqa: E402
+from leto.update.user_optim import UserOptimizer  # noqa: E402
 from leto.workload.corpus import batch  # noqa: E402
 from leto.workload.gpt import GPT, GPTConfig, init_weights  # noqa: E402
 
@@ -141,7 +142,22 @@ def leto(
         with torch.device("meta"):
             model = GPT(gcfg).to(getattr(torch, args.dtype))
         ucfg = UpdaterConfig(chunk_units=args.chunk_units, adamw=adamw, lend_activations=lend)
-        up = Updater(client, model, schedule, ucfg)
+        user = opt = None
+        if args.leto_optimizer == "script":
+            # What leto.Run does: the script's own torch.optim.AdamW, clipped by the
+            # script in place, hyperparameters read and retained at each step.
+            opt = torch.optim.AdamW(
+                model.parameters(),
+                lr=1.0,
+                betas=(adamw.beta1, adamw.beta2),
+                eps=adamw.eps,
+                weight_decay=adamw.weight_decay,
+                **({"fused": True} if adamw.impl == "fused" else {"foreach": False}),
+            )
+            user = UserOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
+        up = Updater(client, model, schedule, ucfg, user=user)
+        if user is not None:
+            user.adopt(up.params)
         # Device pages of the pool (records live in host memory, parity too).
         allocs = client.status()["allocations"]
         args.pool_device_gib = sum(a["nbytes"] for a in allocs if a["kind"] != "record") / 2**30
@@ -154,11 +170,24 @@ def leto(
             if buckets is not None:
                 buckets.finish()  # sums, then divides by the world size
 
+        def script_step(t):
+            """The script's clipping and hyperparameters (leto.Run's optimizer.step())."""
+            if user is None:
+                return
+            torch.nn.utils.clip_grad_norm_(
+                model.parameters(), adamw.max_grad_norm, foreach=adamw.clip_foreach
+            )
+            for g in opt.param_groups:
+                g["lr"] = schedule(t)
+            up.hparams = user.hparams()
+            up.loop.write(t, {"hparams": up.hparams, "scheduler": [], "state": {}})
+
         def step(t):
             up.begin(t)
             with up.lent_memory():
                 loss = compute(args, model, device, t, buckets and buckets.no_sync)
             reduce()
+            script_step(t)
             up.protect_grads(t, loss=float(loss))
             up.sync(t, group=group)
             up.update(t)
@@ -180,6 +209,11 @@ def leto(
             reduce()
             sync(device)
             up.profile["all-reduce wait"] += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            script_step(t + k)
+            sync(device)
+            if user is not None:
+                up.profile["script's clipping + loop record"] += time.perf_counter() - t2
             up.protect_grads(t + k, loss=float(loss))
             up.sync(t + k, group=group)
             up.update(t + k)
@@ -196,6 +230,13 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda"
     )
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 (fp32 master weights)")
+    ap.add_argument(
+        "--leto-optimizer",
+        default="script",
+        choices=("script", "config"),
+        help="script: Leto runs the script's torch.optim.AdamW as leto.Run does (the script "
+        "clips in place); config: the updater's own AdamWConfig path (clip into scratch)",
+    )
     ap.add_argument("--n-layer", type=int, default=2, help="transformer blocks")
     ap.add_argument("--n-embd", type=int, default=128, help="model width")
     ap.add_argument("--n-head", type=int, default=4, help="attention heads")
