@@ -524,49 +524,59 @@ class Updater:
         crash point between them leaves the chunk half updated)."""
         if self.hparams is None:
             raise RuntimeError("the updater has no hyperparameters for this iteration")
+        halves = self._user_halves(units)
+        for k, (groups, live, grads) in enumerate(halves):
+            if k == 1:
+                point("update.optimizer", it)  # a crash here leaves the chunk half updated
+            if not groups:
+                continue
+            # faultkit kernel-abort: computed into scratch, landed through the trip-wire.
+            armed = tripwire.armed()
+            out = {n: [v.clone() for v in vs] for n, vs in live.items()} if armed else live
+            self.user.step(self.hparams, it + 1, groups, out, grads)
+            if armed:
+                names = self.state.set_names
+                tripwire.land(
+                    [t for n in names for t in live[n]], [t for n in names for t in out[n]]
+                )
+
+    def _user_halves(self, units: tuple[int, int]) -> list:
+        """A chunk's two halves as (group numbers, {state: piece views}, gradient views),
+        built once per chunk (the layout never moves): per-chunk Python stays off the
+        GPU's critical path. A layer-wise (Muon) piece is a whole layer, in its shape."""
+        key = ("user", units)
+        got = self._page_lists.get(key)
+        if got is not None:
+            return got
         e0, e1 = self.state.element_range(units)
         pieces = []
         for a, b in self.state.pieces(e0, e1):
             slot = self.state.slot_at(a)
             gi = self.user.group_of.get(slot.name) if slot.trainable else None
             if gi is not None:
-                pieces.append((a, b, gi))
-        if len(pieces) == 1 and not self.state.slot_at(pieces[0][0]).layerwise:
-            a, b, gi = pieces[0]
-            start = self.state.slot_at(a).offset - self.state.shard_start
+                pieces.append((a, b, gi, slot))
+        if len(pieces) == 1 and not pieces[0][3].layerwise:
+            a, b, gi, slot = pieces[0]
+            start = slot.offset - self.state.shard_start
             mid = start + ((a + b) // 2 - start) // CUT_ELEMS * CUT_ELEMS
             if a < mid < b:
-                pieces = [(a, mid, gi), (mid, b, gi)]
+                pieces = [(a, mid, gi, slot), (mid, b, gi, slot)]
         half = len(pieces) // 2
         f, s0 = self.state.flat, self.state.shard_start
-        for k, part in enumerate((pieces[:half], pieces[half:])):
-            if k == 1:
-                point("update.optimizer", it)  # a crash here leaves the chunk half updated
-            if not part:
-                continue
-            # A layer-wise (Muon) piece is a whole layer: the optimizer sees its shape.
-            slots = [self.state.slot_at(a) for a, _, _ in part]
-            shapes = [
-                sl.shape if sl.layerwise else (b - a,)
-                for sl, (a, b, _) in zip(slots, part, strict=True)
-            ]
+        out = []
+        for part in (pieces[:half], pieces[half:]):
+            shapes = [sl.shape if sl.layerwise else (b - a,) for a, b, _, sl in part]
             live = {
-                n: [f[n][a:b].view(sh) for (a, b, _), sh in zip(part, shapes, strict=True)]
+                n: [f[n][a:b].view(sh) for (a, b, _, _), sh in zip(part, shapes, strict=True)]
                 for n in self.state.set_names
             }
-            # faultkit kernel-abort: computed into scratch, landed through the trip-wire.
-            armed = tripwire.armed()
-            out = {n: [v.clone() for v in vs] for n, vs in live.items()} if armed else live
             grads = [
                 self.state.grad[a + s0 : b + s0].view(sh)
-                for (a, b, _), sh in zip(part, shapes, strict=True)
+                for (a, b, _, _), sh in zip(part, shapes, strict=True)
             ]
-            self.user.step(self.hparams, it + 1, [gi for _, _, gi in part], out, grads)
-            if armed:
-                names = self.state.set_names
-                tripwire.land(
-                    [t for n in names for t in live[n]], [t for n in names for t in out[n]]
-                )
+            out.append(([gi for _, _, gi, _ in part], live, grads))
+        self._page_lists[key] = out
+        return out
 
     def _adamw(self, fn, it: int, lr: float, ranges: list, clip: torch.Tensor) -> None:
         """AdamW on shard-local element ranges: ``adamw_fused`` takes them all at once,

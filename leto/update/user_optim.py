@@ -236,12 +236,34 @@ class UserOptimizer:
             if first:
                 torch._foreach_copy_(bufs, mlist)
             return
-        # The step count as the optimizer keeps it: float32, on the parameter's device
-        # when fused, on the CPU otherwise; the functional increments it first.
-        dev = params[0].device if fused else torch.device("cpu")
-        # One fill for all pieces (not one host-to-device copy each); views, so the
-        # functional's in-place increment counts each piece once.
-        steps = list(torch.full((len(params),), float(step - 1), dtype=torch.float32, device=dev))
+        if fused:
+            # The kernel behind the functional's fused path, called directly: the
+            # functional's per-call grouping and checks cost more host time than the
+            # kernel on a GPU chunk (its pieces share one device and dtype already). The
+            # step count is the optimizer's float32 on the device, already incremented.
+            steps = list(torch.full((len(params),), float(step), dtype=torch.float32,
+                                    device=params[0].device))  # fmt: skip
+            kernel = torch._fused_adamw_ if kind is ADAMW else torch._fused_adam_
+            kernel(
+                params,
+                grads,
+                pick["exp_avg"],
+                pick["exp_avg_sq"],
+                [],
+                steps,
+                amsgrad=False,
+                lr=h["lr"],
+                beta1=h["betas"][0],
+                beta2=h["betas"][1],
+                weight_decay=h["weight_decay"],
+                eps=h["eps"],
+                maximize=False,
+            )
+            return
+        # The step count as the optimizer keeps it: float32 on the CPU; the functional
+        # increments it first. One fill for all pieces; views, so the in-place increment
+        # counts each piece once.
+        steps = list(torch.full((len(params),), float(step - 1), dtype=torch.float32))
         fn = adamw if kind is ADAMW else adam
         fn(
             params,
