@@ -96,15 +96,7 @@ def plain(
             bucket_cap_mb=args.bucket_mib,
             gradient_as_bucket_view=True,
         )
-    kw = {"fused": True} if adamw.impl == "fused" else {"foreach": False}
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=1.0,
-        betas=(adamw.beta1, adamw.beta2),
-        eps=adamw.eps,
-        weight_decay=adamw.weight_decay,
-        **kw,
-    )
+    opt = torch_adamw(model.parameters(), adamw)
 
     def step(t):
         opt.zero_grad(set_to_none=False)
@@ -121,6 +113,19 @@ def plain(
     if after is not None:
         after(None)
     return seconds
+
+
+def torch_adamw(params, adamw: AdamWConfig) -> torch.optim.AdamW:
+    """The user's optimizer: torch's AdamW with the implementation ``adamw.impl`` names
+    (the learning rate is set per iteration from the schedule)."""
+    return torch.optim.AdamW(
+        params,
+        lr=1.0,
+        betas=(adamw.beta1, adamw.beta2),
+        eps=adamw.eps,
+        weight_decay=adamw.weight_decay,
+        **({"fused": True} if adamw.impl == "fused" else {"foreach": False}),
+    )
 
 
 def leto(
@@ -146,14 +151,7 @@ def leto(
         if args.leto_optimizer == "script":
             # What leto.Run does: the script's own torch.optim.AdamW, clipped by the
             # script in place, hyperparameters read and retained at each step.
-            opt = torch.optim.AdamW(
-                model.parameters(),
-                lr=1.0,
-                betas=(adamw.beta1, adamw.beta2),
-                eps=adamw.eps,
-                weight_decay=adamw.weight_decay,
-                **({"fused": True} if adamw.impl == "fused" else {"foreach": False}),
-            )
+            opt = torch_adamw(model.parameters(), adamw)
             user = UserOptimizer(opt, {id(p): n for n, p in model.named_parameters()})
         up = Updater(client, model, schedule, ucfg, user=user)
         if user is not None:
