@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|preinit|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|preinit|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -55,6 +55,15 @@ if [[ $what == run-api ]]; then
   python3 -c 'import transformers; print("transformers", transformers.__version__)' 2>&1 | tee "$OUT/run_api_env.txt"
   timeout 560 python3 -m pytest -p no:cacheprovider -q -rs tests/test_user_optim.py tests/test_porting.py \
     tests/test_dp_multigpu.py 2>&1 | tail -25 | tee "$OUT/run_api_tests.txt" || rc=1
+fi
+if [[ $what == overhead-chunks ]]; then
+  # Larger chunks: fewer marker writes and launches per iteration (the undo buffer grows,
+  # lent to activations), leto.Run's path, 16 K tokens, H1 = 4.
+  M="--device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 16 --seq 1024 --tier1-pages 4"
+  for cu in ${LETO_CHUNK_UNITS:-128 256}; do
+    python3 -m bench.rmu_overhead $M --iters 4 --warmup 2 --chunk-units $cu \
+      --json-out "$OUT/overhead_16k_cu$cu.json" 2>&1 | tee "$OUT/overhead_16k_cu$cu.txt" || rc=1
+  done
 fi
 if [[ $what == overhead-run ]]; then
   # Issue 15 through leto.Run's path (the script's torch.optim.AdamW(fused=True), clipped
