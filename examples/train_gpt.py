@@ -91,11 +91,16 @@ def main() -> int:
     optimizers = [*muon, adamw]
     shape = WarmupCosine(peak_lr=1.0, total_iters=cfg.iterations)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, shape) for o in optimizers]
+    # fp16 needs loss scaling; disabled, the scaler passes everything through.
+    scaler = torch.amp.GradScaler(
+        ctx.device.type, init_scale=cfg.init_scale, enabled=cfg.autocast == "fp16"
+    )
     run = leto.Run(
         ctx,
         model,
         optimizers,
         schedulers,
+        scaler=scaler,
         init=lambda: init_weights(model, cfg.seed),
         out=args.out,
         zero1=cfg.zero1,
@@ -121,7 +126,7 @@ def main() -> int:
                     mb_loss = model(x, y) / k
                 # As with DDP: only the last micro-batch's backward reduces gradients.
                 with run.no_sync() if mb < k - 1 else contextlib.nullcontext():
-                    mb_loss.backward()
+                    scaler.scale(mb_loss).backward()
                 loss += mb_loss.detach()
         if t == first:
             print(
@@ -130,10 +135,13 @@ def main() -> int:
                 f"{k} micro-batch(es) of {cfg.batch_size} x {cfg.seq_len} tokens",
                 flush=True,
             )
+        for o in optimizers:
+            scaler.unscale_(o)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cfg.optimizer != "single")
         run.record_loss(loss)
         for o in optimizers:
-            o.step()
+            scaler.step(o)  # o.step(), unless fp16 gradients overflowed
+        scaler.update()
         for sc in schedulers:
             sc.step()
         adamw.zero_grad(set_to_none=True)

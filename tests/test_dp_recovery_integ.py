@@ -39,6 +39,11 @@ POINTS = [p for p in hooks.POINTS if p != "gather" and p not in MATRIX_POINTS]
 MUON = TrainConfig(iterations=4, optimizer="muon")
 
 
+# fp16 autocast with the script's torch.amp.GradScaler, its first scale so large that the
+# step of iteration 0 overflows and is skipped (a transaction that commits nothing).
+FP16 = TrainConfig(iterations=4, autocast="fp16", init_scale=131072.0)
+
+
 class _References:
     """The session's shared fault-free references, by name (built on first use)."""
 
@@ -47,7 +52,8 @@ class _References:
 
     def __getitem__(self, key):
         world, cfg = {
-            2: (2, CFG), 4: (4, CFG), "zero1": (2, ZERO1), "accum": (2, ACCUM), "muon": (2, MUON)
+            2: (2, CFG), 4: (4, CFG), "zero1": (2, ZERO1), "accum": (2, ACCUM), "muon": (2, MUON),
+            "fp16": (2, FP16),
         }[key]  # fmt: skip
         return self.get(world, cfg)
 
@@ -142,3 +148,15 @@ def test_muon_beside_adamw_recovers_exactly(reference, tmp_path):
     assert first_difference(reference["muon"], got) is None, first_difference(
         reference["muon"], got
     )
+
+
+def test_fp16_with_a_skipped_step_recovers_exactly(reference, tmp_path):
+    ref = reference["fp16"]
+    assert sorted(ref["losses"][0]) == [1, 2, 3], "iteration 0's step should have been skipped"
+    # Two failures: a kill in iteration 1's backward (the loop resumes from the skipped
+    # iteration's end: scaler backed off, scheduler stepped), then one in iteration 2's
+    # update (finished as the optimizer's 2nd step, not the 3rd).
+    faults = [JobFault(0, "compute.backward@1#1"), JobFault(1, "update.optimizer@2#1")]
+    got = run_job(2, FP16, tmp_path, faults, shadow_level="L2")
+    assert got["injections"] == 2, got["recoveries"]
+    assert first_difference(ref, got) is None, first_difference(ref, got)

@@ -36,8 +36,8 @@ def _leto_run(tmp_path: Path, env: dict, script: Path = SCRIPT, stderr=None) -> 
 @pytest.mark.integ
 @pytest.mark.parametrize("when", ["startup", "always"])
 def test_a_script_error_stops_the_job_instead_of_recovering(tmp_path, when):
-    # A start-up error (here leto.Run refusing ranks that start from different weights)
-    # stops the job at once; an exception in training is recovered once, with its
+    # A start-up error (here leto.Run refusing ranks that start from different weights;
+    # argparse's exit code 2 likewise) stops the job at once; an exception in training is recovered once, with its
     # traceback in the failure record, and stops the job when it comes back at the
     # same place (not 100 restarts).
     p = _leto_run(tmp_path, {"LETO_TEST_RAISE": when}, SCRIPT.parent / "raise_once.py",
@@ -53,7 +53,8 @@ def test_a_script_error_stops_the_job_instead_of_recovering(tmp_path, when):
         assert "parameter weight differs between rank 0 and rank 1" in err, err[-2000:]
         return
     (rec,) = summary["recoveries"]
-    assert rec["failed_ranks"] == [1] and "the same ValueError" in why, summary
+    assert rec["failed_ranks"] == [1] and "raised ValueError again at the same place" in why
+
     error = rec["failures"]["1"]["error"]
     assert error["exception"] == "ValueError" and "(4, 5) was expected" in error["message"]
     assert "raise_once.py" in error["traceback"] and Path(error["file"]).is_file(), error

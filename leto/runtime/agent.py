@@ -195,19 +195,25 @@ class Agent:
         for f in dead:
             if not f.script_error:
                 continue
-            exc, file = f.error["exception"], f.error.get("file", "?")
-            where = f"full traceback in {file}; logs in {self.cfg.log_dir}"
+            if f.error is not None:
+                exc, file = f.error["exception"], f.error.get("file", "?")
+                what = f"raised {exc}"
+                where = f"full traceback in {file}; logs in {self.cfg.log_dir}"
+            else:
+                exc = f"exit code {f.code}"
+                what = f"exited with code {f.code}"
+                where = f"logs in {self.cfg.log_dir}"
             if not self.store.check([keys.resumed(gen, f.rank)]):
                 return (
-                    f"rank {f.rank} raised {exc} before it began training (generation {gen}): "
+                    f"rank {f.rank} {what} before it began training (generation {gen}): "
                     f"a script error, not a hardware failure — the job stops.\n"
                     f"{f.traceback_tail()}\n({where})"
                 )
             sig = f.signature()
             if sig in self._signatures:
                 return (
-                    f"rank {f.rank} raised the same {exc} at the same place again after a "
-                    f"recovery (generation {gen}): the job stops instead of looping.\n"
+                    f"rank {f.rank} {what} again at the same place, as before a recovery "
+                    f"(generation {gen}): the job stops instead of looping.\n"
                     f"{f.traceback_tail()}\n({where})"
                 )
             self._signatures.add(sig)

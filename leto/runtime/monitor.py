@@ -53,18 +53,27 @@ class Failure:
 
     @property
     def script_error(self) -> bool:
-        """An uncaught Python exception in the script (or Leto's own code), not a
-        hardware failure; Leto's fatal exit (``EXIT_FATAL``) is not one."""
-        return self.kind is FailureKind.EXIT and self.error is not None and self.code != EXIT_FATAL
+        """The script (or Leto's own code) ended the trainer: an uncaught Python
+        exception (its error file) or an exit with a code (``sys.exit(2)`` from argparse,
+        say) — not a hardware failure. A signal (a kill) is not one, nor Leto's fatal
+        exit (``EXIT_FATAL``)."""
+        if self.kind is not FailureKind.EXIT or self.code == EXIT_FATAL:
+            return False
+        return self.error is not None or (self.code is not None and self.code > 0)
 
     def signature(self) -> tuple[str, str, str]:
-        """(exception, message, the innermost frame's "File ..., line N"): the same
-        error at the same place compares equal across processes."""
+        """(exception, message, the innermost frame's "File ..., line N") — or the exit
+        code without an error file: the same error at the same place compares equal
+        across processes."""
+        if self.error is None:
+            return "exit", str(self.code), ""
         frames = [ln.strip() for ln in self.error.get("traceback", "").splitlines()]
         where = next((ln for ln in reversed(frames) if ln.startswith('File "')), "")
         return self.error["exception"], self.error["message"], where
 
     def traceback_tail(self, lines: int = 8) -> str:
+        if self.error is None:
+            return f"(no traceback: the trainer exited with code {self.code}; its log has the rest)"
         return "\n".join(self.error.get("traceback", "").rstrip().splitlines()[-lines:])
 
     def describe(self) -> str:

@@ -39,7 +39,10 @@ What Leto does with them:
 Code after ``optimizer.step()`` of an iteration a failure interrupted is not run again
 (the loop resumes at the next iteration): evaluate at the top of the loop.
 
-Not covered: closures, GradScaler (fp16: a skipped step), parameters that get no
+A ``torch.amp.GradScaler`` (fp16) given as ``scaler=``: a step it skips commits nothing
+and the scale is retained per iteration.
+
+Not covered: closures, parameters that get no
 gradient in an iteration (torch skips them; Leto updates them with a zero gradient).
 """
 
@@ -70,6 +73,7 @@ class Run:
         scheduler=None,
         *,
         init=None,
+        scaler=None,
         out: str | Path | None = None,
         zero1: bool = False,
         chunk_units: int = 2,
@@ -77,7 +81,9 @@ class Run:
     ):
         """``ctx``: what ``leto.init()`` returned. ``optimizer``: the script's optimizer,
         or a list of them (e.g. Muon for the 2-D weights and AdamW for the rest; the update
-        runs once all have stepped); ``scheduler``: None, one or a list. ``init()``: fills the parameters on a
+        runs once all have stepped); ``scheduler``: None, one or a list; ``scaler``: the
+        script's ``torch.amp.GradScaler`` (fp16: a step it skips commits nothing, and its
+        scale is retained with the loop). ``init()``: fills the parameters on a
         fresh pool when the model was built on the meta device (otherwise the model's
         own initial values are retained). ``out``: the loss log (and, with ``--verify``,
         the verifiers' trace); default ``$LETO_TRAIN_DIR``, else ``<--log-dir>/train``."""
@@ -92,6 +98,9 @@ class Run:
         for sc in self.schedulers:
             if not any(getattr(sc, "optimizer", None) is o for o in self.optimizers):
                 raise InvalidInput("an LR scheduler drives an optimizer that was not given")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise InvalidInput(f"scaler= takes a torch.amp.GradScaler, not {type(scaler).__name__}")
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         names = {id(p): n for n, p in model.named_parameters()}
         self.user = UserOptimizer(self.optimizers, names)  # refuses what it cannot run, first
         other = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype != torch.float32]
@@ -138,14 +147,17 @@ class Run:
         self._t: int | None = None  # the iteration in progress
         self._stepped = False
         self._called: set[int] = set()  # optimizers whose step() this iteration called
+        self._inf: set[int] = set()  # ... and whose step the GradScaler skipped (fused)
+        self._updates = 0  # updates committed so far (torch's optimizer step count)
         self._loss = float("nan")
-        self._epochs: list[int] | None = None  # the schedulers' last_epoch at the last step
+        self._epochs: list[int] = []  # the schedulers' last_epoch when the iteration began
         t_resume = time.time()
         self.next_iteration = self.job.resume(
             ctx.report, checkpoints=ctx.checkpoint_dir, before_finish=self._hparams_of
         )
         self.job.init_fn = None  # the original parameters it holds are garbage now
         self._restore_loop(self.next_iteration)
+        self._epochs = [sc.last_epoch for sc in self.schedulers]  # at the start of an iteration
         if self.job.fresh and ctx.world_size > 1:
             self._check_identical()
         ctx.resumed(
@@ -165,15 +177,18 @@ class Run:
         t = self.next_iteration
         while t < total:
             self._t, self._stepped, self._loss = t, False, float("nan")
-            self._called = set()
+            self._called, self._inf = set(), set()
             self.job.begin(t)
             yield t
             if not self._stepped:
-                raise InvalidInput(
-                    f"iteration {t} ended without the step() of every optimizer given to "
-                    f"leto.Run (a GradScaler that skips steps is not supported yet)"
-                )
+                if self.scaler is None or len(self._inf) < len(self._called):
+                    raise InvalidInput(
+                        f"iteration {t} ended without the step() of every optimizer given "
+                        f"to leto.Run"
+                    )
+                self._skipped(t)
             self._t = None
+            self._check_schedulers(t)
             if self.checkpointer is not None:
                 self.checkpointer.after_iteration(t, self.job)
             t += 1
@@ -230,26 +245,61 @@ class Run:
             )
         if self._stepped or oi in self._called:
             raise InvalidInput(f"optimizer {oi}'s step() was called twice in iteration {t}")
+        opt = self.optimizers[oi]
+        if getattr(opt, "grad_scale", None) is not None:
+            raise InvalidInput(
+                "the GradScaler passed its scale to a fused optimizer's step(): call "
+                "scaler.unscale_(optimizer) before scaler.step(optimizer) under Leto"
+            )
+        found_inf = getattr(opt, "found_inf", None)  # a fused optimizer under a GradScaler
         self._called.add(oi)
-        self.optimizers[oi]._opt_called = True  # what torch's scheduler checks for
+        if found_inf is not None and float(found_inf.sum()) != 0:
+            self._inf.add(oi)  # the GradScaler skips this step (the kernel would no-op)
+        opt._opt_called = True  # what torch's scheduler checks for
         if len(self._called) < len(self.optimizers):
             return
-        epochs = [sc.last_epoch for sc in self.schedulers]
-        if self._epochs is not None:
-            for sc, e, before in zip(self.schedulers, epochs, self._epochs, strict=True):
-                if e != before + 1:
-                    raise InvalidInput(
-                        f"the LR scheduler {type(sc).__name__} stepped {e - before} times "
-                        f"between two optimizer steps (iteration {t}); Leto retains it "
-                        f"assuming one scheduler.step() after each optimizer.step()"
-                    )
-        self._epochs = epochs
-        scheds = [sc.state_dict() for sc in self.schedulers]
+        if self._inf:
+            if len(self._inf) < len(self.optimizers):
+                raise InvalidInput(
+                    f"iteration {t}: the GradScaler skipped the step of optimizer(s) "
+                    f"{sorted(self._inf)} but not of the others; Leto commits all or none"
+                )
+            return  # a skipped step: the iteration's end records it
         h = self.user.hparams()
-        self.loop.write(t, {"hparams": h, "scheduler": scheds, "state": dict(self.state)})
+        self.loop.write(t, {"hparams": h, "updates": self._updates, **self._loop_state()})
         self.job.up.hparams = h
+        self.job.up.user_step = self._updates + 1
         self.job.step(t, self._loss)
         self._stepped = True
+        self._updates += 1
+
+    def _check_schedulers(self, t: int) -> None:
+        """Each LR scheduler stepped exactly once in iteration ``t`` (what a recovery
+        replays after finishing an interrupted update)."""
+        epochs = [sc.last_epoch for sc in self.schedulers]
+        for sc, e, before in zip(self.schedulers, epochs, self._epochs, strict=True):
+            if e != before + 1:
+                raise InvalidInput(
+                    f"the LR scheduler {type(sc).__name__} stepped {e - before} times in "
+                    f"iteration {t}; Leto retains it assuming one scheduler.step() per "
+                    f"iteration, after optimizer.step()"
+                )
+        self._epochs = epochs
+
+    def _loop_state(self) -> dict:
+        return {
+            "scheduler": [sc.state_dict() for sc in self.schedulers],
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "state": dict(self.state),
+        }
+
+    def _skipped(self, t: int) -> None:
+        """The GradScaler found inf/NaN gradients and skipped the step: iteration ``t``
+        commits nothing (the retained state is untouched; its gradients are recomputed
+        next iteration). Its end — the scheduler stepped, the scale backed off — is
+        recorded as the start of ``t + 1``, so a recovery resumes from there."""
+        rec = {"end": True, "hparams": self.user.hparams(), "updates": self._updates}
+        self.loop.write(t, {**rec, **self._loop_state()})
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the retained gradients in place (never None: they must stay retained)."""
@@ -263,8 +313,7 @@ class Run:
         )
 
     def _steps_done(self) -> int:
-        m = self.job.up.marker.state
-        return m.next_iteration() if m is not None else 0
+        return self._updates
 
     def _views(self, name: str, state: str) -> torch.Tensor:
         st = self.job.up.state
@@ -295,24 +344,39 @@ class Run:
                 f"not in the loop record: it cannot be finished exactly"
             )
         self.job.up.hparams = rec["hparams"]
+        self.job.up.user_step = rec["updates"] + 1
 
     def _restore_loop(self, n: int) -> None:
-        """The loop's state at the start of iteration ``n``: t's record holds it as of
-        ``optimizer.step()`` of t, i.e. before that iteration's ``scheduler.step()``."""
-        rec, steps = self.loop.read(n), 0
+        """The loop's state at the start of iteration ``n``. A step record of t holds it
+        as of ``optimizer.step()`` of t, i.e. the start of t (the scheduler and the
+        scaler change after the step); an end record of t (a step the GradScaler
+        skipped) holds the start of t + 1. From t = n - 1's step record the rest of that
+        iteration is replayed: one ``scheduler.step()`` each, and the scaler's update
+        after a step it did not skip."""
+        rec = self.loop.read(n)
+        replay = False
+        if rec is None or rec.get("end"):
+            rec = self.loop.read(n - 1)
+            replay = rec is not None and not rec.get("end")
         if rec is None:
-            rec, steps = self.loop.read(n - 1), 1
-        if rec is None:
-            return  # a fresh start (or a checkpoint restore: the script's fresh objects)
+            # A fresh start, or a checkpoint restore without a loop record: one update
+            # per iteration so far.
+            self._updates = n
+            return
+        self._updates = rec["updates"] + (1 if replay else 0)
         for (_, group), h in zip(self.user.groups, rec["hparams"], strict=True):
             group.update(h)
         self.state = dict(rec["state"])
+        if self.scaler is not None and rec.get("scaler") is not None:
+            sd = dict(rec["scaler"])
+            if replay:
+                sd = scaler_grown(sd)
+            self.scaler.load_state_dict(sd)
         for sc, st in zip(self.schedulers, rec["scheduler"], strict=True):
             sc.load_state_dict(st)
-            for _ in range(steps):
+            if replay:
                 sc.optimizer._opt_called = True
                 sc.step()
-        self._epochs = [sc.last_epoch - 1 for sc in self.schedulers]
 
     def _check_identical(self) -> None:
         """Every data-parallel rank starts from the same parameters (DDP broadcasts rank
@@ -345,3 +409,19 @@ class Run:
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def scaler_grown(sd: dict) -> dict:
+    """A GradScaler's state after ``update()`` of a step with no inf/NaN: the growth
+    tracker counts it, and every ``growth_interval`` of them multiply the scale by the
+    growth factor — as torch's kernel does: the float32 scale times the double factor,
+    in double, rounded to float32."""
+    import numpy as np
+
+    sd = dict(sd)
+    tracker = sd["_growth_tracker"] + 1
+    if tracker >= sd["growth_interval"]:
+        sd["scale"] = float(np.float32(float(np.float32(sd["scale"])) * sd["growth_factor"]))
+        tracker = 0
+    sd["_growth_tracker"] = tracker
+    return sd

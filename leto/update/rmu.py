@@ -108,6 +108,10 @@ class Updater:
         self.schedule = schedule
         self.user = user
         self.hparams: list[dict] | None = None
+        # The optimizer step number of the update (torch's state["step"] after it):
+        # updates committed so far + 1 — not the iteration + 1 once a GradScaler skipped
+        # steps. None: the iteration + 1.
+        self.user_step: int | None = None
         layerwise = None
         if cfg.layerwise == "muon":
             layerwise = lambda name, p: p.ndim == 2 and not name.startswith(cfg.muon.exclude)  # noqa: E731
@@ -533,7 +537,8 @@ class Updater:
             # faultkit kernel-abort: computed into scratch, landed through the trip-wire.
             armed = tripwire.armed()
             out = {n: [v.clone() for v in vs] for n, vs in live.items()} if armed else live
-            self.user.step(self.hparams, it + 1, groups, out, grads)
+            step = self.user_step if self.user_step is not None else it + 1
+            self.user.step(self.hparams, step, groups, out, grads)
             if armed:
                 names = self.state.set_names
                 tripwire.land(

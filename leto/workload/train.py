@@ -35,7 +35,10 @@ class TrainConfig:
     # Gradient accumulation: micro-batches of batch_size sequences per iteration, their
     # gradients summed into the retained gradient buffer (each loss divided by the count).
     micro_batches: int = 1
-    autocast: str = "off"  # "bf16": forward and backward under torch.autocast(bfloat16)
+    # "bf16": forward and backward under torch.autocast(bfloat16); "fp16": float16 with a
+    # torch.amp.GradScaler (its first scale init_scale; a step with inf/NaN is skipped).
+    autocast: str = "off"
+    init_scale: float = 65536.0
     tf32: bool = False  # TF32 matmuls and convolutions on CUDA
     # AdamW as AdamW(fused=True); "single": AdamW(foreach=False); "muon": torch.optim.Muon
     # for the blocks' 2-D weights beside fused AdamW for the rest (two optimizers).
@@ -55,14 +58,15 @@ class TrainConfig:
     def __post_init__(self):
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches={self.micro_batches}: at least 1")
-        if self.autocast not in ("off", "bf16"):
-            raise ValueError(f"autocast={self.autocast!r}: 'off' or 'bf16'")
+        if self.autocast not in ("off", "bf16", "fp16"):
+            raise ValueError(f"autocast={self.autocast!r}: 'off', 'bf16' or 'fp16'")
         if self.optimizer not in ("fused", "single", "muon"):
             raise ValueError(f"optimizer={self.optimizer!r}: 'fused', 'single' or 'muon'")
 
     def autocast_context(self, device: torch.device):
         """The forward/backward context this configuration asks for."""
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast == "bf16")
+        dtype = torch.float16 if self.autocast == "fp16" else torch.bfloat16
+        return torch.autocast(device.type, dtype=dtype, enabled=self.autocast != "off")
 
     def gpt(self) -> GPTConfig:
         return GPTConfig(
