@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -148,7 +149,7 @@ class Run:
         self._stepped = False
         self._called: set[int] = set()  # optimizers whose step() this iteration called
         self._inf: set[int] = set()  # ... and whose step the GradScaler skipped (fused)
-        self._updates = 0  # updates committed so far (torch's optimizer step count)
+        self._updates = [0] * len(self.optimizers)  # steps committed so far, per optimizer
         self._loss = float("nan")
         self._epochs: list[int] = []  # the schedulers' last_epoch when the iteration began
         t_resume = time.time()
@@ -181,7 +182,7 @@ class Run:
             self.job.begin(t)
             yield t
             if not self._stepped:
-                if self.scaler is None or len(self._inf) < len(self._called):
+                if self.scaler is None or len(self._inf) < len(self.optimizers):
                     raise InvalidInput(
                         f"iteration {t} ended without the step() of every optimizer given "
                         f"to leto.Run"
@@ -251,27 +252,35 @@ class Run:
                 "the GradScaler passed its scale to a fused optimizer's step(): call "
                 "scaler.unscale_(optimizer) before scaler.step(optimizer) under Leto"
             )
-        found_inf = getattr(opt, "found_inf", None)  # a fused optimizer under a GradScaler
         self._called.add(oi)
-        if found_inf is not None and float(found_inf.sum()) != 0:
-            self._inf.add(oi)  # the GradScaler skips this step (the kernel would no-op)
         opt._opt_called = True  # what torch's scheduler checks for
-        if len(self._called) < len(self.optimizers):
+        skip = self._skipped_now()
+        # Under a GradScaler a skipped optimizer's step() is not called, unless it is a
+        # fused one (the scaler then calls it with found_inf set, and it must no-op).
+        expected = {
+            i for i, o in enumerate(self.optimizers)
+            if i not in skip or getattr(o, "_step_supports_amp_scaling", False)
+        }  # fmt: skip
+        if not expected <= self._called:
             return
-        if self._inf:
-            if len(self._inf) < len(self.optimizers):
-                raise InvalidInput(
-                    f"iteration {t}: the GradScaler skipped the step of optimizer(s) "
-                    f"{sorted(self._inf)} but not of the others; Leto commits all or none"
-                )
-            return  # a skipped step: the iteration's end records it
+        if skip:
+            print(
+                f"rank {self.ctx.rank}: iteration {t}: the GradScaler skipped the step of "
+                f"optimizer(s) {sorted(skip)} (inf/NaN gradients)",
+                file=sys.stderr,
+                flush=True,
+            )
+        if len(skip) == len(self.optimizers):
+            self._inf = set(skip)
+            return  # every step skipped: the iteration's end records it
         h = self.user.hparams()
-        self.loop.write(t, {"hparams": h, "updates": self._updates, **self._loop_state()})
-        self.job.up.hparams = h
-        self.job.up.user_step = self._updates + 1
+        skip = sorted(skip)
+        rec = {"hparams": h, "updates": list(self._updates), "skip": skip}
+        self.loop.write(t, {**rec, **self._loop_state()})
+        self._set_update(rec)
         self.job.step(t, self._loss)
         self._stepped = True
-        self._updates += 1
+        self._updates = committed(self._updates, skip)
 
     def _check_schedulers(self, t: int) -> None:
         """Each LR scheduler stepped exactly once in iteration ``t`` (what a recovery
@@ -286,6 +295,33 @@ class Run:
                 )
         self._epochs = epochs
 
+    def _skipped_now(self) -> set[int]:
+        """Optimizers whose step the GradScaler skips this iteration (inf/NaN among
+        their gradients, found when it unscaled them)."""
+        if self.scaler is None:
+            return set()
+        from torch.amp.grad_scaler import OptState
+
+        out = set()
+        for i, opt in enumerate(self.optimizers):
+            st = self.scaler._per_optimizer_states.get(id(opt))
+            if st is None or st["stage"] is OptState.READY:
+                raise InvalidInput(
+                    f"optimizer {i} was not unscaled: under Leto call "
+                    f"scaler.unscale_(optimizer) for every optimizer before the first "
+                    f"scaler.step()"
+                )
+            if sum(float(v.sum()) for v in st["found_inf_per_device"].values()):
+                out.add(i)
+        return out
+
+    def _set_update(self, rec: dict) -> None:
+        """The updater's per-optimizer step numbers and skips for the update ``rec``
+        (a step record) describes."""
+        self.job.up.hparams = rec["hparams"]
+        self.job.up.user_step = [n + 1 for n in rec["updates"]]
+        self.job.up.user_skip = frozenset(rec["skip"])
+
     def _loop_state(self) -> dict:
         return {
             "scheduler": [sc.state_dict() for sc in self.schedulers],
@@ -298,7 +334,7 @@ class Run:
         commits nothing (the retained state is untouched; its gradients are recomputed
         next iteration). Its end — the scheduler stepped, the scale backed off — is
         recorded as the start of ``t + 1``, so a recovery resumes from there."""
-        rec = {"end": True, "hparams": self.user.hparams(), "updates": self._updates}
+        rec = {"end": True, "hparams": self.user.hparams(), "updates": list(self._updates)}
         self.loop.write(t, {**rec, **self._loop_state()})
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
@@ -343,8 +379,7 @@ class Run:
                 f"the update of iteration {t} was interrupted and its hyperparameters are "
                 f"not in the loop record: it cannot be finished exactly"
             )
-        self.job.up.hparams = rec["hparams"]
-        self.job.up.user_step = rec["updates"] + 1
+        self._set_update(rec)
 
     def _restore_loop(self, n: int) -> None:
         """The loop's state at the start of iteration ``n``. A step record of t holds it
@@ -361,9 +396,11 @@ class Run:
         if rec is None:
             # A fresh start, or a checkpoint restore without a loop record: one update
             # per iteration so far.
-            self._updates = n
+            self._updates = [n] * len(self.optimizers)
             return
-        self._updates = rec["updates"] + (1 if replay else 0)
+        self._updates = (
+            committed(rec["updates"], rec.get("skip", ())) if replay else list(rec["updates"])
+        )
         for (_, group), h in zip(self.user.groups, rec["hparams"], strict=True):
             group.update(h)
         self.state = dict(rec["state"])
@@ -425,3 +462,8 @@ def scaler_grown(sd: dict) -> dict:
         tracker = 0
     sd["_growth_tracker"] = tracker
     return sd
+
+
+def committed(updates: list[int], skip) -> list[int]:
+    """Each optimizer's step count after an update that skipped the optimizers ``skip``."""
+    return [n if oi in skip else n + 1 for oi, n in enumerate(updates)]

@@ -111,7 +111,8 @@ class Updater:
         # The optimizer step number of the update (torch's state["step"] after it):
         # updates committed so far + 1 — not the iteration + 1 once a GradScaler skipped
         # steps. None: the iteration + 1.
-        self.user_step: int | None = None
+        self.user_step: int | list[int] | None = None  # a list: per optimizer
+        self.user_skip: frozenset = frozenset()  # optimizers whose step a GradScaler skipped
         layerwise = None
         if cfg.layerwise == "muon":
             layerwise = lambda name, p: p.ndim == 2 and not name.startswith(cfg.muon.exclude)  # noqa: E731
@@ -538,7 +539,7 @@ class Updater:
             armed = tripwire.armed()
             out = {n: [v.clone() for v in vs] for n, vs in live.items()} if armed else live
             step = self.user_step if self.user_step is not None else it + 1
-            self.user.step(self.hparams, step, groups, out, grads)
+            self.user.step(self.hparams, step, groups, out, grads, self.user_skip)
             if armed:
                 names = self.state.set_names
                 tripwire.land(

@@ -172,16 +172,23 @@ class UserOptimizer:
     def step(
         self,
         hparams: list[dict],
-        step: int,
+        step,
         groups: list[int],
         views: dict[str, list[torch.Tensor]],
         grads: list[torch.Tensor],
+        skip: frozenset = frozenset(),
     ) -> None:
-        """One step (the ``step``-th, from 1), in place, on pieces: ``groups[i]`` is the
-        parameter group of piece i, ``views`` its retained tensors by name ("param", the
-        state tensors, optionally "master"), ``grads[i]`` its gradient. One functional
-        call per parameter group, as the optimizer's own ``step`` makes."""
+        """One step in place, on pieces: ``step`` is the step number (from 1; a list:
+        per optimizer), ``groups[i]`` the parameter group of piece i, ``views`` its
+        retained tensors by name ("param", the state tensors, optionally "master"),
+        ``grads[i]`` its gradient. One functional call per parameter group, as the
+        optimizer's own ``step`` makes; the groups of optimizers in ``skip`` (steps a
+        GradScaler skipped) are left as they are."""
         for gi in sorted(set(groups)):
+            oi = self.groups[gi][0]
+            if oi in skip:
+                continue
+            st = step[oi] if isinstance(step, list) else step
             idx = [i for i, g in enumerate(groups) if g == gi]
             pick = {n: [v[i] for i in idx] for n, v in views.items()}
             master = pick.get("master")
@@ -189,8 +196,8 @@ class UserOptimizer:
             gs = [grads[i] for i in idx]
             if master is not None:
                 gs = [g.float() for g in gs]  # the fp32 master takes the gradient in fp32
-            oi, group = self.groups[gi]
-            self._functional(self.kinds[oi], group, hparams[gi], step, params, gs, pick)
+            group = self.groups[gi][1]
+            self._functional(self.kinds[oi], group, hparams[gi], st, params, gs, pick)
             if master is not None:
                 torch._foreach_copy_(pick["param"], master)
 
@@ -285,16 +292,17 @@ class UserOptimizer:
 
     # -- the optimizer's view of retained state -------------------------------------
 
-    def expose_state(self, params: dict[str, torch.nn.Parameter], views, step: int) -> None:
+    def expose_state(self, params: dict[str, torch.nn.Parameter], views, step) -> None:
         """Fill ``optimizer.state`` with views of the retained state (after ``step``
         updates), so ``state_dict()`` reports it. ``views(name, state) -> tensor``."""
         for opt in self.optimizers:
             opt.state.clear()
-        if step <= 0:
-            return
         for name, gi in self.group_of.items():
             p = params[name]
             oi, group = self.groups[gi]
+            n = step[oi] if isinstance(step, list) else step
+            if n <= 0:
+                continue
             kind, opt = self.kinds[oi], self.optimizers[oi]
             st = {}
             if kind is MUON:
@@ -307,7 +315,7 @@ class UserOptimizer:
             else:
                 fused = group.get("fused")
                 dev = p.device if fused else torch.device("cpu")
-                st["step"] = torch.tensor(float(step), dtype=torch.float32, device=dev)
+                st["step"] = torch.tensor(float(n), dtype=torch.float32, device=dev)
                 st["exp_avg"] = views(name, "exp_avg")
                 st["exp_avg_sq"] = views(name, "exp_avg_sq")
             opt.state[p] = st
