@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from leto.proc import alive
 from leto.runtime.store import free_port
@@ -21,9 +22,11 @@ pytestmark = pytest.mark.timeout(180)
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "spawn_child.py"
 
 
-def _leto_run(tmp_path: Path, env: dict, script: Path = SCRIPT, stderr=None) -> subprocess.Popen:
+def _leto_run(
+    tmp_path: Path, env: dict, script: Path = SCRIPT, stderr=None, nproc: int = 2
+) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "leto.cli", "run", "--json", "--nproc-per-node", "2",
+        sys.executable, "-m", "leto.cli", "run", "--json", "--nproc-per-node", str(nproc),
         "--master-port", str(free_port()), "--shadow-level", "off", "--timeout-s", "60",
         "--log-dir", str(tmp_path / "logs"), str(script), str(tmp_path),
     ]  # fmt: skip
@@ -189,3 +192,36 @@ def test_a_fault_plan_meeting_a_pool_with_nothing_attached_does_not_crash_the_ag
         sm.stop()
     assert lost["device"] == 0 and len(lost["refused"]) == 1, lost
     assert "grad" in lost["refused"][0] or "allocation" in lost["refused"][0], lost
+
+
+@pytest.mark.integ
+def test_a_script_resumes_from_its_own_torch_checkpoint_bit_identically(tmp_path):
+    # The script's own resume (nanoGPT-style): model, optimizer and scheduler states
+    # loaded before leto.Run, start_iteration= where they ended; the run then equals
+    # the same script in plain PyTorch, bytes and optimizer state_dict.
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import resume_own_checkpoint as job
+    finally:
+        sys.path.pop(0)
+    model, opt, sched = job.build()
+    for t in range(job.ITERS):
+        if t == 2:
+            ckpt = tmp_path / "ckpt.pt"
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(), "iteration": 2}, ckpt)  # fmt: skip
+        # Iterations 0-1 on other data: a run that ignored the checkpoint would differ.
+        job.one(model, opt, sched, t + 1000 if t < 2 else t)
+    env = {"LETO_TEST_CKPT": str(ckpt)}
+    p = _leto_run(tmp_path, env, SCRIPT.parent / "resume_own_checkpoint.py", nproc=1)
+    out, _ = p.communicate(timeout=150)
+    assert p.returncode == 0, out[-2000:]
+    got = torch.load(tmp_path / "rank0.final.pt")
+    for n, v in model.named_parameters():
+        assert torch.equal(got["params"][n].view(torch.uint8), v.detach().view(torch.uint8)), n
+    want = opt.state_dict()
+    assert got["optimizer"]["param_groups"] == want["param_groups"]
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            g = got["optimizer"]["state"][i][k]
+            assert torch.equal(g.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))

@@ -83,7 +83,11 @@ class RetainedTraining:
         )
 
     def resume(
-        self, report: dict, checkpoints: str | Path | None = None, before_finish=None
+        self,
+        report: dict,
+        checkpoints: str | Path | None = None,
+        before_finish=None,
+        start_iteration: int = 0,
     ) -> int:
         """Recover this rank, apply the job-wide rule; returns the next iteration. On a
         fresh pool the newest complete checkpoint under ``checkpoints`` (if any) is
@@ -103,7 +107,8 @@ class RetainedTraining:
                 restore(found[0], found[1], self)
                 restored = True
             else:
-                self.up.initialize(self.init_fn)
+                # A fresh job: the marker says iteration start_iteration - 1 is done.
+                self.up.initialize(self.init_fn, iteration=start_iteration - 1)
                 self.fresh = True
             m = self.up.marker.state
         # A failure in the middle of a recovery (pages rebuilt, the job-wide rule not yet
@@ -120,7 +125,7 @@ class RetainedTraining:
                 before_finish(t)
             self.up.finish(m)
             self._log(t, self.up.marker.state)
-        elif m.phase is Phase.DONE and m.iteration >= 0 and not restored:
+        elif m.phase is Phase.DONE and m.iteration >= 0 and not (restored or self.fresh):
             self._log(m.iteration, m)  # a crash between the marker and the log line
         self._settle()
         self.timings["finish_update_s"] = time.time() - t1

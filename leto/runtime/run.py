@@ -75,6 +75,7 @@ class Run:
         *,
         init=None,
         scaler=None,
+        start_iteration: int = 0,
         out: str | Path | None = None,
         zero1: bool = False,
         chunk_units: int = 2,
@@ -84,7 +85,9 @@ class Run:
         or a list of them (e.g. Muon for the 2-D weights and AdamW for the rest; the update
         runs once all have stepped); ``scheduler``: None, one or a list; ``scaler``: the
         script's ``torch.amp.GradScaler`` (fp16: a step it skips commits nothing, and its
-        scale is retained with the loop). ``init()``: fills the parameters on a
+        scale is retained with the loop). ``start_iteration``: where a fresh job starts
+        (the script's own checkpoint: load the model, optimizer and scheduler states
+        before ``leto.Run``; they are retained then). ``init()``: fills the parameters on a
         fresh pool when the model was built on the meta device (otherwise the model's
         own initial values are retained). ``out``: the loss log (and, with ``--verify``,
         the verifiers' trace); default ``$LETO_TRAIN_DIR``, else ``<--log-dir>/train``."""
@@ -122,10 +125,23 @@ class Run:
         env = ctx.env
         self.out = Path(out or env.train_dir or Path(env.log_dir) / "train")
         self.out.mkdir(parents=True, exist_ok=True)
+        if self.user.loaded and zero1:
+            raise InvalidInput(
+                "optimizer state loaded before leto.Run with ZeRO-1 is not supported yet; "
+                "nothing was retained"
+            )
+
+        def first_values():
+            if init is not None:
+                init()
+            else:
+                self._copy_in(originals)
+            self._load_optimizer_state()
+
         self.job = RetainedTraining(
             ctx.pool,
             model,
-            init if init is not None else (lambda: self._copy_in(originals)),
+            first_values,
             None,
             ctx.rank,
             ctx.world_size,
@@ -154,7 +170,10 @@ class Run:
         self._epochs: list[int] = []  # the schedulers' last_epoch when the iteration began
         t_resume = time.time()
         self.next_iteration = self.job.resume(
-            ctx.report, checkpoints=ctx.checkpoint_dir, before_finish=self._hparams_of
+            ctx.report,
+            checkpoints=ctx.checkpoint_dir,
+            before_finish=self._hparams_of,
+            start_iteration=start_iteration,
         )
         self.job.init_fn = None  # the original parameters it holds are garbage now
         self._restore_loop(self.next_iteration)
@@ -343,9 +362,9 @@ class Run:
 
     def _load_state_dict(self, state_dict) -> None:
         raise InvalidInput(
-            "optimizer.load_state_dict() under Leto: the optimizer's state is retained and "
-            "restored by Leto itself (and by its checkpoint fallback); loading a state from "
-            "elsewhere into retained memory is not supported yet — nothing was changed"
+            "optimizer.load_state_dict() after leto.Run: the optimizer's state is retained "
+            "and restored by Leto (and its checkpoint fallback); load your own checkpoint "
+            "before leto.Run (with start_iteration=) — nothing was changed"
         )
 
     def _steps_done(self) -> int:
@@ -372,6 +391,14 @@ class Run:
         for name, p in self.job.params.items():
             p.copy_(originals[name])
 
+    def _load_optimizer_state(self) -> None:
+        """The optimizer state the script loaded (its own checkpoint), into retained
+        memory (a fresh pool, before parity is computed)."""
+        for name, st in self.user.loaded.items():
+            for k, v in st.items():
+                if v is not None:
+                    self._views(name, "exp_avg" if k == "momentum_buffer" else k).copy_(v)
+
     def _hparams_of(self, t: int) -> None:
         rec = self.loop.read(t)
         if rec is None:
@@ -394,9 +421,9 @@ class Run:
             rec = self.loop.read(n - 1)
             replay = rec is not None and not rec.get("end")
         if rec is None:
-            # A fresh start, or a checkpoint restore without a loop record: one update
-            # per iteration so far.
-            self._updates = [n] * len(self.optimizers)
+            # A fresh start (its optimizers' loaded step counts, else one update per
+            # iteration so far), or a checkpoint restore without a loop record.
+            self._updates = [n if k is None else k for k in self.user.loaded_steps]
             return
         self._updates = (
             committed(rec["updates"], rec.get("skip", ())) if replay else list(rec["updates"])

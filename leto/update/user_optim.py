@@ -129,11 +129,28 @@ class UserOptimizer:
                             f"{where}: Muon takes 2-D parameters, {name} is {p.ndim}-D"
                         )
                     self.group_of[name] = g
-            if opt.state:
-                raise InvalidInput(
-                    f"optimizer {oi} has already stepped (it holds state); give Leto fresh "
-                    f"optimizers — their state is retained and restored by Leto"
-                )
+        # State the script loaded before handing the optimizers to Leto (its own
+        # checkpoint: optimizer.load_state_dict): copied into retained memory on a
+        # fresh pool (``loaded``: name -> state, ``loaded_steps``: per optimizer).
+        self.loaded: dict[str, dict] = {}
+        self.loaded_steps: list[int | None] = [None] * len(opts)
+        want = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq")}
+        for oi, (opt, kind) in enumerate(zip(opts, self.kinds, strict=True)):
+            for p, st in opt.state.items():
+                name = names.get(id(p))
+                keys = want.get(kind.name, ("momentum_buffer",))
+                missing = [k for k in keys if k not in st]
+                if name is None or missing:
+                    raise InvalidInput(
+                        f"optimizer {oi}'s state for {name or 'a tensor not in the model'} "
+                        f"lacks {missing or 'a parameter'}; nothing was retained"
+                    )
+                self.loaded[name] = {
+                    k: (None if st[k] is None else st[k].detach().clone()) for k in keys
+                }
+                if "step" in st:
+                    self.loaded_steps[oi] = int(float(st["step"]))
+            opt.state.clear()  # Leto owns the state from here
 
     def layerwise(self, name: str) -> bool:
         """Whether parameter ``name`` is updated whole (a Muon parameter)."""

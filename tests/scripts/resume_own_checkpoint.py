@@ -1,0 +1,60 @@
+"""A trainer for the own-checkpoint test: a small MLP with AdamW (two groups) and LambdaLR.
+With ``LETO_TEST_CKPT`` it loads the model, optimizer and scheduler states and the
+iteration from that torch.save file before ``leto.Run`` (the script's own resume, as
+nanoGPT does it) and continues there; at the end it saves the parameters and the
+optimizer's state_dict() to ``<argv[1]>/rank0.final.pt``."""
+
+import os
+import sys
+
+import torch
+
+import leto
+
+ITERS = 5
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW(
+        [{"params": [p for _, p in named if p.ndim == 2]},
+         {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}],
+        lr=1e-2, fused=True,
+    )  # fmt: skip
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    return model, opt, sched
+
+
+def batch(t: int):
+    g = torch.Generator().manual_seed(100 + t)
+    return torch.randn(4, 16, generator=g)
+
+
+def one(model, opt, sched, t):
+    model(batch(t)).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+if __name__ == "__main__":
+    ctx = leto.init()
+    model, opt, sched = build()
+    start = 0
+    if os.environ.get("LETO_TEST_CKPT"):
+        ck = torch.load(os.environ["LETO_TEST_CKPT"])
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        start = ck["iteration"]
+    run = leto.Run(ctx, model, opt, sched, start_iteration=start)
+    for t in run.iterations(ITERS):
+        one(model, opt, sched, t)
+    torch.save(
+        {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+         "optimizer": opt.state_dict()},
+        os.path.join(sys.argv[1], "rank0.final.pt"),
+    )  # fmt: skip
