@@ -201,7 +201,7 @@ def test_a_script_resumes_from_its_own_torch_checkpoint_bit_identically(tmp_path
     # the same script in plain PyTorch, bytes and optimizer state_dict.
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        import resume_own_checkpoint as job
+        import own_loop as job
     finally:
         sys.path.pop(0)
     model, opt, sched = job.build()
@@ -213,7 +213,7 @@ def test_a_script_resumes_from_its_own_torch_checkpoint_bit_identically(tmp_path
         # Iterations 0-1 on other data: a run that ignored the checkpoint would differ.
         job.one(model, opt, sched, t + 1000 if t < 2 else t)
     env = {"LETO_TEST_CKPT": str(ckpt)}
-    p = _leto_run(tmp_path, env, SCRIPT.parent / "resume_own_checkpoint.py", nproc=1)
+    p = _leto_run(tmp_path, env, SCRIPT.parent / "own_loop.py", nproc=1)
     out, _ = p.communicate(timeout=150)
     assert p.returncode == 0, out[-2000:]
     got = torch.load(tmp_path / "rank0.final.pt")
@@ -225,3 +225,28 @@ def test_a_script_resumes_from_its_own_torch_checkpoint_bit_identically(tmp_path
         for k, v in st.items():
             g = got["optimizer"]["state"][i][k]
             assert torch.equal(g.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.integ
+def test_a_compiled_model_trains_and_recovers_exactly(tmp_path):
+    # torch.compile (dynamo + AOTAutograd) under leto.Run, killed in the middle of
+    # iteration 2's update and restarted cold (it compiles again: the hang timeout
+    # spares a generation's first iteration): the same bytes as the compiled script in
+    # plain PyTorch.
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import own_loop as job
+    finally:
+        sys.path.pop(0)
+    model, opt, sched = job.build(compiled=True)
+    for t in range(job.ITERS):
+        job.one(model, opt, sched, t)
+    plan = [{"generation": 0, "rank": 0, "at": "update.optimizer@2#1"}]
+    env = {"LETO_TEST_COMPILE": "1", "LETO_FAULT_PLAN": json.dumps(plan)}
+    p = _leto_run(tmp_path, env, SCRIPT.parent / "own_loop.py", nproc=1)
+    out, _ = p.communicate(timeout=150)
+    assert p.returncode == 0, out[-2000:]
+    assert len(json.loads(out.strip().splitlines()[-1])["recoveries"]) == 1
+    got = torch.load(tmp_path / "rank0.final.pt")
+    for n, v in model.named_parameters():
+        assert torch.equal(got["params"][n].view(torch.uint8), v.detach().view(torch.uint8)), n

@@ -1,8 +1,10 @@
-"""A trainer for the own-checkpoint test: a small MLP with AdamW (two groups) and LambdaLR.
+"""A user's own loop for the tests: a small MLP with AdamW (two groups) and LambdaLR.
 With ``LETO_TEST_CKPT`` it loads the model, optimizer and scheduler states and the
 iteration from that torch.save file before ``leto.Run`` (the script's own resume, as
-nanoGPT does it) and continues there; at the end it saves the parameters and the
-optimizer's state_dict() to ``<argv[1]>/rank0.final.pt``."""
+nanoGPT does it) and continues there; with ``LETO_TEST_COMPILE`` the model is
+``torch.compile``d (backend aot_eager: dynamo and AOTAutograd, no C++ compiler). At the
+end it saves the parameters and the optimizer's state_dict() to
+``<argv[1]>/rank0.final.pt``."""
 
 import os
 import sys
@@ -14,9 +16,11 @@ import leto
 ITERS = 5
 
 
-def build():
+def build(compiled: bool = False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    if compiled:
+        model = torch.compile(model, backend="aot_eager")
     named = list(model.named_parameters())
     opt = torch.optim.AdamW(
         [{"params": [p for _, p in named if p.ndim == 2]},
@@ -42,7 +46,7 @@ def one(model, opt, sched, t):
 
 if __name__ == "__main__":
     ctx = leto.init()
-    model, opt, sched = build()
+    model, opt, sched = build(bool(os.environ.get("LETO_TEST_COMPILE")))
     start = 0
     if os.environ.get("LETO_TEST_CKPT"):
         ck = torch.load(os.environ["LETO_TEST_CKPT"])
