@@ -89,12 +89,6 @@ def test_kill_one_rank_anywhere_world_2(reference, tmp_path, point):
     assert first_difference(reference[2], got) is None, first_difference(reference[2], got)
 
 
-@pytest.mark.parametrize("point", ["update.optimizer", "grad_parity", "update.store"])
-def test_kill_with_lost_pages_world_2(reference, tmp_path, point):
-    got = run(2, CFG, tmp_path, fault=(0, f"{point}@1#1"), lose=LOSE_H1_PAGES_AND_A_PARITY_PAGE)
-    assert first_difference(reference[2], got) is None, first_difference(reference[2], got)
-
-
 # (allreduce is in the CI matrix at world 2; here the largest world's update.)
 @pytest.mark.parametrize("victim,point", [(3, "update.parity")])
 def test_kill_one_rank_world_4(reference, tmp_path, victim, point):
@@ -120,7 +114,9 @@ def test_zero1_equals_replicated_bit_for_bit(reference, tmp_path):
             assert torch.equal(mine, rep["states"][0][k][lo : lo + mine.numel()]), f"rank {r} {k}"
 
 
-@pytest.mark.parametrize("point", ["gather", "update.optimizer", "update.store", "sync"])
+# gather is ZeRO-1's own point; the sharded update's middle. (Its other phases strike
+# the same code as the replicated job's, which the CI matrix covers.)
+@pytest.mark.parametrize("point", ["gather", "update.optimizer"])
 def test_zero1_kill_anywhere_with_lost_pages(reference, tmp_path, point):
     got = run(2, ZERO1, tmp_path, fault=(1, f"{point}@2#1"), lose=LOSE_H1_PAGES_AND_A_PARITY_PAGE)
     assert first_difference(reference["zero1"], got) is None, first_difference(
@@ -130,11 +126,13 @@ def test_zero1_kill_anywhere_with_lost_pages(reference, tmp_path, point):
 
 @pytest.mark.parametrize(
     "victim,point",
-    [(1, "compute.backward@2#2"), (0, "compute.forward@1#1"), (0, "update.optimizer@2#2")],
+    # A kill in the second or the first micro-batch (the update after accumulation is
+    # the same update as one micro-batch's: the matrix and the fp16 test strike it).
+    [(1, "compute.backward@2#2"), (0, "compute.forward@1#1")],
 )
 def test_gradient_accumulation_recovers_exactly(reference, tmp_path, victim, point):
-    """A kill in the second or first micro-batch (the iteration is redone from its first
-    micro-batch) or in the update (finished from the accumulated, protected gradients)."""
+    """A kill in the second or first micro-batch: the iteration is redone from its first
+    micro-batch."""
     got = run(2, ACCUM, tmp_path, fault=(victim, point))
     assert got["injections"] == 1, f"the fault {point} was not injected"
     assert first_difference(reference["accum"], got) is None, first_difference(
