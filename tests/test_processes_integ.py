@@ -217,6 +217,7 @@ def test_a_script_resumes_from_its_own_torch_checkpoint_bit_identically(tmp_path
     out, _ = p.communicate(timeout=150)
     assert p.returncode == 0, out[-2000:]
     got = torch.load(tmp_path / "rank0.final.pt")
+    assert got["iterations"] == job.ITERS - 2  # run.state starts empty on a fresh pool
     for n, v in model.named_parameters():
         assert torch.equal(got["params"][n].view(torch.uint8), v.detach().view(torch.uint8)), n
     want = opt.state_dict()
@@ -229,10 +230,10 @@ def test_a_script_resumes_from_its_own_torch_checkpoint_bit_identically(tmp_path
 
 @pytest.mark.integ
 def test_a_compiled_model_trains_and_recovers_exactly(tmp_path):
-    # torch.compile (dynamo + AOTAutograd) under leto.Run, killed in the middle of
-    # iteration 2's update and restarted cold (it compiles again: the hang timeout
-    # spares a generation's first iteration): the same bytes as the compiled script in
-    # plain PyTorch.
+    # torch.compile (dynamo + AOTAutograd) under leto.Run, with an eval pass at the top
+    # of every iteration, killed in the middle of iteration 2's update and restarted cold
+    # (it compiles again: the hang timeout spares a generation's first iteration): the
+    # same bytes as the compiled script in plain PyTorch, and run.state retained.
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import own_loop as job
@@ -248,5 +249,7 @@ def test_a_compiled_model_trains_and_recovers_exactly(tmp_path):
     assert p.returncode == 0, out[-2000:]
     assert len(json.loads(out.strip().splitlines()[-1])["recoveries"]) == 1
     got = torch.load(tmp_path / "rank0.final.pt")
+    # run.state came back with the loop: the restarted process counted on from 3.
+    assert got["iterations"] == job.ITERS, got["iterations"]
     for n, v in model.named_parameters():
         assert torch.equal(got["params"][n].view(torch.uint8), v.detach().view(torch.uint8)), n

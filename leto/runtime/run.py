@@ -105,6 +105,8 @@ class Run:
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise InvalidInput(f"scaler= takes a torch.amp.GradScaler, not {type(scaler).__name__}")
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        if self.scaler is not None:
+            self._watch_scaler(self.scaler)
         names = {id(p): n for n, p in model.named_parameters()}
         self.user = UserOptimizer(self.optimizers, names)  # refuses what it cannot run, first
         other = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype != torch.float32]
@@ -164,7 +166,9 @@ class Run:
         self._t: int | None = None  # the iteration in progress
         self._stepped = False
         self._called: set[int] = set()  # optimizers whose step() this iteration called
-        self._inf: set[int] = set()  # ... and whose step the GradScaler skipped (fused)
+        self._inf: set[int] = set()  # ... whose step the GradScaler skips
+        self._seen: set[int] = set()  # ... whose scaler.step() began
+        self._reported = False
         self._updates = [0] * len(self.optimizers)  # steps committed so far, per optimizer
         self._loss = float("nan")
         self._epochs: list[int] = []  # the schedulers' last_epoch when the iteration began
@@ -197,11 +201,13 @@ class Run:
         t = self.next_iteration
         while t < total:
             self._t, self._stepped, self._loss = t, False, float("nan")
-            self._called, self._inf = set(), set()
+            self._called, self._inf, self._seen = set(), set(), set()
+            self._reported = False
             self.job.begin(t)
             yield t
             if not self._stepped:
                 if self.scaler is None or len(self._inf) < len(self.optimizers):
+                    # (Under a GradScaler: step through scaler.step(), as torch's docs do.)
                     raise InvalidInput(
                         f"iteration {t} ended without the step() of every optimizer given "
                         f"to leto.Run"
@@ -273,24 +279,38 @@ class Run:
             )
         self._called.add(oi)
         opt._opt_called = True  # what torch's scheduler checks for
-        skip = self._skipped_now()
-        # Under a GradScaler a skipped optimizer's step() is not called, unless it is a
-        # fused one (the scaler then calls it with found_inf set, and it must no-op).
-        expected = {
-            i for i, o in enumerate(self.optimizers)
-            if i not in skip or getattr(o, "_step_supports_amp_scaling", False)
-        }  # fmt: skip
+        self._maybe_commit()
+
+    def _maybe_commit(self) -> None:
+        """Run the update once every optimizer has had its say: without a GradScaler,
+        every ``step()`` called; with one, every ``scaler.step()`` begun and every step it
+        did not skip called (a skipped non-fused step is never called; a skipped fused
+        one is, and must no-op). The skipped optimizers' pieces are left as they are."""
+        t = self._t
+        if self._stepped or t is None:
+            return
+        n = len(self.optimizers)
+        skip = set(self._inf)
+        if self.scaler is not None:
+            if len(self._seen) < n:
+                return
+            expected = {
+                i for i, o in enumerate(self.optimizers)
+                if i not in skip or getattr(o, "_step_supports_amp_scaling", False)
+            }  # fmt: skip
+        else:
+            expected = set(range(n))
         if not expected <= self._called:
             return
-        if skip:
+        if skip and not self._reported:
+            self._reported = True
             print(
                 f"rank {self.ctx.rank}: iteration {t}: the GradScaler skipped the step of "
                 f"optimizer(s) {sorted(skip)} (inf/NaN gradients)",
                 file=sys.stderr,
                 flush=True,
             )
-        if len(skip) == len(self.optimizers):
-            self._inf = set(skip)
+        if len(skip) == n:
             return  # every step skipped: the iteration's end records it
         h = self.user.hparams()
         skip = sorted(skip)
@@ -314,25 +334,29 @@ class Run:
                 )
         self._epochs = epochs
 
-    def _skipped_now(self) -> set[int]:
-        """Optimizers whose step the GradScaler skips this iteration (inf/NaN among
-        their gradients, found when it unscaled them)."""
-        if self.scaler is None:
-            return set()
+    def _watch_scaler(self, scaler) -> None:
+        """Note, as ``scaler.step(opt)`` begins, whether it will skip ``opt``'s step: a
+        non-fused optimizer's skipped step never reaches Leto, and by the iteration's end
+        ``scaler.update()`` has forgotten why."""
         from torch.amp.grad_scaler import OptState
 
-        out = set()
-        for i, opt in enumerate(self.optimizers):
-            st = self.scaler._per_optimizer_states.get(id(opt))
-            if st is None or st["stage"] is OptState.READY:
-                raise InvalidInput(
-                    f"optimizer {i} was not unscaled: under Leto call "
-                    f"scaler.unscale_(optimizer) for every optimizer before the first "
-                    f"scaler.step()"
-                )
-            if sum(float(v.sum()) for v in st["found_inf_per_device"].values()):
-                out.add(i)
-        return out
+        orig = scaler.step
+
+        def step(optimizer, *args, **kwargs):
+            st = scaler._per_optimizer_states[id(optimizer)]
+            if st["stage"] is OptState.READY:
+                scaler.unscale_(optimizer)  # what scaler.step would do first
+            inf = sum(float(v.sum()) for v in st["found_inf_per_device"].values())
+            for i, o in enumerate(self.optimizers):
+                if o is optimizer:
+                    self._seen.add(i)
+                    if inf:
+                        self._inf.add(i)
+            out = orig(optimizer, *args, **kwargs)
+            self._maybe_commit()  # the last one may have been skipped: never called
+            return out
+
+        scaler.step = step
 
     def _set_update(self, rec: dict) -> None:
         """The updater's per-optimizer step numbers and skips for the update ``rec``

@@ -2,9 +2,10 @@
 With ``LETO_TEST_CKPT`` it loads the model, optimizer and scheduler states and the
 iteration from that torch.save file before ``leto.Run`` (the script's own resume, as
 nanoGPT does it) and continues there; with ``LETO_TEST_COMPILE`` the model is
-``torch.compile``d (backend aot_eager: dynamo and AOTAutograd, no C++ compiler). At the
-end it saves the parameters and the optimizer's state_dict() to
-``<argv[1]>/rank0.final.pt``."""
+``torch.compile``d (backend aot_eager: dynamo and AOTAutograd, no C++ compiler). Each
+iteration evaluates first (``eval()``, no grad) and counts itself in ``run.state`` (the
+script's small state, retained with the loop). At the end it saves the parameters, the
+optimizer's state_dict() and that count to ``<argv[1]>/rank0.final.pt``."""
 
 import os
 import sys
@@ -36,7 +37,16 @@ def batch(t: int):
     return torch.randn(4, 16, generator=g)
 
 
+def evaluate(model) -> float:
+    model.eval()
+    with torch.no_grad():
+        loss = float(model(batch(-1)).square().mean())
+    model.train()
+    return loss
+
+
 def one(model, opt, sched, t):
+    evaluate(model)  # at the top of the iteration, as nanoGPT does
     model(batch(t)).square().mean().backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     opt.step()
@@ -56,9 +66,10 @@ if __name__ == "__main__":
         start = ck["iteration"]
     run = leto.Run(ctx, model, opt, sched, start_iteration=start)
     for t in run.iterations(ITERS):
+        run.state["iterations"] = run.state.get("iterations", 0) + 1
         one(model, opt, sched, t)
     torch.save(
         {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-         "optimizer": opt.state_dict()},
+         "optimizer": opt.state_dict(), "iterations": run.state["iterations"]},
         os.path.join(sys.argv[1], "rank0.final.pt"),
     )  # fmt: skip
