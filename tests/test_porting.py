@@ -18,7 +18,6 @@ import torch
 
 from faultkit.job import JobFault, run_job
 from leto.memory.config import PoolConfig
-from leto.runtime.store import free_port
 from leto.workload.train import TrainConfig
 
 HERE = Path(__file__).resolve().parent.parent / "examples" / "porting"
@@ -65,6 +64,7 @@ CPU_LOSE = (("data", "param", (0, 3)), ("data", "exp_avg", (1, 2)), ("tier1", 1,
 
 
 @pytest.mark.integ
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "device",
     [
@@ -82,14 +82,18 @@ CPU_LOSE = (("data", "param", (0, 3)), ("data", "exp_avg", (1, 2)), ("tier1", 1,
 )
 def test_the_ported_llama_is_bit_identical_to_ddp_and_exact_under_faults(tmp_path, device):
     ddp = tmp_path / "ddp"
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(DDP), "--iterations", str(ITERS),
-         "--out", str(ddp)],
-        check=True, capture_output=True, timeout=300,
-        # The script takes a GPU when it sees one: the CPU case hides them.
-        env=dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})),
-    )  # fmt: skip
+    # --standalone: torchrun picks its own free rendezvous port on localhost (a port
+    # chosen here could be taken before it binds). A hang reports torchrun's output.
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", "2", str(DDP), "--iterations", str(ITERS), "--out", str(ddp)],
+            check=True, capture_output=True, text=True, timeout=120,
+            # The script takes a GPU when it sees one: the CPU case hides them.
+            env=dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun of the DDP script hung; its output:\n{e.stdout}\n{e.stderr}")
 
     def leto(name: str, faults=()) -> dict:
         out = tmp_path / name
