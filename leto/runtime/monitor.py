@@ -102,7 +102,6 @@ class Monitor:
         controller reads the memory report beside it)."""
         self.cfg, self.cells, self.store, self.on_beat = cfg, cells, store, on_beat
         self._beats: dict[int, tuple] = {}  # rank -> ((generation, beat), monotonic seen)
-        self._first_beat: dict[tuple[int, int], bytes] = {}  # (generation, rank) -> its first beat
         self._beats_read = 0.0  # monotonic time every rank's beat was last read
         self._progress: list[tuple[float, int, int]] = []  # (time, generation, iteration)
         self._first: tuple | None = None  # the first local rank's last (generation, beat)
@@ -146,13 +145,10 @@ class Monitor:
             last = self._beats.get(cl.rank)
             if last is None or last[0] != (gen, beat):
                 self._beats[cl.rank] = ((gen, beat), now)
-                if beat not in (None, b"done"):
-                    self._first_beat.setdefault((gen, cl.rank), beat)
                 continue
-            # Before the first beat (start-up, recovery), in a generation's first iteration
-            # (torch.compile, allocator and kernel warm-up) and after the last beat
-            # (final barrier, checkpoint flush) only the general timeout applies.
-            stepping = beat not in (None, b"done") and beat != self._first_beat.get((gen, cl.rank))
+            # Before the first beat (start-up, recovery) and after the last (finishing:
+            # final barrier, checkpoint flush) only the general timeout applies.
+            stepping = beat is not None and beat != b"done"
             limit = self.cfg.hang_timeout_s if stepping else self.cfg.timeout_s
             if now - last[1] > limit:
                 hung.append((int(beat) if stepping else -1, cl))
