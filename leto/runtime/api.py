@@ -54,6 +54,9 @@ class Context:
     profiler: object = None  # cProfile.Profile of this recovery (LETO_PROFILE_RECOVERY)
     guard: object = None  # preinit.guard.Guard under --shadow-level auto (made at first beat)
     env: TrainerEnv | None = None  # what leto run told this process
+    # The generation whose warming counter this process raised at its first beat (None:
+    # not yet; -1: lowered again, its first iteration is over).
+    warming_gen: int | None = None
 
     @property
     def checkpoint_dir(self) -> str | None:
@@ -76,10 +79,22 @@ class Context:
     def heartbeat(self, iteration: int | str) -> None:
         """Progress for the agent's hang detection: the iteration, once per iteration;
         ``"done"`` when the loop is over (the final barrier and checkpoint flush are then
-        held to the general timeout, not the hang timeout). Under ``--shadow-level auto``
+        held to the general timeout, not the hang timeout, as is every trainer's first
+        iteration in its process). Under ``--shadow-level auto``
         the preinitialization guard reports first (memory, reclamations)."""
         if iteration != "done" and self.env.preinit:
             self._guard().beat()
+        # The first iteration of a process (torch.compile, cuDNN autotuning, lazy
+        # allocations) may take far longer than a steady one: while any trainer is in
+        # its first, the agent holds every rank to the general timeout, since its peers
+        # wait for it in collectives. Counted in the store, so no agent needs to have
+        # seen a particular beat.
+        if self.warming_gen is None and iteration != "done":
+            self.warming_gen = self.generation
+            self.store.add(keys.warming(self.generation), 1)
+        elif self.warming_gen not in (None, -1):
+            self.store.add(keys.warming(self.warming_gen), -1)
+            self.warming_gen = -1
         self.store.set(keys.beat(self.generation, self.rank), str(iteration))
 
     def _guard(self):

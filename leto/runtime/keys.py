@@ -45,6 +45,12 @@ def beat(gen: int, rank: int) -> str:
     return f"leto/gen{gen}/rank{rank}/beat"
 
 
+def warming(gen: int) -> str:
+    """Counter: trainers of ``gen`` in the first iteration of their process (compiling,
+    warming up; the agent's hang timeout waits for them)."""
+    return f"leto/gen{gen}/warming"
+
+
 def resumed(gen: int, rank: int) -> str:
     """JSON: a promoted or restarted trainer's recovery timings (written by it)."""
     return f"leto/gen{gen}/rank{rank}/resumed"

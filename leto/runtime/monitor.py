@@ -6,8 +6,9 @@ with its error file when it raised), one whose heartbeat stalled is a ``HANG``. 
 rank's heartbeat is read from the store every ``beat_poll_s``; the first local rank's
 every poll, since its beats time the measured ETTR (``ettr``).
 
-Hangs: a beat that has not moved for ``hang_timeout_s`` (before the first beat and after
-"done", ``timeout_s``). Ranks blocked in a collective behind a stuck peer stall too,
+Hangs: a beat that has not moved for ``hang_timeout_s`` (``timeout_s`` before the first
+beat, after "done", and while any trainer of the generation is in its process's first
+iteration — ``keys.warming``: compilation and warm-up stall every rank behind it). Ranks blocked in a collective behind a stuck peer stall too,
 at most one iteration ahead of it: only the ranks with the oldest beat are reported.
 
 Not covered: failures of other nodes (the agent reads the store's counters for those),
@@ -128,6 +129,8 @@ class Monitor:
         read_all = now - self._beats_read >= self.cfg.beat_poll_s
         if read_all:
             self._beats_read = now
+        # One request: is any trainer of this generation (any node) in its first iteration?
+        warming = read_all and int(self.store.add(keys.warming(gen), 0)) > 0
         for cl in self.cells if read_all else self.cells[:1]:
             if cl.active.poll() is not None:
                 continue
@@ -149,7 +152,7 @@ class Monitor:
             # Before the first beat (start-up, recovery) and after the last (finishing:
             # final barrier, checkpoint flush) only the general timeout applies.
             stepping = beat is not None and beat != b"done"
-            limit = self.cfg.hang_timeout_s if stepping else self.cfg.timeout_s
+            limit = self.cfg.hang_timeout_s if stepping and not warming else self.cfg.timeout_s
             if now - last[1] > limit:
                 hung.append((int(beat) if stepping else -1, cl))
         oldest = min((b for b, _ in hung), default=None)

@@ -1,0 +1,95 @@
+"""The agent's monitor: a stalled heartbeat is a hang after ``hang_timeout_s`` — except
+while a trainer of the generation is in its process's first iteration (compiling), when
+every rank is held to the general ``timeout_s``, since its peers stall behind it.
+
+Real store (torch's HashStore) and the trainer's own heartbeat code (``Context``); the
+trainers are stand-ins that only say they are alive."""
+
+import time
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from leto.runtime import keys
+from leto.runtime.api import Context
+from leto.runtime.config import RunConfig
+from leto.runtime.monitor import FailureKind, Monitor
+
+HANG_S, TIMEOUT_S = 0.3, 1.5
+
+
+class _Alive:
+    def poll(self):
+        return None
+
+
+def _cells(n):
+    return [SimpleNamespace(rank=r, active=_Alive(), active_error=lambda: None) for r in range(n)]
+
+
+def _trainer(store, rank, gen=0):
+    env = SimpleNamespace(preinit=None)
+    return Context("active", rank, 2, rank, gen, "L2", None, None, {}, store=store, env=env)
+
+
+def _hangs_after(monitor, gen, within_s):
+    """Seconds until the monitor reports a hang (None: none within ``within_s``), and whom."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        hung = [f.rank for f in monitor.failures(gen) if f.kind is FailureKind.HANG]
+        if hung:
+            return time.monotonic() - t0, hung
+        time.sleep(0.02)
+    return None, []
+
+
+def _monitor(store, n=2):
+    cfg = RunConfig(nproc_per_node=n, beat_poll_s=0.0, hang_timeout_s=HANG_S, timeout_s=TIMEOUT_S)
+    return Monitor(cfg, _cells(n), store)
+
+
+def test_a_first_iteration_is_held_to_the_general_timeout_on_every_rank():
+    store = dist.HashStore()
+    ranks = [_trainer(store, r) for r in range(2)]
+    for c in ranks:
+        c.heartbeat(0)  # both in their first iteration (rank 1 compiling, rank 0 waiting)
+    m = _monitor(store)
+    took, hung = _hangs_after(m, 0, TIMEOUT_S + 1.0)
+    # Not after the hang timeout: only after the general one (a first iteration that
+    # truly hangs is still caught).
+    assert took is not None and took >= TIMEOUT_S - 0.1, (took, hung)
+
+
+def test_after_the_first_iteration_the_hang_timeout_applies_again():
+    store = dist.HashStore()
+    ranks = [_trainer(store, r) for r in range(2)]
+    for t in (0, 1):
+        for c in ranks:
+            c.heartbeat(t)
+    assert int(store.add(keys.warming(0), 0)) == 0
+    m = _monitor(store)
+    ranks[0].heartbeat(2)  # rank 1 stalls in iteration 1; rank 0 waits in 2
+    took, hung = _hangs_after(m, 0, TIMEOUT_S)
+    assert took is not None and took < TIMEOUT_S - 0.3, took
+    assert hung == [1], hung  # the rank with the oldest beat, not the one waiting for it
+
+
+def test_a_promoted_trainers_first_iteration_holds_its_survivors_too():
+    # Generation 1 after a recovery: rank 0 survived (long past its first iteration),
+    # rank 1 is a promoted shadow compiling its model: rank 0 waits for it, unblamed.
+    store = dist.HashStore()
+    survivor = _trainer(store, 0, gen=0)
+    survivor.heartbeat(0)
+    survivor.heartbeat(1)
+    survivor.generation = 1
+    survivor.heartbeat(2)
+    promoted = _trainer(store, 1, gen=1)
+    promoted.heartbeat(2)
+    assert int(store.add(keys.warming(1), 0)) == 1
+    m = _monitor(store)
+    took, _ = _hangs_after(m, 1, HANG_S * 3)
+    assert took is None, took
+    promoted.heartbeat(3)  # its first iteration is over: the hang timeout is back
+    assert int(store.add(keys.warming(1), 0)) == 0
+    took, hung = _hangs_after(m, 1, TIMEOUT_S)
+    assert took is not None and took < TIMEOUT_S - 0.3 and hung == [0], (took, hung)
