@@ -21,42 +21,10 @@ import sys
 import torch
 
 import leto
-from leto.proc import alive
 from leto.update.schedule import WarmupCosine
 from leto.workload.corpus import batch
 from leto.workload.gpt import GPT, init_weights
 from leto.workload.train import add_arguments, from_args
-
-
-def grow_demand(ctx, cfg) -> list[torch.Tensor]:
-    """Memory pressure for the preinitialization demo: grow this rank's device memory
-    past what is free while its shadow is parked, in chunks (each a cache miss the
-    allocation hook sees). Without the controller this OOMs; with it the shadow is
-    reclaimed first. Outside ``job.compute()``: the updater's lent buffers stay out."""
-    parked = ctx.wait_shadow_parked(timeout_s=120)
-    free = ctx.device_free_bytes()
-    target = free + int(cfg.demand_beyond_free_mib * 2**20)
-    chunk = max(1, int(cfg.demand_chunk_mib * 2**20))
-    print(
-        f"rank {ctx.rank}: demand {target / 2**30:.2f} GiB with {free / 2**30:.2f} GiB free "
-        f"(shadow parked: {parked})",
-        flush=True,
-    )
-    held, total = [], 0
-    while total < target:
-        n = min(chunk, target - total)
-        held.append(torch.empty(n, dtype=torch.uint8, device=ctx.device).fill_(1))
-        total += n
-    # The beat reports a reclamation (on the emulated CPU device it is also where the
-    # allocation path runs); the report is what makes the agent relaunch the shadow.
-    ctx.heartbeat(cfg.demand_at)
-    if parked is not None and not alive(parked["pid"]):
-        # Reclaimed. The demo goes on once the relaunched (lower-level) shadow has parked,
-        # so a later fault meets a parked shadow, not one still starting: that would time
-        # the shadow's start-up, not its recovery. Bounded below the hang timeout.
-        again = ctx.wait_shadow_parked(timeout_s=30, other_than=parked["pid"])
-        print(f"rank {ctx.rank}: shadow relaunched and parked: {again}", flush=True)
-    return held
 
 
 def main() -> int:
@@ -107,12 +75,9 @@ def main() -> int:
         chunk_units=cfg.chunk_units,
         bucket_mib=cfg.bucket_mib,
     )
-    demand = None
     first = run.next_iteration
     k = cfg.micro_batches
     for t in run.iterations(cfg.iterations):
-        if t == cfg.demand_at and demand is None:
-            demand = grow_demand(ctx, cfg)
         loss = torch.zeros((), device=ctx.device)
         with run.compute():
             for mb in range(k):  # gradients accumulate in the retained buffer
@@ -145,8 +110,6 @@ def main() -> int:
         for sc in schedulers:
             sc.step()
         adamw.zero_grad(set_to_none=True)
-    if cfg.save_state:  # for tests: every retained tensor, to compare runs
-        run.job.save_state()
     return 0
 
 

@@ -31,9 +31,27 @@ from leto.runtime.store import free_port
 from leto.workload.train import TrainConfig
 from nvbit_tools.tripwire import ENV_LOG
 from verifiers import EVENT_INJECTION, EVENT_RECOVERED, Recorder, compare
+from verifiers.recorder import ENV_SAVE_STATE
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_gpt.py"
+PRESSURE_SCRIPT = Path(__file__).resolve().parent / "pressure_job.py"
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """Device-memory growth past what is free at iteration ``at`` (the preinitialization
+    demo: ``faultkit/pressure_job.py`` runs the example under it)."""
+
+    at: int
+    beyond_free_mib: float = 512.0
+    chunk_mib: float = 256.0
+
+    def args(self) -> list[str]:
+        return [
+            "--demand-at", str(self.at), "--demand-beyond-free-mib", str(self.beyond_free_mib),
+            "--demand-chunk-mib", str(self.chunk_mib),
+        ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,13 +120,17 @@ def start_job(
     agent_timeout_s: float = 120,
     script: Path = SCRIPT,
     script_args: list[str] | None = None,
+    pressure: Pressure | None = None,
+    save_state: bool = False,
 ) -> list[subprocess.Popen]:
     """Start the job on ``world`` ranks over ``nnodes`` agents (nodes over loopback),
     without waiting (the example job with ``cfg``'s flags, or ``script`` with
     ``script_args``): one ``leto run`` process per node, node n in ``out/node{n}`` (its
     logs, the checkpoints) — node 0's are ``out/logs``. Training output goes to
-    ``out/train``, with the verifiers' trace (``--verify``); ``finish_job`` waits. Every test, faultkit and the benchmarks start
-    jobs here (or through ``run_job``)."""
+    ``out/train``, with the verifiers' trace (``--verify``; with ``save_state`` also
+    each rank's final state); ``pressure`` runs the example under memory pressure
+    (``pressure_job.py``). ``finish_job`` waits. Every test, faultkit and the benchmarks
+    start jobs here (or through ``run_job``)."""
     out = Path(out)
     if world % nnodes:
         raise ValueError(f"{world} ranks do not split evenly over {nnodes} nodes")
@@ -120,8 +142,14 @@ def start_job(
     env[ENV_PLUGINS] = ",".join(dict.fromkeys([*names, "faultkit.hooks"]))
     env[ENV_LOG] = str(out / "aborts.jsonl")
     env[ENV_TRAIN_DIR] = str(out / "train")  # a leto.Run's loss log and trace
-    if script_args is None:
-        script_args = [*cfg.flags(), "--out", str(out / "train")]
+    if save_state:
+        env[ENV_SAVE_STATE] = "1"
+    if pressure is not None:
+        if script != SCRIPT or script_args is not None:
+            raise ValueError("pressure runs the example job: give no script or script_args")
+        script, script_args = PRESSURE_SCRIPT, pressure.args()
+    if script_args is None or pressure is not None:
+        script_args = [*(script_args or []), *cfg.flags(), "--out", str(out / "train")]
     procs = []
     for node in range(nnodes):
         cwd = out if node == 0 else out / f"node{node}"
@@ -195,10 +223,12 @@ def run_job(
     nnodes: int = 1,
     script: Path = SCRIPT,
     script_args: list[str] | None = None,
+    pressure: Pressure | None = None,
+    save_state: bool = False,
 ) -> dict:
     """Run the job on ``world`` ranks; returns leto run's summary (node 0's; every
     node's under ``"nodes"``) plus each rank's losses (and final state with
-    ``cfg.save_state``). Raises on a non-zero exit unless ``allow_failure``. ``faults``
+    ``save_state``). Raises on a non-zero exit unless ``allow_failure``. ``faults``
     become the plan (``plan_of``); ``plan`` gives one directly."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -206,7 +236,7 @@ def run_job(
         plan = plan_of(faults, pool)
     procs = start_job(
         world, cfg, out, plan, pool, device, shadow_level, extra, env, nnodes,
-        script=script, script_args=script_args,
+        script=script, script_args=script_args, pressure=pressure, save_state=save_state,
     )  # fmt: skip
     nodes = finish_job(procs, timeout_s)
     code = next((c for c, _ in nodes if c != 0), 0)
@@ -243,7 +273,7 @@ def run_job(
                 )
             seen[rec["iteration"]] = rec["loss"]
         result["losses"].append(seen)
-        if cfg.save_state:
+        if save_state:
             result["states"].append(torch.load(out / "train" / f"rank{r}.state.pt"))
     return result
 

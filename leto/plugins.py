@@ -81,7 +81,9 @@ def point(name: str, iteration: int, dest=None) -> None:
 def install_iteration_observer(factory: Callable | None) -> None:
     """``factory(rank, out_dir) -> fn``; ``fn(iteration, loss, tensors)`` is called once
     per completed iteration with every retained tensor (verification: the verifiers'
-    per-iteration digest)."""
+    per-iteration digest). If ``fn`` has a ``final(state)`` method, it is called once
+    when the loop is over, on every rank, with the final state: the full parameters
+    and this rank's (shard of the) optimizer state (``RetainedTraining.final_state``)."""
     global _observer_factory
     _observer_factory = factory
 

@@ -16,14 +16,14 @@ from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
 
 pytestmark = pytest.mark.gpu
-CFG = TrainConfig(iterations=4, n_embd=256, n_layer=4, n_head=4, chunk_units=1, save_state=True)
+CFG = TrainConfig(iterations=4, n_embd=256, n_layer=4, n_head=4, chunk_units=1)
 POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_injection=True)
 # H1 = 2 HBM pages of group 0 and a host parity page of group 1, on every rank
 LOSE = (("data", "param", (0,)), ("data", "exp_avg", (0,)), ("tier1", 1, (0,)))
 
 
 def run(world, out, cfg=CFG, faults=(), pool=POOL):
-    return run_job(world, cfg, out, faults, pool=pool, device="cuda")
+    return run_job(world, cfg, out, faults, pool=pool, device="cuda", save_state=True)
 
 
 POINTS = [p for p in hooks.POINTS if p not in ("gather", "compute.forward", "allreduce")]

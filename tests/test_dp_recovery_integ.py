@@ -23,13 +23,11 @@ from leto.workload.train import TrainConfig
 
 # A test may build a shared reference first (one more leto run).
 pytestmark = [pytest.mark.timeout(400), pytest.mark.integ]
-CFG = TrainConfig(iterations=4, save_state=True)
-ZERO1 = TrainConfig(iterations=4, zero1=True, save_state=True)
+CFG = TrainConfig(iterations=4)
+ZERO1 = TrainConfig(iterations=4, zero1=True)
 # Gradient accumulation: two micro-batches per iteration under bf16 autocast, gradients
 # reduced in several small buckets while the last backward runs.
-ACCUM = TrainConfig(
-    iterations=4, micro_batches=2, autocast="bf16", bucket_mib=0.05, save_state=True
-)
+ACCUM = TrainConfig(iterations=4, micro_batches=2, autocast="bf16", bucket_mib=0.05)
 # The points the CI's faultkit matrix (world 2, L2 shadows, each phase x lost pages x a
 # host parity page) does not already kill at; gather is ZeRO-1 only (its own test).
 MATRIX_POINTS = set(PHASES.values())
@@ -57,7 +55,7 @@ class _References:
             2: (2, CFG), 4: (4, CFG), "zero1": (2, ZERO1), "accum": (2, ACCUM),
             "fp16": (2, FP16), "muon_fp16": (2, MUON_FP16),
         }[key]  # fmt: skip
-        return self.get(world, cfg)
+        return self.get(world, cfg, save_state=True)  # final states: the ZeRO-1 test
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +65,7 @@ def reference(job_reference):
 
 def run(world, cfg, out, fault=None, lose=()):
     faults = [JobFault(fault[0], fault[1], inject=lose)] if fault else []
-    return run_job(world, cfg, out, faults, shadow_level="off")
+    return run_job(world, cfg, out, faults, shadow_level="off", save_state=True)
 
 
 # Group 0 of the allocation set: units 0-4 (param, exp_avg, exp_avg_sq pages 0-4): H1 = 4

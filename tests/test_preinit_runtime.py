@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from faultkit.job import JobFault, finish_job, run_job, shadow_pids, start_job
+from faultkit.job import JobFault, Pressure, finish_job, run_job, shadow_pids, start_job
 from leto.preinit.guard import Guard, GuardConfig, memory_key, parked_key, reclaims_key
 from leto.preinit.levels import Levels
 from leto.preinit.policy import Footprints, PolicyConfig
@@ -36,6 +36,8 @@ AUTO = (
     "--reclaim-below-mib", "64",
 )  # fmt: skip
 ITERS = 16
+# Iteration 3: each rank's demand grows 200 MiB past the emulated free memory.
+PRESSURE = Pressure(at=3, beyond_free_mib=200, chunk_mib=64)
 
 
 def _auto(tmp_path: Path) -> tuple[str, ...]:
@@ -59,11 +61,10 @@ def test_memory_pressure_lowers_the_level_a_hof_recovers_through_it_and_it_rises
 ):
     # Iteration 3: each rank's demand grows 200 MiB past the emulated free memory, which
     # only the L3 shadow's 400 MiB can cover; L2 (200 MiB) no longer fits the margin.
-    cfg = TrainConfig(
-        iterations=ITERS, demand_at=3, demand_beyond_free_mib=200, demand_chunk_mib=64
-    )
+    cfg = TrainConfig(iterations=ITERS)
     faults = [JobFault(0, "update.optimizer@9#1"), JobFault(1, "update.optimizer@13#1")]
-    got = run_job(2, cfg, tmp_path / "auto", faults, shadow_level="auto", extra=_auto(tmp_path))
+    got = run_job(2, cfg, tmp_path / "auto", faults, shadow_level="auto", extra=_auto(tmp_path),
+                  pressure=PRESSURE)  # fmt: skip
     v = compare(reference, Path(got["out"]))
     assert v.exact, v.describe()
     recs = got["recoveries"]
@@ -122,12 +123,10 @@ def test_two_agents_agree_on_the_lower_level_and_recover_through_it(reference, t
     """Two agents as two nodes (one rank each) over loopback: a reclamation on either
     lowers the job-wide level on both through the store, and the HOF promotes both
     nodes' L1 shadows together."""
-    cfg = TrainConfig(
-        iterations=ITERS, demand_at=3, demand_beyond_free_mib=200, demand_chunk_mib=64
-    )
+    cfg = TrainConfig(iterations=ITERS)
     plan = [{"generation": 0, "rank": 1, "at": "update.optimizer@9#1"}]
     procs = start_job(2, cfg, tmp_path, plan, shadow_level="auto", extra=_auto(tmp_path),
-                      nnodes=2)  # fmt: skip
+                      nnodes=2, pressure=PRESSURE)  # fmt: skip
     summaries = []
     for code, summary in finish_job(procs, timeout_s=300):
         assert code == 0, summary

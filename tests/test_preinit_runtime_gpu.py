@@ -2,7 +2,7 @@
 allocation hook (issue 8's demonstration).
 
 The job's memory demand grows past what the active trainer and its parked L3 shadow fit
-together (``TrainConfig.demand_*``: in 256 MiB allocations, 512 MiB beyond the free
+together (``faultkit.job.Pressure``: in 256 MiB allocations, 512 MiB beyond the free
 memory, once the shadow has parked). With fixed L3 shadows the trainer OOMs — a failure
 Leto itself caused. Under the controller the hook reclaims the shadow inside the failing
 allocation, the job completes bit-exactly, the agent relaunches the shadow at a lower
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from faultkit.job import JobFault, run_job
+from faultkit.job import JobFault, Pressure, run_job
 from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
 from verifiers import compare
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.gpu
 
 ITERS = 10
 POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_injection=True)
-DEMAND = dict(demand_at=3, demand_beyond_free_mib=512, demand_chunk_mib=256)
+PRESSURE = Pressure(at=3, beyond_free_mib=512, chunk_mib=256)
 
 
 def _footprints() -> tuple[str, ...]:
@@ -44,10 +44,10 @@ def reference(tmp_path_factory):
 
 
 def test_without_the_controller_the_parked_l3_shadow_makes_the_trainer_oom(tmp_path):
-    cfg = TrainConfig(iterations=ITERS, **DEMAND)
+    cfg = TrainConfig(iterations=ITERS)
     got = run_job(
         1, cfg, tmp_path, pool=POOL, device="cuda", shadow_level="L3", allow_failure=True,
-        extra=("--max-failures", "1"),
+        extra=("--max-failures", "1"), pressure=PRESSURE,
     )  # fmt: skip
     log = (tmp_path / "logs" / "rank0.gen0.active.log").read_text()
     assert "OutOfMemoryError" in log or "CUDA out of memory" in log, log[-3000:]
@@ -57,11 +57,11 @@ def test_without_the_controller_the_parked_l3_shadow_makes_the_trainer_oom(tmp_p
 def test_under_the_controller_the_shadow_is_reclaimed_the_job_is_exact_and_a_hof_recovers(
     reference, tmp_path
 ):
-    cfg = TrainConfig(iterations=ITERS, **DEMAND)
+    cfg = TrainConfig(iterations=ITERS)
     faults = [JobFault(0, "update.optimizer@7#1")]
     got = run_job(
         1, cfg, tmp_path, faults, pool=POOL, device="cuda", shadow_level="auto",
-        extra=_footprints(),
+        extra=_footprints(), pressure=PRESSURE,
     )  # fmt: skip
     (tmp_path / "summary.json").write_text(json.dumps(got, indent=1, default=str))
     logs = Path(tmp_path / "logs")

@@ -2,18 +2,34 @@
 this module) makes every trainer record the verifiers' trace — each iteration's loss
 and a digest of every retained tensor — through ``leto.plugins``' iteration observer,
 so Leto never imports the verifiers. ``LETO_VERIFY_KEEP_TENSORS=1`` also saves the
-tensors (a divergence then names its byte offset)."""
+tensors (a divergence then names its byte offset); ``LETO_VERIFY_SAVE_STATE=1`` saves
+each rank's final state (full parameters, its optimizer shard) to
+``rank{r}.state.pt`` when the loop is over (tests compare ZeRO-1 shards with it)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import torch
 
 from leto import plugins
-from verifiers.recorder import ENV_KEEP, Recorder
+from verifiers.recorder import ENV_KEEP, ENV_SAVE_STATE, Recorder
 
 
-def _observer(rank: int, out_dir):
-    return Recorder(out_dir, rank, keep_tensors=os.environ.get(ENV_KEEP) == "1").record
+class _Observer:
+    def __init__(self, rank: int, out_dir):
+        self.rank, self.out = rank, Path(out_dir)
+        self.rec = Recorder(out_dir, rank, keep_tensors=os.environ.get(ENV_KEEP) == "1")
+
+    def __call__(self, iteration, loss, tensors) -> None:
+        self.rec.record(iteration, loss, tensors)
+
+    def final(self, state: dict) -> None:
+        if os.environ.get(ENV_SAVE_STATE) == "1":
+            tmp = self.out / f".rank{self.rank}.state.pt.tmp"
+            torch.save(state, tmp)
+            tmp.rename(self.out / f"rank{self.rank}.state.pt")  # whole, or not there
 
 
-plugins.install_iteration_observer(_observer)
+plugins.install_iteration_observer(_Observer)

@@ -42,6 +42,8 @@ from verifiers.trace import (
 
 # Under `leto run --verify` (verifiers.plugin): "1" also saves the tensors.
 ENV_KEEP = "LETO_VERIFY_KEEP_TENSORS"
+# ... and "1" saves each rank's final state when the loop is over (verifiers.plugin).
+ENV_SAVE_STATE = "LETO_VERIFY_SAVE_STATE"
 
 
 class Recorder:

@@ -183,11 +183,13 @@ class RetainedTraining:
             st = self.up.state
             self.on_iteration(t, m.loss, {k: v[: st.local_valid] for k, v in st.flat.items()})
 
-    def save_state(self) -> None:
-        """Full parameters, and this rank's (shard of the) optimizer state."""
+    def final_state(self) -> dict[str, torch.Tensor]:
+        """Full parameters (gathered under ZeRO-1: a collective, every rank calls it),
+        this rank's (shard of the) optimizer state and where the shard starts; CPU
+        copies (what verification saves to compare runs)."""
         st = self.up.state
         st.gather()
         state = {k: v[: st.local_valid].clone().cpu() for k, v in st.flat.items() if k != "param"}
         state["param"] = st.param_full[: st.numel].clone().cpu()
         state["shard_start"] = torch.tensor([st.shard_start])
-        torch.save(state, self.out / f"rank{self.rank}.state.pt")
+        return state

@@ -219,6 +219,9 @@ class Run:
                 self.checkpointer.after_iteration(t, self.job)
             t += 1
             self.next_iteration = t
+        final = getattr(self.job.on_iteration, "final", None)
+        if final is not None:  # verification's look at the final state (every rank)
+            final(self.job.final_state())
         self.ctx.heartbeat("done")
         if self.checkpointer is not None:
             self.checkpointer.close()

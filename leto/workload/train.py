@@ -46,14 +46,6 @@ class TrainConfig:
     # Gradients all-reduced in buckets of this size while backward runs (0: one
     # all-reduce of the whole buffer after backward).
     bucket_mib: float = 25.0
-    save_state: bool = False  # every retained tensor to rank{r}.state.pt at the end
-    # Memory pressure (the preinitialization demo): at iteration demand_at (-1: never),
-    # once this rank's shadow has parked, the job's device memory grows past the free
-    # memory by demand_beyond_free_mib, in allocations of demand_chunk_mib, held to the
-    # end. Training math is unchanged.
-    demand_at: int = -1
-    demand_beyond_free_mib: float = 512.0
-    demand_chunk_mib: float = 256.0
 
     def __post_init__(self):
         if self.micro_batches < 1:
