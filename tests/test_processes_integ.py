@@ -37,7 +37,7 @@ def _leto_run(
 
 
 @pytest.mark.integ
-@pytest.mark.parametrize("when", ["startup", "always"])
+@pytest.mark.parametrize("when", ["startup", "always", "unused"])
 def test_a_script_error_stops_the_job_instead_of_recovering(tmp_path, when):
     # A start-up error (here leto.Run refusing ranks that start from different weights;
     # argparse's exit code 2 likewise) stops the job at once; an exception in training is recovered once, with its
@@ -54,6 +54,11 @@ def test_a_script_error_stops_the_job_instead_of_recovering(tmp_path, when):
     if when == "startup":
         assert summary["recoveries"] == [] and "before it began training" in why, summary
         assert "parameter weight differs between rank 0 and rank 1" in err, err[-2000:]
+        return
+    if when == "unused":
+        # Both ranks raise in iteration 0's step, in every generation.
+        assert "raised InvalidInput again at the same place" in why, why
+        assert "parameter(s) idle.bias, idle.weight received no gradient" in err, err[-2000:]
         return
     (rec,) = summary["recoveries"]
     assert rec["failed_ranks"] == [1] and "raised ValueError again at the same place" in why

@@ -160,6 +160,7 @@ class Run:
         for oi, opt in enumerate(self.optimizers):
             self._patch(oi, opt)
         model.zero_grad = self._zero_grad
+        self._watch_grads()
         model.register_forward_pre_hook(lambda *_: self._point("compute.forward"))
         model.register_forward_hook(lambda *_: self._point("compute.backward"))
         self.state: dict = {}  # the script's small state, retained per iteration
@@ -202,6 +203,7 @@ class Run:
         while t < total:
             self._t, self._stepped, self._loss = t, False, float("nan")
             self._called, self._inf, self._seen = set(), set(), set()
+            self._got_grad.clear()
             self._reported = False
             self.job.begin(t)
             yield t
@@ -315,6 +317,7 @@ class Run:
             )
         if len(skip) == n:
             return  # every step skipped: the iteration's end records it
+        self._check_got_grads(skip)
         h = self.user.hparams()
         skip = sorted(skip)
         rec = {"hparams": h, "updates": list(self._updates), "skip": skip}
@@ -323,6 +326,40 @@ class Run:
         self.job.step(t, self._loss)
         self._stepped = True
         self._updates = committed(self._updates, skip)
+
+    def _watch_grads(self) -> None:
+        """Note which trainable parameters receive a gradient in an iteration. torch's
+        optimizers skip a parameter whose ``.grad`` is None; under Leto every gradient is
+        a retained view that is never None, so such a parameter would be updated with a
+        zero gradient (weight decay, moments decaying) — silently unlike torch. It is
+        refused instead (``_check_got_grads``)."""
+        name_of = {id(p): n for n, p in self.job.params.items()}
+        self._owner: dict[int, tuple[str, int]] = {}  # id(param) -> (name, optimizer)
+        for oi, opt in enumerate(self.optimizers):
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if p.requires_grad:  # frozen ones torch skips, and so does Leto
+                        self._owner[id(p)] = (name_of.get(id(p), "?"), oi)
+        self._got_grad: set[int] = set()
+        seen = set()
+        for p in self.job.params.values():
+            if id(p) in self._owner and id(p) not in seen:  # tied: one hook
+                seen.add(id(p))
+                p.register_post_accumulate_grad_hook(lambda q: self._got_grad.add(id(q)))
+
+    def _check_got_grads(self, skip: set[int]) -> None:
+        missing = sorted(
+            n for i, (n, oi) in self._owner.items() if oi not in skip and i not in self._got_grad
+        )
+        if missing:
+            raise InvalidInput(
+                f"iteration {self._t}: parameter(s) {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''} received no gradient, so torch's "
+                "optimizer would skip them; Leto cannot (their gradients are retained "
+                "buffers, never None) and does not update them with a zero gradient "
+                "instead. Freeze them (requires_grad=False) before leto.Run, or keep them "
+                "out of the optimizer — nothing was updated in this iteration"
+            )
 
     def _check_schedulers(self, t: int) -> None:
         """Each LR scheduler stepped exactly once in iteration ``t`` (what a recovery

@@ -2,8 +2,10 @@
 ``running`` (default): rank 1 raises once, in generation 0, after it began training (a
 recovery follows); ``always``: it raises in every generation after it began (the job
 stops the second time); ``startup``: each rank initializes its model from its own seed,
-which ``leto.Run`` refuses at start-up (the job stops at once). Every other trainer
-finishes at once."""
+which ``leto.Run`` refuses at start-up (the job stops at once); ``unused``: a parameter
+gets no gradient, which ``optimizer.step()`` refuses (torch would skip it; Leto will not
+update it with a zero gradient instead) — in every generation, so the job stops after
+one recovery. Every other trainer finishes at once."""
 
 import os
 
@@ -18,6 +20,15 @@ if when == "startup":
     torch.manual_seed(ctx.rank)  # the bug: different initial weights per rank
     model = torch.nn.Linear(8, 4)
     leto.Run(ctx, model, torch.optim.SGD(model.parameters(), lr=0.1))
+if when == "unused":
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(8, 4), "idle": torch.nn.Linear(8, 4)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = leto.Run(ctx, model, opt)
+    for _ in run.iterations(2):
+        model["used"](torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
 ctx.resumed(0)
 if ctx.rank == 1 and (when == "always" or ctx.generation == 0):
     raise ValueError("a batch of shape (3, 5) where (4, 5) was expected")
