@@ -18,7 +18,9 @@ from leto.runtime.store import free_port
 def _job(rank: int, value: float):
     flat = {"param": torch.full((64,), value), "exp_avg": torch.full((64,), -value)}
     state = SimpleNamespace(flat=flat, local_valid=64)
-    return SimpleNamespace(up=SimpleNamespace(state=state), rank=rank)
+    # The scrub before each save (leto.update.scrub) has nothing to check here.
+    scrub = SimpleNamespace(full=lambda when: {"groups": 0, "when": when})
+    return SimpleNamespace(up=SimpleNamespace(state=state), rank=rank, scrub=scrub)
 
 
 def _worker(rank: int, world: int, port: int, root: str, q) -> None:

@@ -7,7 +7,10 @@ their interval comes from Young's formula with the FF-only MTTF ``M / (1 - h)``
 (h = HOF ratio), the checkpoint cost ``p`` being the save's blocking part (staging to
 host memory; the write overlaps training) in iterations, measured at the first save.
 A checkpoint is complete when DCP's ``.metadata`` exists; the restore takes the
-newest complete one, so a save cut short by the failure is skipped.
+newest complete one, so a save cut short by the failure is skipped. Every save follows
+a full scrub of the retained state (``leto.update.scrub``): a checkpoint holds only
+state that agreed with its parity, so silent corruption found later falls back to a
+state that predates it.
 
 Not covered: checkpoints on storage that other nodes cannot read (multi-node jobs need
 a shared directory), pruning old checkpoints beyond ``keep``.
@@ -69,6 +72,7 @@ class Checkpointer:
         self._t_iter: list[float] = []
         self._t_prev: float | None = None
         self.saves: list[dict] = []
+        self.scrubs: list[dict] = []  # the full scrub before each save
         # Saves finish on a background thread with collectives of their own: a separate
         # group keeps them from interleaving with training's all-reduces.
         self.pg = dist.new_group(backend="gloo")
@@ -88,6 +92,9 @@ class Checkpointer:
             return
         if self.pending is not None:
             self.pending.result()  # one save in flight at a time
+        # Only a verified state is saved: silent corruption found later falls back to
+        # a checkpoint that predates it (CorruptState, a fatal failure, if found now).
+        self.scrubs.append(job.scrub.full(when=f"before the checkpoint of iteration {t}"))
         t0 = time.perf_counter()
         self.pending = dcp.async_save(
             self._state(job), checkpoint_id=_step_dir(self.root, t), process_group=self.pg

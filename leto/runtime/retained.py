@@ -33,6 +33,7 @@ from leto.runtime.buckets import GradBuckets
 from leto.update.marker import MarkerState, Phase
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
+from leto.update.scrub import Scrubber
 
 
 class RetainedTraining:
@@ -65,6 +66,7 @@ class RetainedTraining:
             client, model, schedule, updater or UpdaterConfig(), shard=shard, user=user
         )
         self.params = self.up.params
+        self.scrub = Scrubber(self.up)  # silent corruption: checked against parity
         # The recovery record's steps on the trainer's side (the agent adds its own).
         self.timings: dict[str, float] = {"map_retained_s": time.time() - t0}
         self.device = self.up.device
@@ -129,6 +131,16 @@ class RetainedTraining:
             self._log(m.iteration, m)  # a crash between the marker and the log line
         self._settle()
         self.timings["finish_update_s"] = time.time() - t1
+        # Verified recovery: the rebuilt groups against the parity their rebuild did not
+        # consume (tier 1's other rows, tier 2). A mismatch is a fatal failure naming
+        # the pages: the checkpoint fallback.
+        lost = report.get("groups", {})
+        rebuilt = [gi for gi, g in enumerate(self.up.groups) if str(g.gid) in lost or g.gid in lost]
+        if rebuilt:
+            v = self.scrub.full(rebuilt, when="verifying the rebuilt groups")
+            self.timings["verify_s"] = v["seconds"]
+            self.timings["verified_groups"] = v["groups"]
+            self.timings["verify_repaired"] = len(v["repaired"])
         return t + 1 if action == "finish" else t
 
     def _settle(self) -> None:
@@ -140,6 +152,7 @@ class RetainedTraining:
     def begin(self, t: int) -> None:
         if self.heartbeat is not None:
             self.heartbeat(t)
+        self.scrub.step()  # the previous update is done: parity matches the pages
         point("gather", t)
         self.up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
         self.up.state.attach_grads(self.params)
@@ -171,6 +184,7 @@ class RetainedTraining:
     def step(self, t: int, loss: torch.Tensor | float) -> None:
         self.reduce(t)
         loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self.scrub.before_update()
         self.up.protect_grads(t, loss=loss)
         self.up.sync(t, group=dist.group.WORLD)
         self.up.update(t)

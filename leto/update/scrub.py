@@ -1,0 +1,236 @@
+"""Scrubbing: the retained state checked against both parity tiers, between iterations.
+
+Runs in the trainer. Parity repairs pages it is *told* are lost; nothing else notices a
+page whose bytes changed silently (a bit flip ECC missed, a stray write). The scrubber
+re-encodes the state groups' device pages and compares the result with host tier 1
+(``leto.erasure.locate``: the syndromes name the page and symbol of each error), and
+tier 1 with tier 2. It may run only where no group update is in flight — at an
+iteration's start (the previous update done), after a recovery finished, before a
+checkpoint — where host tier 1 is the parity of the device pages and tier 2 that of
+tier 1 (gradients are not scrubbed: they are recomputed every iteration).
+
+What it does with what it finds:
+
+* an error in host parity (tier 1 or 2): repaired in place, exactly — parity is never
+  an input to training, so nothing read the wrong bytes; reported;
+* an error in a device page (parameters, optimizer state): ``CorruptState``, a fatal
+  failure naming the allocation, page and symbols. It is *not* patched in place: the
+  corrupted value may already have been read by a forward pass or an update since it
+  changed, and an update carries the error's syndrome along unchanged (incremental
+  parity), so XORing it out would produce a value no fault-free run has. The checkpoint
+  fallback replays from the newest checkpoint instead — verified by a full scrub before
+  it was saved, so it predates the corruption — which ends bit-exact;
+* errors the code cannot locate: ``Unlocatable``, fatal likewise (nothing changed).
+
+Cost: a background step checks a byte range of every data page of one group (a budget
+of data bytes per iteration, ``LETO_SCRUB_MIB``), so a full pass takes
+state / budget iterations. On CUDA the check is launched on a side stream while the
+forward pass runs (it only reads) and its verdict — one flag — is read at the next
+step; only a range whose flag is set is decoded, synchronously.
+
+Not covered: corruption inside the window between a full scrub and the checkpoint
+snapshot that follows it (microseconds, same thread), record groups (the marker and
+loop records carry their own CRCs), gradient pages.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from leto.erasure.locate import SymbolError, locate, syndromes
+from leto.errors import FatalFailure
+
+ENV_SCRUB_MIB = "LETO_SCRUB_MIB"  # data MiB checked per iteration (0: no background scrub)
+DEFAULT_SCRUB_MIB = 64.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One page with errors: where, how many symbols, and what was done."""
+
+    group: int
+    tier: str  # "data", "tier1" or "tier2"
+    page: int  # index within the group's data pages or the tier's parity pages
+    allocation: str | None  # data pages: the allocation (param, exp_avg, ...)
+    allocation_page: int | None  # ... and the page within it
+    symbols: int
+    first_byte: int
+    repaired: bool
+
+
+class CorruptState(FatalFailure):
+    """Device pages of retained state changed silently: the checkpoint fallback."""
+
+    def __init__(self, findings: list[Finding], when: str):
+        self.findings = findings
+        pages = "; ".join(
+            f"group {f.group} {f.allocation} page {f.allocation_page} "
+            f"({f.symbols} symbol(s) from byte {f.first_byte})"
+            for f in findings
+            if f.tier == "data"
+        )
+        super().__init__(
+            f"silent corruption of retained state found by the scrub ({when}): {pages}. "
+            "Not repaired in place: the changed values may already have been read by "
+            "training. Falling back to the newest checkpoint (verified when saved)."
+        )
+
+
+def scrub_budget_bytes() -> int:
+    mib = float(os.environ.get(ENV_SCRUB_MIB, DEFAULT_SCRUB_MIB))
+    return int(mib * 2**20)
+
+
+class Scrubber:
+    def __init__(self, up, budget_bytes: int | None = None):
+        self.up = up
+        self.groups = up.groups  # the allocation set's groups (parameters, optimizer state)
+        self.page_bytes = up.state.page_bytes
+        self.budget = scrub_budget_bytes() if budget_bytes is None else budget_bytes
+        self.cursor = (0, 0)  # (group index, byte offset) of the next background range
+        self.passes = 0  # complete background passes
+        self.pass_s: float | None = None  # wall time of the last complete pass
+        self._pass_t0 = time.time()
+        self.findings: list[Finding] = []  # everything found and repaired so far
+        self.checked_bytes = 0
+        self._pending = None  # CUDA: (group index, lo, hi, flag, event) launched last step
+        self._side = torch.cuda.Stream(up.device) if up.device.type == "cuda" else None
+
+    # -- one range ----------------------------------------------------------------------
+
+    def check(self, gi: int, lo: int = 0, hi: int | None = None, when: str = "scrub"):
+        """Check bytes ``lo:hi`` of every page of state group ``gi`` against both tiers;
+        repair parity, raise ``CorruptState`` for device pages. Returns the findings."""
+        hi = self.page_bytes if hi is None else hi
+        g = self.groups[gi]
+        code = self.up.code(g)
+        dev = self.up.device
+        data = [p[lo:hi] for p in g.data]
+        t1 = [p[lo:hi] for p in g.tier1]
+        t2 = [p[lo:hi] for p in g.tier2]
+        t1_dev = [p.to(dev) for p in t1] if dev.type != "cpu" else t1
+        found: list[Finding] = []
+        errors = locate(code.tier1, *syndromes(code.tier1, data, t1_dev, group=g.gid), group=g.gid)
+        n = len(g.data)
+        bad_data = _by_page([e for e in errors if e.column < n])
+        bad_t1 = _by_page([e for e in errors if e.column >= n], offset=n)
+        for page, errs in bad_data.items():
+            name, k = _allocation_page(g.members, page)
+            found.append(Finding(g.gid, "data", page, name, k, len(errs),
+                                 lo + 2 * errs[0].symbol, False))  # fmt: skip
+        if bad_data:
+            self.findings += found
+            raise CorruptState(found, when)
+        for page, errs in bad_t1.items():
+            for e in errs:
+                e.apply(t1[page])  # host memory, in place
+            found.append(Finding(g.gid, "tier1", page, None, None, len(errs),
+                                 lo + 2 * errs[0].symbol, True))  # fmt: skip
+        # Tier 2 over (now verified) tier 1, on the host: with H2 = 1 it only detects,
+        # and the fix is to encode it again from tier 1.
+        pos, _ = syndromes(code.tier2, t1, t2, group=g.gid)
+        if len(pos):
+            code.tier2.encode(t1, out=t2, group=g.gid)
+            found.append(Finding(g.gid, "tier2", -1, None, None, len(pos),
+                                 lo + 2 * int(pos[0]), True))  # fmt: skip
+        self.findings += found
+        self.checked_bytes += (hi - lo) * len(g.data)
+        return found
+
+    # -- passes -------------------------------------------------------------------------
+
+    def full(self, groups: list[int] | None = None, when: str = "full scrub") -> dict:
+        """Check whole groups now (every state group by default); a summary."""
+        t0 = time.time()
+        gis = range(len(self.groups)) if groups is None else groups
+        found = []
+        for gi in gis:
+            found += self.check(gi, when=when)
+        if self.up.device.type == "cuda":
+            torch.cuda.synchronize(self.up.device)
+        return {
+            "groups": len(gis),
+            "bytes": sum(len(self.groups[gi].data) for gi in gis) * self.page_bytes,
+            "seconds": time.time() - t0,
+            "repaired": [asdict(f) for f in found],
+        }
+
+    def step(self) -> None:
+        """One background range (``budget`` data bytes), advancing a cursor over every
+        state group; call at an iteration's start."""
+        if self.budget <= 0 or not self.groups:
+            return
+        if self._pending is not None:  # CUDA: the flag of the range launched last time
+            gi, lo, hi, flag, ev = self._pending
+            self._pending = None
+            ev.synchronize()  # long done: a whole forward/backward/update ran since
+            if bool(flag.item()):
+                self.check(gi, lo, hi)
+        gi, lo = self.cursor
+        n = len(self.groups[gi].data)
+        width = max(2, (self.budget // n) // 2 * 2)
+        hi = min(self.page_bytes, lo + width)
+        if self._side is None:
+            self.check(gi, lo, hi)
+        else:
+            self._launch(gi, lo, hi)
+        self.cursor = (gi, hi) if hi < self.page_bytes else ((gi + 1) % len(self.groups), 0)
+        if self.cursor == (0, 0):
+            self.passes += 1
+            now = time.time()
+            self.pass_s, self._pass_t0 = now - self._pass_t0, now
+
+    def _launch(self, gi: int, lo: int, hi: int) -> None:
+        """Re-encode the range on the side stream (it only reads the pages the forward
+        pass reads too) and leave one flag: does it differ from host tier 1?"""
+        g = self.groups[gi]
+        code = self.up.code(g)
+        main = torch.cuda.current_stream(self.up.device)
+        self._side.wait_stream(main)  # after the previous update's writes
+        with torch.cuda.stream(self._side):
+            # The codec's checked page list of this range, built once per range (the
+            # checks cost ~4 µs a page on the host, every iteration otherwise).
+            data = self.up._pages(("scrub", gi, lo, hi), [p[lo:hi] for p in g.data])
+            fresh = code.tier1.encode(data, group=g.gid)
+            for j, p in enumerate(g.tier1):
+                fresh[j] ^= p[lo:hi].to(self.up.device, non_blocking=True)
+            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            flag.copy_(fresh.any(), non_blocking=True)
+            ev = self._side.record_event()
+        self._pending = (gi, lo, hi, flag, ev)
+        self.checked_bytes += (hi - lo) * len(g.data)
+
+    def before_update(self) -> None:
+        """The update writes the pages the side stream may still be reading."""
+        if self._pending is not None:
+            torch.cuda.current_stream(self.up.device).wait_event(self._pending[4])
+
+    def report(self) -> dict:
+        return {
+            "budget_bytes": self.budget,
+            "passes": self.passes,
+            "pass_s": self.pass_s,
+            "checked_bytes": self.checked_bytes,
+            "findings": [asdict(f) for f in self.findings],
+        }
+
+
+def _by_page(errors: list[SymbolError], offset: int = 0) -> dict[int, list[SymbolError]]:
+    out: dict[int, list[SymbolError]] = {}
+    for e in errors:
+        out.setdefault(e.column - offset, []).append(e)
+    return out
+
+
+def _allocation_page(members: list, page: int) -> tuple[str | None, int | None]:
+    """The allocation and its page behind data page ``page`` of a group."""
+    at = 0
+    for name, first, count in members:
+        if page < at + count:
+            return name, first + page - at
+        at += count
+    return None, None
