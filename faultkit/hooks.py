@@ -14,6 +14,13 @@ Mode ``copy-corrupt`` (``LETO_FAULT_MODE``) fills the destination of the copy in
 progress at the point with random bytes, then SIGKILLs: only points that pass ``dest``
 (the parity copies) support it.
 
+Mode ``corrupt:TARGET:K[:GROUP]`` flips one bit in each of K pages of this trainer's
+retained state and lets it run on — silent corruption, no unmap, no death: TARGET
+``data`` (device pages of state group GROUP, default 0, -1 the last: parameters,
+optimizer state) or ``tier1`` / ``tier2`` (its host parity pages). Each page's bit sits in a different codeword, so
+the scrub can locate every one. What was flipped goes to the abort log
+(``LETO_TRIPWIRE_LOG``); whether and how Leto noticed is the verdict's business.
+
 Mode ``kernel-abort`` arms the trip-wire (``nvbit_tools.tripwire``) instead: the next
 of Leto's own kernels (codec, parity copy, optimizer landing) stops after
 ``LETO_TRIPWIRE_BLOCKS`` blocks (default 3) and the process is SIGKILLed with it in
@@ -30,7 +37,8 @@ from leto.plugins import ONCE_PER_ITERATION, POINTS
 
 ENV_FAULT_AT = "LETO_FAULT_AT"
 ENV_FAULT_MODE = "LETO_FAULT_MODE"  # kill (default), copy-corrupt, kernel-abort, hang
-MODES = ("raise", "kill", "copy-corrupt", "kernel-abort", "hang")
+MODES = ("raise", "kill", "copy-corrupt", "kernel-abort", "hang", "corrupt")
+CORRUPT_TARGETS = ("data", "tier1", "tier2")
 
 __all__ = ["ONCE_PER_ITERATION", "POINTS", "arm", "disarm", "parse", "point", "record"]
 
@@ -58,8 +66,10 @@ def parse(spec: str) -> tuple[str, int, int]:
 
 def arm(name: str, iteration: int, nth: int = 1, mode: str = "raise") -> None:
     global _armed
-    if mode not in MODES:
+    if mode.split(":")[0] not in MODES:
         raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
+    if mode.startswith("corrupt"):
+        corrupt_spec(mode)  # refused now, not at the point
     _armed = (name, iteration, nth, mode)
     _hits.clear()
 
@@ -105,6 +115,9 @@ def point(name: str, iteration: int, dest=None) -> None:
         blocks = int(os.environ.get(tripwire.ENV_BLOCKS, tripwire.DEFAULT_BLOCKS))
         tripwire.arm(blocks)  # the next of Leto's kernels stops, then the process dies
         return
+    if mode.startswith("corrupt"):
+        _flip(f"{name}@{iteration}#{nth}", *corrupt_spec(mode))
+        return  # silent: the trainer runs on
     if mode == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)  # stopped, not dead: only a monitor notices
         return
@@ -124,6 +137,56 @@ def _corrupt(dest) -> None:
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def corrupt_spec(mode: str) -> tuple[str, int, int]:
+    """``corrupt:TARGET:K[:GROUP]`` -> (TARGET, K, GROUP)."""
+    parts = mode.split(":")
+    try:
+        target, k = parts[1], int(parts[2])
+        group = int(parts[3]) if len(parts) > 3 else 0
+    except (IndexError, ValueError):
+        raise ValueError(f"mode {mode!r}: expected corrupt:TARGET:PAGES[:GROUP]") from None
+    if target not in CORRUPT_TARGETS or k < 1 or len(parts) > 4:
+        raise ValueError(
+            f"mode {mode!r}: TARGET is one of {', '.join(CORRUPT_TARGETS)}, PAGES >= 1"
+        )
+    return target, k, group
+
+
+def _flip(at: str, target: str, k: int, group: int) -> None:
+    """One bit in each of ``k`` pages of state group ``group``'s ``target`` pages (an
+    index into the trainer's state groups; -1 the last), at byte offsets in different
+    codewords (a page's symbol is 2 bytes)."""
+    import json
+    import time
+
+    import torch
+
+    from nvbit_tools.tripwire import ENV_LOG
+
+    groups = plugins.retained_groups()
+    if not groups:
+        raise InjectedCrash(f"corrupt at {at}: this process exposes no retained state")
+    g = groups[group]
+    pages = {"data": g.data, "tier1": g.tier1, "tier2": g.tier2}[target]
+    if k > len(pages):
+        raise InjectedCrash(f"corrupt at {at}: group {g.gid} has {len(pages)} {target} pages")
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the flip lands between the kernels queued so far and later ones
+    flipped = []
+    for i in range(k):
+        page = pages[i] if pages[i].dtype == torch.uint8 else pages[i].view(torch.uint8)
+        byte = (1000 + 6 * i) % page.numel()
+        page[byte] ^= 1 << (i % 8)
+        flipped.append({"page": i, "byte": byte, "bit": i % 8})
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    log = os.environ.get(ENV_LOG)
+    if log:
+        rec = {"corrupt": target, "group": g.gid, "at": at, "pages": flipped, "time": time.time()}
+        with open(log, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
 
 def _arm_spec(spec: str, mode: str) -> None:

@@ -64,6 +64,7 @@ PHASES = {
     "tier2": "update.tier2",
 }
 
+_retained: Callable | None = None  # () -> the trainer's state groups (GroupView list)
 _observer_factory: Callable | None = None
 _point_handler: Callable | None = None
 _arm: Callable | None = None
@@ -83,7 +84,9 @@ def install_iteration_observer(factory: Callable | None) -> None:
     per completed iteration with every retained tensor (verification: the verifiers'
     per-iteration digest). If ``fn`` has a ``final(state)`` method, it is called once
     when the loop is over, on every rank, with the final state: the full parameters
-    and this rank's (shard of the) optimizer state (``RetainedTraining.final_state``)."""
+    and this rank's (shard of the) optimizer state (``RetainedTraining.final_state``).
+    If it has ``restored(iteration)``, that is called when the rank's state is restored
+    from a checkpoint ending at ``iteration`` (the checkpoint fallback)."""
     global _observer_factory
     _observer_factory = factory
 
@@ -91,6 +94,19 @@ def install_iteration_observer(factory: Callable | None) -> None:
 def iteration_observer(rank: int, out_dir) -> Callable | None:
     """The registered observer for this rank, or None (verification off)."""
     return _observer_factory(rank, out_dir) if _observer_factory is not None else None
+
+
+def expose_retained(fn: Callable | None) -> None:
+    """The updater says where this trainer's retained state lives: ``fn()`` returns its
+    state groups (``GroupView``: device pages, host tier 1 and 2). Fault tools read it
+    to corrupt real retained bytes (faultkit's ``corrupt`` mode); Leto never calls it."""
+    global _retained
+    _retained = fn
+
+
+def retained_groups() -> list:
+    """The state groups the updater of this process exposed (empty before it exists)."""
+    return _retained() if _retained is not None else []
 
 
 def install_point_handler(fn: Callable | None) -> None:

@@ -12,7 +12,7 @@ Not covered: tolerances (every comparison is exact), state that was never record
 
 from verifiers.compare import Divergence, RerunDiffered, Verdict, compare
 from verifiers.recorder import Recorder
-from verifiers.trace import EVENT_INJECTION, EVENT_RECOVERED, read_run
+from verifiers.trace import EVENT_INJECTION, EVENT_RECOVERED, EVENT_ROLLED_BACK, read_run
 
 
 def report(*args, **kwargs):
@@ -26,6 +26,7 @@ def report(*args, **kwargs):
 __all__ = [
     "EVENT_INJECTION",
     "EVENT_RECOVERED",
+    "EVENT_ROLLED_BACK",
     "Divergence",
     "Recorder",
     "RerunDiffered",

@@ -74,6 +74,8 @@ def print_verdict(v: Verdict, console: Console | None = None) -> None:
         "reruns that differed",
         "\n".join(r.describe() for r in v.reruns_differed) or "none",
     )
+    if v.rolled_back:
+        t.add_row("superseded by a checkpoint rollback", f"{v.rolled_back} record(s)")
     if v.notes:
         t.add_row("notes", "\n".join(v.notes))
     (console or Console()).print(t)

@@ -85,6 +85,9 @@ class Verdict:
     missing: tuple[tuple[int, int], ...]  # (rank, iteration) in the reference, not in the run
     unexpected: tuple[tuple[int, int], ...]  # (rank, iteration) in the run, not the reference
     reruns_differed: tuple[RerunDiffered, ...]
+    # Records a checkpoint rollback superseded (they differed from the redone ones): not
+    # evidence of non-determinism, and not the run's final word; counted for the report.
+    rolled_back: int
     notes: tuple[str, ...]  # torn lines and other things skipped while reading
 
     def describe(self) -> str | None:
@@ -210,5 +213,6 @@ def compare(reference: Path, run: Path) -> Verdict:
         missing=tuple(missing),
         unexpected=tuple(unexpected),
         reruns_differed=tuple(reruns),
+        rolled_back=sum(len(t.rolled_back) for t in got.traces.values()),
         notes=tuple(ref.notes + got.notes),
     )

@@ -4,7 +4,9 @@ and a digest of every retained tensor — through ``leto.plugins``' iteration ob
 so Leto never imports the verifiers. ``LETO_VERIFY_KEEP_TENSORS=1`` also saves the
 tensors (a divergence then names its byte offset); ``LETO_VERIFY_SAVE_STATE=1`` saves
 each rank's final state (full parameters, its optimizer shard) to
-``rank{r}.state.pt`` when the loop is over (tests compare ZeRO-1 shards with it)."""
+``rank{r}.state.pt`` when the loop is over (tests compare ZeRO-1 shards with it). A
+restore from a checkpoint is marked (``EVENT_ROLLED_BACK``): records it superseded may
+differ from the redone ones without counting as non-determinism."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from leto import plugins
 from verifiers.recorder import ENV_KEEP, ENV_SAVE_STATE, Recorder
+from verifiers.trace import EVENT_ROLLED_BACK
 
 
 class _Observer:
@@ -24,6 +27,9 @@ class _Observer:
 
     def __call__(self, iteration, loss, tensors) -> None:
         self.rec.record(iteration, loss, tensors)
+
+    def restored(self, iteration: int) -> None:
+        self.rec.mark(EVENT_ROLLED_BACK, iteration)
 
     def final(self, state: dict) -> None:
         if os.environ.get(ENV_SAVE_STATE) == "1":

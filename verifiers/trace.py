@@ -41,6 +41,10 @@ _TRACE_NAME = re.compile(r"rank(\d+)\.trace\.jsonl")
 # Event names of marks the report understands; other names are kept and ignored.
 EVENT_INJECTION = "injection"  # a fault hit this rank (or the job) at this iteration
 EVENT_RECOVERED = "recovered"  # this rank trains again; info "since": when recovery began
+# The rank's state was restored from a checkpoint ending at this iteration (the
+# checkpoint fallback): records it made of later iterations before the mark are
+# superseded, and may differ (e.g. trained on state later found silently corrupted).
+EVENT_ROLLED_BACK = "rolled_back"
 
 
 def trace_path(out_dir: Path, rank: int) -> Path:
@@ -119,6 +123,8 @@ class Trace:
     marks: list[Mark] = field(default_factory=list)
     # (earlier, latest) records of one iteration whose content differs
     reruns_differed: list[tuple[Record, Record]] = field(default_factory=list)
+    # ... of which the earlier was superseded by a checkpoint rollback (not counted)
+    rolled_back: list[tuple[Record, Record]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -215,10 +221,15 @@ def read_trace(path: Path) -> Trace:
         trace.records[rec.iteration] = rec
         trace.history.append(rec)
     # Each earlier record is judged against the latest, which is the one compared.
+    rollbacks = [m for m in trace.marks if m.event == EVENT_ROLLED_BACK]
     for rec in trace.history:
         latest = trace.records[rec.iteration]
         if rec is not latest and not rec.same_content(latest):
-            trace.reruns_differed.append((rec, latest))
+            undone = any(
+                m.iteration < rec.iteration and rec.wall_time < m.wall_time < latest.wall_time
+                for m in rollbacks
+            )
+            (trace.rolled_back if undone else trace.reruns_differed).append((rec, latest))
     return trace
 
 

@@ -66,7 +66,8 @@ class RetainedTraining:
             client, model, schedule, updater or UpdaterConfig(), shard=shard, user=user
         )
         self.params = self.up.params
-        self.scrub = Scrubber(self.up)  # silent corruption: checked against parity
+        # Silent corruption: the state checked against its parity (findings logged).
+        self.scrub = Scrubber(self.up, log=self.out / f"rank{rank}.scrub.jsonl")
         # The recovery record's steps on the trainer's side (the agent adds its own).
         self.timings: dict[str, float] = {"map_retained_s": time.time() - t0}
         self.device = self.up.device
@@ -108,6 +109,9 @@ class RetainedTraining:
             if found is not None:
                 restore(found[0], found[1], self)
                 restored = True
+                note = getattr(self.on_iteration, "restored", None)
+                if note is not None:  # verification: later records are superseded
+                    note(found[1])
             else:
                 # A fresh job: the marker says iteration start_iteration - 1 is done.
                 self.up.initialize(self.init_fn, iteration=start_iteration - 1)

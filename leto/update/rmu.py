@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from leto import plugins
 from leto.erasure import TwoTierCode
 from leto.erasure.pages import PageList, as_pages
 from leto.errors import FatalFailure
@@ -147,6 +148,7 @@ class Updater:
         self.loop = LoopRecord(client) if user is not None else None
         self.views = client.layout()
         self.groups = self.state.set_groups(self.views)
+        plugins.expose_retained(lambda: self.groups)  # fault tools' view of the state
         self.grad_groups = RetainedModel.groups_of(self.views, "grad")
         self.record_group = RetainedModel.groups_of(self.views, MARKER_NAME)[0]
         if len(self.record_group.tier1) != 1:

@@ -35,7 +35,9 @@ loop records carry their own CRCs), gradient pages.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -86,8 +88,10 @@ def scrub_budget_bytes() -> int:
 
 
 class Scrubber:
-    def __init__(self, up, budget_bytes: int | None = None):
+    def __init__(self, up, budget_bytes: int | None = None, log=None):
+        """``log``: a file each finding is appended to (one JSON line, with the time)."""
         self.up = up
+        self.log = log
         self.groups = up.groups  # the allocation set's groups (parameters, optimizer state)
         self.page_bytes = up.state.page_bytes
         self.budget = scrub_budget_bytes() if budget_bytes is None else budget_bytes
@@ -97,7 +101,7 @@ class Scrubber:
         self._pass_t0 = time.time()
         self.findings: list[Finding] = []  # everything found and repaired so far
         self.checked_bytes = 0
-        self._pending = None  # CUDA: (group index, lo, hi, flag, event) launched last step
+        self._pending: list = []  # CUDA: (group index, lo, hi, flag, event) of the last step
         self._side = torch.cuda.Stream(up.device) if up.device.type == "cuda" else None
 
     # -- one range ----------------------------------------------------------------------
@@ -123,7 +127,7 @@ class Scrubber:
             found.append(Finding(g.gid, "data", page, name, k, len(errs),
                                  lo + 2 * errs[0].symbol, False))  # fmt: skip
         if bad_data:
-            self.findings += found
+            self._note(found, when)
             raise CorruptState(found, when)
         for page, errs in bad_t1.items():
             for e in errs:
@@ -137,9 +141,26 @@ class Scrubber:
             code.tier2.encode(t1, out=t2, group=g.gid)
             found.append(Finding(g.gid, "tier2", -1, None, None, len(pos),
                                  lo + 2 * int(pos[0]), True))  # fmt: skip
-        self.findings += found
+        self._note(found, when)
         self.checked_bytes += (hi - lo) * len(g.data)
         return found
+
+    def _note(self, found: list[Finding], when: str) -> None:
+        if not found:
+            return
+        self.findings += found
+        for f in found:
+            what = "repaired" if f.repaired else "NOT repaired (fatal)"
+            print(
+                f"scrub ({when}): group {f.group} {f.tier} page {f.page} "
+                f"{f.allocation or ''} {f.symbols} symbol(s) from byte {f.first_byte}: {what}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.log is not None:
+            with open(self.log, "a") as fh:
+                for f in found:
+                    fh.write(json.dumps({**asdict(f), "when": when, "time": time.time()}) + "\n")
 
     # -- passes -------------------------------------------------------------------------
 
@@ -160,29 +181,32 @@ class Scrubber:
         }
 
     def step(self) -> None:
-        """One background range (``budget`` data bytes), advancing a cursor over every
-        state group; call at an iteration's start."""
+        """Background ranges worth ``budget`` data bytes, advancing a cursor over every
+        state group (at most one pass per call); call at an iteration's start."""
         if self.budget <= 0 or not self.groups:
             return
-        if self._pending is not None:  # CUDA: the flag of the range launched last time
-            gi, lo, hi, flag, ev = self._pending
-            self._pending = None
+        pending, self._pending = self._pending, []
+        for gi, lo, hi, flag, ev in pending:  # CUDA: the flags of the last step's ranges
             ev.synchronize()  # long done: a whole forward/backward/update ran since
             if bool(flag.item()):
                 self.check(gi, lo, hi)
-        gi, lo = self.cursor
-        n = len(self.groups[gi].data)
-        width = max(2, (self.budget // n) // 2 * 2)
-        hi = min(self.page_bytes, lo + width)
-        if self._side is None:
-            self.check(gi, lo, hi)
-        else:
-            self._launch(gi, lo, hi)
-        self.cursor = (gi, hi) if hi < self.page_bytes else ((gi + 1) % len(self.groups), 0)
-        if self.cursor == (0, 0):
-            self.passes += 1
-            now = time.time()
-            self.pass_s, self._pass_t0 = now - self._pass_t0, now
+        left = self.budget
+        while left > 0:
+            gi, lo = self.cursor
+            n = len(self.groups[gi].data)
+            width = max(2, (left // n) // 2 * 2)
+            hi = min(self.page_bytes, lo + width)
+            if self._side is None:
+                self.check(gi, lo, hi)
+            else:
+                self._launch(gi, lo, hi)
+            left -= (hi - lo) * n
+            self.cursor = (gi, hi) if hi < self.page_bytes else ((gi + 1) % len(self.groups), 0)
+            if self.cursor == (0, 0):
+                self.passes += 1
+                now = time.time()
+                self.pass_s, self._pass_t0 = now - self._pass_t0, now
+                break
 
     def _launch(self, gi: int, lo: int, hi: int) -> None:
         """Re-encode the range on the side stream (it only reads the pages the forward
@@ -201,13 +225,13 @@ class Scrubber:
             flag = torch.empty((), dtype=torch.bool, pin_memory=True)
             flag.copy_(fresh.any(), non_blocking=True)
             ev = self._side.record_event()
-        self._pending = (gi, lo, hi, flag, ev)
+        self._pending.append((gi, lo, hi, flag, ev))
         self.checked_bytes += (hi - lo) * len(g.data)
 
     def before_update(self) -> None:
         """The update writes the pages the side stream may still be reading."""
-        if self._pending is not None:
-            torch.cuda.current_stream(self.up.device).wait_event(self._pending[4])
+        if self._pending:
+            torch.cuda.current_stream(self.up.device).wait_event(self._pending[-1][4])
 
     def report(self) -> dict:
         return {

@@ -1,0 +1,82 @@
+"""Silent corruption under ``leto run``: faultkit flips bits in a live trainer's retained
+pages (no unmap, no death) and the job either repairs them exactly or falls back to a
+verified checkpoint — the final state bit-exact with a fault-free run either way, the
+pages named in the record. Never a wrong model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from faultkit.job import finish_job, start_job
+from leto.workload.train import TrainConfig
+from verifiers import compare
+
+pytestmark = pytest.mark.integ
+ITERS = 5
+CFG = TrainConfig(iterations=ITERS)  # test_runtime_integ's: the reference is shared
+
+
+@pytest.fixture(scope="module")
+def reference(job_reference):
+    return Path(job_reference(2, CFG)["out"])
+
+
+def _run(tmp_path, at: str, mode: str, extra=()):
+    plan = [{"generation": 0, "rank": 1, "at": at, "mode": mode}]
+    (p,) = start_job(2, CFG, tmp_path, plan, shadow_level="L2", extra=extra)
+    ((code, summary),) = finish_job([p], timeout_s=240)
+    assert code == 0, summary
+    flips = [json.loads(x) for x in (tmp_path / "aborts.jsonl").read_text().splitlines()]
+    assert len(flips) == 1 and flips[0]["at"].startswith(at), flips
+    scrub = tmp_path / "train" / "rank1.scrub.jsonl"
+    found = [json.loads(x) for x in scrub.read_text().splitlines()] if scrub.exists() else []
+    return summary, flips[0], found
+
+
+# Tier 1 in iteration 2 after its scrub step: the update of 2 carries the errors along
+# (it loads, updates and stores that parity). Tier 2 is encoded again from tier 1 by
+# every update, so it is flipped after the first group's refresh (the second group's
+# tier-2 point). The scrub at 3's start finds both.
+@pytest.mark.parametrize(
+    "target,pages,at", [("tier1", 2, "gather@2"), ("tier2", 1, "update.tier2@2#2")]
+)
+def test_flipped_host_parity_is_found_by_the_scrub_and_repaired_in_place(
+    reference, tmp_path, target, pages, at
+):
+    summary, flip, found = _run(tmp_path, at, f"corrupt:{target}:{pages}")
+    assert summary["recoveries"] == [], "parity errors are repaired without a recovery"
+    pages = sorted({f["page"] for f in found if f["tier"] == target})
+    want = [p["page"] for p in flip["pages"]] if target == "tier1" else [-1]
+    assert pages == want and all(f["repaired"] for f in found), found
+    assert all(f["when"] == "scrub" for f in found), found  # the background pass, at 3's start
+    v = compare(reference, tmp_path / "train")
+    assert v.exact, v.describe()
+
+
+# Two pages of parameters/optimizer state, flipped while iteration 2 uses them — before
+# its forward pass (first group), or in its update while the first group's first chunk
+# is in flight (last group: its chunks are still to come) — the scrub at 3's start finds
+# them, names them, and the checkpoint fallback (the last save, verified by a full
+# scrub before it was written) replays to the same bytes. (A page whose own chunk is in
+# flight is the one window parity cannot see: docs/integrity.md.)
+@pytest.mark.parametrize("at,group", [("compute.forward@2", 0), ("update.optimizer@2#1", -1)])
+def test_flipped_device_pages_are_named_and_the_job_falls_back_to_a_verified_checkpoint(
+    reference, tmp_path, at, group
+):
+    summary, flip, found = _run(
+        tmp_path, at, f"corrupt:data:2:{group}", extra=("--checkpoint-interval", "2")
+    )
+    (rec,) = summary["recoveries"]
+    assert rec["class"] == "FF", rec
+    error = rec["failures"]["1"]["error"]
+    assert error["exception"] == "CorruptState", error
+    named = sorted(f["page"] for f in found if f["tier"] == "data" and not f["repaired"])
+    assert named == [p["page"] for p in flip["pages"]], (found, flip)
+    assert "silent corruption of retained state" in error["message"], error
+    v = compare(reference, tmp_path / "train")
+    assert v.exact, v.describe()
+    # What was trained on the corrupted state was recorded, then rolled back.
+    assert v.rolled_back >= 1, v
