@@ -80,3 +80,33 @@ def test_flipped_device_pages_are_named_and_the_job_falls_back_to_a_verified_che
     assert v.exact, v.describe()
     # What was trained on the corrupted state was recorded, then rolled back.
     assert v.rolled_back >= 1, v
+
+
+def test_a_recovery_rebuilt_from_a_silently_corrupted_survivor_is_caught_by_verification(
+    reference, tmp_path
+):
+    # Rank 0's first parameter page flips at the end of iteration 2's forward; rank 1
+    # dies protecting 2's gradients (after the all-reduce, so rank 0 is past its forward,
+    # and before the clipping all-reduce rank 0 then waits in: no scrub runs on rank 0
+    # in between), and every rank loses its first exp_avg page (same group). Rank 0's
+    # rebuild reads the corrupted survivor, so the rebuilt page is wrong too: the
+    # verification after the rebuild (tier 1's unused rows) finds the two errors —
+    # more than it locates, so nothing is patched — and the job falls back to the
+    # verified checkpoint. Bit-exact in the end.
+    plan = [
+        {"generation": 0, "rank": 0, "at": "compute.backward@2", "mode": "corrupt:data:1"},
+        {"generation": 0, "rank": 1, "at": "grad_parity@2#1",
+         "inject": [["data", "exp_avg", [0]]]},
+    ]  # fmt: skip
+    extra = ("--checkpoint-interval", "2", "--allow-fault-injection")
+    (p,) = start_job(2, CFG, tmp_path, plan, shadow_level="L2", extra=extra)
+    ((code, summary),) = finish_job([p], timeout_s=240)
+    assert code == 0, summary
+    classes = [r["class"] for r in summary["recoveries"]]
+    assert classes == ["HOF", "FF"], summary["recoveries"]
+    scrub = tmp_path / "train" / "rank0.scrub.jsonl"
+    found = [json.loads(x) for x in scrub.read_text().splitlines()]
+    assert [f["when"] for f in found] == ["verifying the rebuilt groups"], found
+    assert found[0]["tier"] == "unlocated" and not found[0]["repaired"], found
+    v = compare(reference, tmp_path / "train")
+    assert v.exact, v.describe()

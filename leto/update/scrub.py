@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from leto.erasure.locate import SymbolError, locate, syndromes
+from leto.erasure.locate import SymbolError, Unlocatable, locate, syndromes
 from leto.errors import FatalFailure
 
 ENV_SCRUB_MIB = "LETO_SCRUB_MIB"  # data MiB checked per iteration (0: no background scrub)
@@ -55,7 +55,7 @@ class Finding:
     """One page with errors: where, how many symbols, and what was done."""
 
     group: int
-    tier: str  # "data", "tier1" or "tier2"
+    tier: str  # "data", "tier1", "tier2", or "unlocated" (found, not located: fatal)
     page: int  # index within the group's data pages or the tier's parity pages
     allocation: str | None  # data pages: the allocation (param, exp_avg, ...)
     allocation_page: int | None  # ... and the page within it
@@ -118,7 +118,15 @@ class Scrubber:
         t2 = [p[lo:hi] for p in g.tier2]
         t1_dev = [p.to(dev) for p in t1] if dev.type != "cpu" else t1
         found: list[Finding] = []
-        errors = locate(code.tier1, *syndromes(code.tier1, data, t1_dev, group=g.gid), group=g.gid)
+        try:
+            errors = locate(
+                code.tier1, *syndromes(code.tier1, data, t1_dev, group=g.gid), group=g.gid
+            )
+        except Unlocatable as e:
+            bad = Finding(g.gid, "unlocated", -1, None, None, len(e.symbols),
+                          lo + 2 * e.symbols[0], False)  # fmt: skip
+            self._note([bad], when)
+            raise
         n = len(g.data)
         bad_data = _by_page([e for e in errors if e.column < n])
         bad_t1 = _by_page([e for e in errors if e.column >= n], offset=n)
