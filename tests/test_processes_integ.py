@@ -23,12 +23,12 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "spawn_child.py"
 
 
 def _leto_run(
-    tmp_path: Path, env: dict, script: Path = SCRIPT, stderr=None, nproc: int = 2
+    tmp_path: Path, env: dict, script: Path = SCRIPT, stderr=None, nproc: int = 2, extra=()
 ) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "leto.cli", "run", "--json", "--nproc-per-node", str(nproc),
         "--master-port", str(free_port()), "--shadow-level", "off", "--timeout-s", "60",
-        "--log-dir", str(tmp_path / "logs"), str(script), str(tmp_path),
+        "--log-dir", str(tmp_path / "logs"), *extra, str(script), str(tmp_path),
     ]  # fmt: skip
     env = dict(os.environ, **env, LETO_PLUGINS="faultkit.hooks")
     return subprocess.Popen(
@@ -69,6 +69,25 @@ def test_a_script_error_stops_the_job_instead_of_recovering(tmp_path, when):
     # The console shows the traceback's tail and where the rest is.
     assert "ValueError: a batch of shape" in err and error["file"] in err, err[-2000:]
     assert 'raise ValueError("a batch of shape' in err and "logs in" in err, err[-2000:]
+
+
+@pytest.mark.integ
+def test_a_fatal_failure_that_repeats_falls_back_a_tier_then_stops_the_job(tmp_path):
+    # The same fatal failure at the same place after every fallback (a persistent
+    # fault): the first falls back to the newest checkpoint, the second to an older one,
+    # the third stops the job with the chain — not max-failures restarts.
+    p = _leto_run(tmp_path, {"LETO_TEST_RAISE": "fatal"}, SCRIPT.parent / "raise_once.py",
+                  stderr=subprocess.PIPE, extra=("--checkpoint-interval", "1"))  # fmt: skip
+    out, err = p.communicate(timeout=150)
+    assert p.returncode == 13, err[-2000:]  # EXIT_FATAL
+    summary = json.loads(out.strip().splitlines()[-1])
+    recs = summary["recoveries"]
+    assert [r["class"] for r in recs] == ["FF", "FF"], recs
+    assert "older_checkpoints" not in recs[0] and recs[1]["older_checkpoints"] == 1, recs
+    assert recs[1]["repeats"] == [0], recs
+    why = summary["stopped"]
+    assert "the same as in generations 0, 1" in why and "stuck bit" in why, why
+    assert "falling back to an older checkpoint" in err, err[-2000:]
 
 
 def _children(tmp_path: Path) -> dict[str, int]:

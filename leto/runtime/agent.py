@@ -8,8 +8,11 @@ then is ``leto.runtime.recovery`` (in place: fence every node, promote the shado
 together; fatal: the checkpoint fallback), and the shadows are
 ``leto.runtime.shadows``'. The agent decides which, and when the job stops:
 
-* a trainer exiting ``EXIT_FATAL`` (its retained state is beyond parity) or a dead state
-  manager is a fatal failure;
+* a trainer exiting ``EXIT_FATAL`` (its retained state is beyond parity, or silently
+  corrupted) or a dead state manager is a fatal failure: the checkpoint fallback. The
+  same fatal failure (exception, message, place) right after a fallback falls back a
+  tier — to an older checkpoint (or the start) — and a third time stops the job with
+  the chain in the summary (a persistent fault must not loop);
 * a script error (an uncaught Python exception) before its trainer began training, or
   the same one again after a recovery, stops the job (``_script_error``);
 * ``max_failures`` failures stop it.
@@ -57,6 +60,10 @@ class Agent:
         plugins.load(",".join(n for n in names if n != plugins.VERIFY_PLUGIN))  # trainers' only
         self.records: list[RecoveryRecord] = []
         self._signatures: set[tuple] = set()  # script errors recovered from once
+        # Fatal failures by what they said (exception, message, where): the generations
+        # each happened in. The same one again falls back a tier; a third time stops.
+        self._fatal: dict[tuple, list[int]] = {}
+        self._fatal_now: tuple | None = None  # this generation's, if its trainer said
         self.stopped: str | None = None  # why the job stopped early (a script error)
         self.pools: list[dict] = []  # each local pool's final status
         self.monitor: Monitor | None = None
@@ -127,6 +134,9 @@ class Agent:
                     store.add(keys.fatal(gen), 1)  # the baseline: no in-place recovery
                 if any(f.code == EXIT_FATAL for f in dead):
                     store.add(keys.fatal(gen), 1)
+                    said = [f for f in dead if f.code == EXIT_FATAL and f.error is not None]
+                    if said and self._fatal_now is None:
+                        self._fatal_now = said[0].signature()
                 sm_dead = [cl for cl in cells if cl.sm.proc.poll() is not None]
                 if sm_dead and not job_store.counter(store, keys.fatal(gen)):
                     for cl in sm_dead:
@@ -143,8 +153,33 @@ class Agent:
                     if len(self.records) >= c.max_failures:
                         code = EXIT_FATAL
                         break
-                    log.warning("generation %d: fatal failure, falling back to the checkpoint", gen)
-                    self.records.append(recovery.fallback(gen, self._detected))
+                    before = self._fatal.setdefault(self._fatal_now, []) if self._fatal_now else []
+                    if len(before) >= 2:
+                        self.stopped = (
+                            f"a fatal failure in generation {gen} is the same as in generations "
+                            f"{', '.join(map(str, before))} ({self._fatal_now[0]}: "
+                            f"{self._fatal_now[1]}); the newest checkpoint and an older one "
+                            "were tried — the job stops instead of looping."
+                        )
+                        log.error("%s", self.stopped)
+                        code = EXIT_FATAL
+                        break
+                    skip = len(before)  # the same failure after the last fallback: older
+                    if skip:
+                        log.warning(
+                            "generation %d: fatal failure, the same as in generation %d: "
+                            "falling back to an older checkpoint", gen, before[-1],
+                        )  # fmt: skip
+                    else:
+                        log.warning(
+                            "generation %d: fatal failure, falling back to the checkpoint", gen
+                        )
+                    rec = recovery.fallback(gen, self._detected, skip=skip)
+                    rec.repeats = list(before) or None
+                    self.records.append(rec)
+                    if self._fatal_now:
+                        before.append(gen)
+                    self._fatal_now = None
                     gen += 1
                     reported = False
                     continue
@@ -156,6 +191,7 @@ class Agent:
                         break
                     log.info("generation %d: HOF, recovering in place", gen)
                     self.records.append(recovery.in_place(gen, self._detected))
+                    self._fatal_now = None
                     gen += 1
                     reported = False
                     continue

@@ -20,6 +20,7 @@ from leto.memory.launch import start_state_manager
 from leto.runtime.config import (
     ENV_CHECKPOINT_DIR,
     ENV_CHECKPOINT_INTERVAL,
+    ENV_CHECKPOINT_SKIP,
     ENV_DEVICE,
     ENV_ERROR_FILE,
     ENV_GENERATION,
@@ -53,6 +54,7 @@ class Cell:
         # (leto.runtime.store.pg_store); a restarted group never meets a dropped one.
         self.fallbacks = 0
         self.pg_attempt = "0.0"
+        self.checkpoint_skip = 0  # set by a checkpoint fallback (Recovery.fallback)
         self.extra_env: dict[str, str] = {}  # e.g. the preinitialization guard's config
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -78,6 +80,7 @@ class Cell:
                 ENV_TIMEOUT_S: str(cfg.timeout_s),
                 ENV_CHECKPOINT_DIR: cfg.checkpoints(),
                 ENV_CHECKPOINT_INTERVAL: str(cfg.checkpoint_interval),
+                ENV_CHECKPOINT_SKIP: str(self.checkpoint_skip),
                 ENV_MTTF_S: str(cfg.mttf_s),
                 ENV_HOF_RATIO: str(cfg.hof_ratio),
                 ENV_PG_ATTEMPT: str(self.pg_attempt),

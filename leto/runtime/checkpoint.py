@@ -35,13 +35,14 @@ def _step_dir(root: Path, iteration: int) -> Path:
     return root / f"it{iteration:08d}"
 
 
-def latest(root: str | Path) -> tuple[Path, int] | None:
-    """The newest complete checkpoint under ``root`` and the iteration it ends."""
+def latest(root: str | Path, skip: int = 0) -> tuple[Path, int] | None:
+    """The newest complete checkpoint under ``root`` and the iteration it ends; with
+    ``skip``, the one that many older (None when there are not that many)."""
     root = Path(root)
     done = sorted(p for p in root.glob("it*") if (p / ".metadata").exists())
-    if not done:
+    if len(done) <= skip:
         return None
-    return done[-1], int(done[-1].name[2:])
+    return done[-1 - skip], int(done[-1 - skip].name[2:])
 
 
 class Checkpointer:

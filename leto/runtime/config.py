@@ -18,6 +18,9 @@ ENV_FAULT_PLAN = "LETO_FAULT_PLAN"  # faultkit: JSON list of {generation, rank, 
 ENV_TIMEOUT_S = "LETO_TIMEOUT_S"
 ENV_CHECKPOINT_DIR = "LETO_CHECKPOINT_DIR"
 ENV_CHECKPOINT_INTERVAL = "LETO_CHECKPOINT_INTERVAL"  # 0: Young's formula
+# A checkpoint fallback that failed the same way before restores an older checkpoint:
+# how many of the newest complete ones to pass over.
+ENV_CHECKPOINT_SKIP = "LETO_CHECKPOINT_SKIP"
 ENV_MTTF_S = "LETO_MTTF_S"
 ENV_HOF_RATIO = "LETO_HOF_RATIO"
 ENV_PG_ATTEMPT = "LETO_PG_ATTEMPT"  # checkpoint fallbacks so far (process-group namespace)
@@ -57,6 +60,7 @@ class TrainerEnv:
     promote_fd: int | None = None  # a shadow's pipe
     checkpoint_dir: str | None = None
     checkpoint_interval: int = 0  # 0: Young's formula
+    checkpoint_skip: int = 0  # newest complete checkpoints to pass over when restoring
     mttf_s: float = 3600.0
     hof_ratio: float = 0.5
     preinit: str | None = None  # the guard's JSON configuration (--shadow-level auto)
@@ -100,6 +104,7 @@ class TrainerEnv:
             promote_fd=int(e[ENV_PROMOTE_FD]) if e.get(ENV_PROMOTE_FD) else None,
             checkpoint_dir=e.get(ENV_CHECKPOINT_DIR) or None,
             checkpoint_interval=int(e.get(ENV_CHECKPOINT_INTERVAL, "0")),
+            checkpoint_skip=int(e.get(ENV_CHECKPOINT_SKIP, "0")),
             mttf_s=float(e.get(ENV_MTTF_S, "3600")),
             hof_ratio=float(e.get(ENV_HOF_RATIO, "0.5")),
             preinit=e.get(ENV_PREINIT) or None,

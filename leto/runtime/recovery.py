@@ -46,6 +46,8 @@ class RecoveryRecord:
     local_ranks: list[int]
     all_nodes_fenced_s: float | None = None  # HOF: until every node had fenced
     pages_lost: dict | None = None  # HOF: what the fault plan lost
+    older_checkpoints: int | None = None  # FF: newest checkpoints passed over
+    repeats: list[int] | None = None  # generations that failed the same way before
     # Added by ``collect`` after the job:
     failed_ranks: list[int] = field(default_factory=list)
     failures: dict = field(default_factory=dict)  # rank -> exit code / hang / error file
@@ -121,12 +123,15 @@ class Recovery:
             pages_lost=lost,
         )
 
-    def fallback(self, gen: int, detected_at: float) -> RecoveryRecord:
+    def fallback(self, gen: int, detected_at: float, skip: int = 0) -> RecoveryRecord:
         """A fatal failure: every rank restarts cold on a fresh pool from the newest
-        complete checkpoint (torchrun-style, but only for FFs)."""
+        complete checkpoint (torchrun-style, but only for FFs) — or, with ``skip``, an
+        older one (the newest ``skip`` passed over: the last fallback failed the same
+        way)."""
         t0, t_fenced = self._fence_all(gen, drop_shadows=True)
         for cl in self.cells:
             cl.reset_pool()
+            cl.checkpoint_skip = skip
             # The dropped L3 shadows formed their group under the next generation; the
             # cold trainers must not find those addresses (seen in a trace replay: gloo
             # connectFullMesh refused).
@@ -145,6 +150,7 @@ class Recovery:
             promotion_s=time.time() - t0,
             level="checkpoint",
             local_ranks=[cl.rank for cl in self.cells],
+            older_checkpoints=skip or None,
         )
 
     def lose(self, gen: int) -> dict:

@@ -90,6 +90,8 @@ class RetainedTraining:
         report: dict,
         checkpoints: str | Path | None = None,
         before_finish=None,
+        checkpoint_skip: int = 0,
+        generation: int = 0,
         start_iteration: int = 0,
     ) -> int:
         """Recover this rank, apply the job-wide rule; returns the next iteration. On a
@@ -105,17 +107,19 @@ class RetainedTraining:
         if m is None:
             from leto.runtime.checkpoint import latest, restore
 
-            found = latest(checkpoints) if checkpoints is not None else None
+            found = latest(checkpoints, checkpoint_skip) if checkpoints is not None else None
+            note = getattr(self.on_iteration, "restored", None)
             if found is not None:
                 restore(found[0], found[1], self)
                 restored = True
-                note = getattr(self.on_iteration, "restored", None)
                 if note is not None:  # verification: later records are superseded
                     note(found[1])
             else:
                 # A fresh job: the marker says iteration start_iteration - 1 is done.
                 self.up.initialize(self.init_fn, iteration=start_iteration - 1)
                 self.fresh = True
+                if note is not None and generation > 0:  # a fallback to the very start
+                    note(start_iteration - 1)
             m = self.up.marker.state
         # A failure in the middle of a recovery (pages rebuilt, the job-wide rule not yet
         # agreed): faultkit's "resume@0".

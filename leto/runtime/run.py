@@ -178,6 +178,8 @@ class Run:
             ctx.report,
             checkpoints=ctx.checkpoint_dir,
             before_finish=self._hparams_of,
+            checkpoint_skip=ctx.env.checkpoint_skip if ctx.env is not None else 0,
+            generation=ctx.generation,
             start_iteration=start_iteration,
         )
         self.job.init_fn = None  # the original parameters it holds are garbage now

@@ -5,7 +5,9 @@ stops the second time); ``startup``: each rank initializes its model from its ow
 which ``leto.Run`` refuses at start-up (the job stops at once); ``unused``: a parameter
 gets no gradient, which ``optimizer.step()`` refuses (torch would skip it; Leto will not
 update it with a zero gradient instead) — in every generation, so the job stops after
-one recovery. Every other trainer finishes at once."""
+one recovery; ``fatal``: rank 1 reports retained state beyond repair (a ``FatalFailure``)
+at iteration 2 of every generation, as a persistent fault would — checkpoints every
+iteration. Every other trainer finishes at once."""
 
 import os
 
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import leto
+from leto.errors import FatalFailure
 
 when = os.environ.get("LETO_TEST_RAISE", "running")
 ctx = leto.init()
@@ -29,6 +32,18 @@ if when == "unused":
         model["used"](torch.ones(2, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
+if when == "fatal":
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = leto.Run(ctx, model, opt)
+    for t in run.iterations(4):
+        if t == 2 and ctx.rank == 1:
+            raise FatalFailure("group 0 param page 3 changed silently (a stuck bit)")
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    raise SystemExit(0)
 ctx.resumed(0)
 if ctx.rank == 1 and (when == "always" or ctx.generation == 0):
     raise ValueError("a batch of shape (3, 5) where (4, 5) was expected")
