@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -131,6 +132,66 @@ def cmd_pool_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pool_scrub(args: argparse.Namespace) -> int:
+    """Ask a running job's trainers for a full scrub now, and show what they found."""
+    import re
+    import uuid
+
+    from leto.update.scrub import REQUEST_FILE
+
+    log_dir = Path(args.log_dir)
+    ranks = sorted(
+        {int(m.group(1)) for p in log_dir.glob("rank*.gen*.active.log")
+         if (m := re.match(r"rank(\d+)\.", p.name))}
+    )  # fmt: skip
+    if not ranks:
+        print(
+            f"leto pool scrub: {log_dir} holds no trainer logs (rank*.gen*.active.log): give "
+            "the --log-dir of a running leto run job; nothing was asked",
+            file=sys.stderr,
+        )
+        return 2
+    rid = uuid.uuid4().hex[:12]
+    tmp = log_dir / f".{REQUEST_FILE}.{rid}"
+    tmp.write_text(json.dumps({"id": rid, "time": time.time()}))
+    tmp.rename(log_dir / REQUEST_FILE)  # whole, or not there
+    answers: dict[int, dict] = {}
+    deadline = time.monotonic() + args.timeout_s
+    while len(answers) < len(ranks) and time.monotonic() < deadline:
+        for r in ranks:
+            f = log_dir / f"scrub.{rid}.rank{r}.json"
+            if r not in answers and f.exists():
+                answers[r] = json.loads(f.read_text())
+        time.sleep(0.1)
+    missing = [r for r in ranks if r not in answers]
+    if args.json:
+        print(json.dumps({"id": rid, "answers": answers, "missing": missing}))
+    else:
+        t = Table(title=f"leto pool scrub {rid}: {len(answers)} of {len(ranks)} rank(s) answered")
+        for col in ("rank", "iteration", "groups", "GiB", "seconds", "found"):
+            t.add_column(col)
+        for r, a in sorted(answers.items()):
+            found = (
+                ", ".join(f"{f['tier']} page {f['page']} (repaired)" for f in a["repaired"])
+                or "nothing"
+                if a["ok"]
+                else a["error"]
+            )
+            gib = f"{a['bytes'] / 2**30:.3f}" if a["ok"] else "-"
+            t.add_row(str(r), str(a["iteration"]), str(a.get("groups", "-")), gib,
+                      f"{a['seconds']:.3f}" if a["ok"] else "-", found)  # fmt: skip
+        Console().print(t)
+        if missing:
+            print(
+                f"leto pool scrub: rank(s) {missing} did not answer within {args.timeout_s} s "
+                "(a trainer answers at its next iteration's start)",
+                file=sys.stderr,
+            )
+    if missing:
+        return 2
+    return 0 if all(a["ok"] for a in answers.values()) else 1
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from leto.runtime.agent import Agent
     from leto.runtime.config import RunConfig
@@ -159,6 +220,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             max_failures=args.max_failures,
             log_level=args.log_level,
             verify=args.verify,
+            scrub_mib=args.scrub_mib_per_iteration,
             beat_poll_s=args.beat_poll_s,
             device_memory_bytes=args.device_memory_bytes,
             preinit_footprints=args.preinit_footprints,
@@ -255,6 +317,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--timeout-s", type=float, default=10.0, help="give up after this many seconds")
     p.set_defaults(fn=cmd_pool_status)
+    p = pool.add_parser(
+        "scrub",
+        help="a running job's retained state checked against its parity now, every rank "
+        "(parity errors repaired; corrupted state is a fatal failure: the checkpoint fallback)",
+    )
+    p.add_argument("--log-dir", default="leto-run", help="the job's leto run --log-dir")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument(
+        "--timeout-s", type=float, default=120.0, help="wait this long for every rank's answer"
+    )
+    p.set_defaults(fn=cmd_pool_scrub)
     register_sim(sub)
     p = sub.add_parser(
         "run",
@@ -300,6 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="record the verifiers' trace: each iteration's loss and a digest of every "
         "retained tensor (costs a hash of the whole state per iteration; off by default)",
+    )
+    p.add_argument(
+        "--scrub-mib-per-iteration",
+        type=float,
+        default=64.0,
+        help="data MiB of retained state checked against its parity at each iteration's "
+        "start (silent corruption; 0: only the full pass before each checkpoint)",
     )
     p.add_argument(
         "--checkpoint-interval",

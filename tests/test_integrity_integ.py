@@ -6,6 +6,9 @@ pages named in the record. Never a wrong model."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +113,30 @@ def test_a_recovery_rebuilt_from_a_silently_corrupted_survivor_is_caught_by_veri
     assert found[0]["tier"] == "unlocated" and not found[0]["repaired"], found
     v = compare(reference, tmp_path / "train")
     assert v.exact, v.describe()
+
+
+def test_leto_pool_scrub_asks_a_running_job_and_reports_what_each_rank_found(tmp_path):
+    # No background scrub: rank 1's tier-1 pages flip at iteration 3 and stay wrong
+    # until `leto pool scrub` asks; every rank answers at its next iteration's start.
+    cfg = TrainConfig(iterations=80)
+    plan = [{"generation": 0, "rank": 1, "at": "gather@3", "mode": "corrupt:tier1:2"}]
+    (p,) = start_job(2, cfg, tmp_path, plan, shadow_level="off",
+                     extra=("--scrub-mib-per-iteration", "0"))  # fmt: skip
+    losses = tmp_path / "train" / "rank1.losses.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if losses.exists() and len(losses.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.1)
+    cli = [sys.executable, "-m", "leto.cli", "pool", "scrub", "--json", "--timeout-s", "60",
+           "--log-dir", str(tmp_path / "logs")]  # fmt: skip
+    got = subprocess.run(cli, capture_output=True, text=True, timeout=90)
+    ((code, summary),) = finish_job([p], timeout_s=240)
+    assert code == 0, summary
+    assert got.returncode == 0, got.stderr
+    ans = json.loads(got.stdout)
+    assert ans["missing"] == [] and set(ans["answers"]) == {"0", "1"}, ans
+    assert ans["answers"]["0"]["ok"] and ans["answers"]["0"]["repaired"] == [], ans
+    r1 = ans["answers"]["1"]
+    assert r1["ok"] and r1["iteration"] >= 5, r1
+    assert sorted(f["page"] for f in r1["repaired"] if f["tier"] == "tier1") == [0, 1], r1

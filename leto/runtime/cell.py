@@ -35,6 +35,7 @@ from leto.runtime.config import (
     ENV_TIMEOUT_S,
     RunConfig,
 )
+from leto.update.scrub import ENV_SCRUB_MIB
 
 
 class Cell:
@@ -86,6 +87,7 @@ class Cell:
                 ENV_PG_ATTEMPT: str(self.pg_attempt),
                 ENV_ERROR_FILE: str(self.error_file(generation, role)),
                 ENV_LOG_DIR: os.path.abspath(cfg.log_dir),
+                ENV_SCRUB_MIB: str(cfg.scrub_mib),
             }
         )
         env.update(self.extra_env)

@@ -140,6 +140,9 @@ class RunConfig:
     # The verifiers' per-iteration digest of every retained tensor (off: it hashes the
     # whole model state every iteration; faultkit and the tests turn it on).
     verify: bool = False
+    # The scrub's background pass: data MiB checked against parity per iteration
+    # (0: none; a full pass still precedes every checkpoint). leto.update.scrub.
+    scrub_mib: float = 64.0
     checkpoint_dir: str = ""  # empty: <log_dir>/checkpoints
     checkpoint_interval: int = 0  # iterations; 0: Young's formula with the FF-only MTTF
     mttf_s: float = 3600.0  # expected time between failures of any class (for Young)
@@ -164,6 +167,8 @@ class RunConfig:
             raise ValueError(f"--log-level {self.log_level!r}: DEBUG, INFO, WARNING or ERROR")
         if self.nnodes < 1 or self.nproc_per_node < 1:
             raise ValueError("--nnodes and --nproc-per-node must be at least 1")
+        if not self.scrub_mib >= 0:
+            raise ValueError(f"--scrub-mib-per-iteration {self.scrub_mib}: expected >= 0")
         if self.device_memory_bytes < 0:
             raise ValueError(f"--device-memory-bytes {self.device_memory_bytes} is negative")
         if self.shadow_level == "auto":

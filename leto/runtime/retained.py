@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from leto.errors import FatalFailure
 from leto.memory.client import PoolClient
 from leto.plugins import point
 from leto.runtime.buckets import GradBuckets
@@ -52,11 +53,13 @@ class RetainedTraining:
         heartbeat=None,
         bucket_mib: float = 25.0,
         user=None,
+        scrub_requests: Path | None = None,
     ):
         """``model`` may live on the meta device: its parameters become views of pool
         memory. ``init_fn()`` initializes them on a fresh pool (first start only).
         ``user``: the script's own optimizer (``UserOptimizer``; ``leto.Run`` drives
-        this mode) instead of ``updater.adamw`` and ``schedule``."""
+        this mode) instead of ``updater.adamw`` and ``schedule``. ``scrub_requests``:
+        the file ``leto pool scrub`` writes to ask for a full scrub now."""
         self.rank, self.world, self.out = rank, world, Path(out)
         self.model = model
         self.init_fn = init_fn
@@ -68,6 +71,8 @@ class RetainedTraining:
         self.params = self.up.params
         # Silent corruption: the state checked against its parity (findings logged).
         self.scrub = Scrubber(self.up, log=self.out / f"rank{rank}.scrub.jsonl")
+        self.scrub_requests = Path(scrub_requests) if scrub_requests else None
+        self._served: str | None = None  # the last on-demand scrub this rank answered
         # The recovery record's steps on the trainer's side (the agent adds its own).
         self.timings: dict[str, float] = {"map_retained_s": time.time() - t0}
         self.device = self.up.device
@@ -161,12 +166,39 @@ class RetainedTraining:
         if self.heartbeat is not None:
             self.heartbeat(t)
         self.scrub.step()  # the previous update is done: parity matches the pages
+        self._scrub_on_demand(t)
         point("gather", t)
         self.up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
         self.up.state.attach_grads(self.params)
         if self.buckets is not None:
             self.buckets.begin()
         self.up.begin(t)
+
+    def _scrub_on_demand(self, t: int) -> None:
+        """A full scrub when ``leto pool scrub`` asked (a new request id), answered in
+        ``scrub.<id>.rank<r>.json`` beside the request — also when it found corruption,
+        which then ends this trainer as the fatal failure it is."""
+        req = self.scrub_requests
+        if req is None or not req.exists():
+            return
+        try:
+            rid = str(json.loads(req.read_text())["id"])
+        except (OSError, ValueError, KeyError):
+            return  # being replaced (the CLI renames a whole file in): next iteration
+        answer = req.parent / f"scrub.{rid}.rank{self.rank}.json"
+        if rid == self._served or answer.exists():
+            return
+        self._served = rid
+        rec: dict = {"rank": self.rank, "iteration": t}
+        try:
+            rec.update(ok=True, **self.scrub.full(when="on demand (leto pool scrub)"))
+        except FatalFailure as e:
+            rec.update(ok=False, error=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            tmp = answer.with_suffix(".tmp")
+            tmp.write_text(json.dumps(rec))
+            tmp.rename(answer)
 
     def compute(self):
         """Context for forward and backward (activations borrow the updater's buffers)."""

@@ -62,6 +62,7 @@ from leto.errors import FatalFailure, InvalidInput
 from leto.plugins import point
 from leto.runtime.retained import RetainedTraining
 from leto.update.rmu import UpdaterConfig
+from leto.update.scrub import REQUEST_FILE as SCRUB_REQUEST
 from leto.update.user_optim import UserOptimizer
 
 
@@ -154,6 +155,7 @@ class Run:
             heartbeat=ctx.heartbeat,
             bucket_mib=bucket_mib if bucket_mib > 0 else math.inf,
             user=self.user,
+            scrub_requests=Path(ctx.env.log_dir) / SCRUB_REQUEST if ctx.env else None,
         )
         self.loop = self.job.loop = self.job.up.loop
         self.user.adopt(self.job.params)  # the optimizers now hold the retained parameters

@@ -46,6 +46,9 @@ import torch
 from leto.erasure.locate import SymbolError, Unlocatable, locate, syndromes
 from leto.errors import FatalFailure
 
+# In a job's log directory: ``leto pool scrub`` asks every trainer for a full scrub (a
+# JSON {"id": ...}); each answers in scrub.<id>.rank<r>.json at its next iteration.
+REQUEST_FILE = "scrub.request"
 ENV_SCRUB_MIB = "LETO_SCRUB_MIB"  # data MiB checked per iteration (0: no background scrub)
 DEFAULT_SCRUB_MIB = 64.0
 
