@@ -41,6 +41,7 @@ from leto.runtime.buckets import GradBuckets  # noqa: E402
 from leto.update.optim import AdamWConfig  # noqa: E402
 from leto.update.rmu import Updater, UpdaterConfig  # noqa: E402
 from leto.update.schedule import WarmupCosine  # noqa: E402
+from leto.update.scrub import Scrubber  # noqa: E402
 from leto.update.user_optim import UserOptimizer  # noqa: E402
 from leto.workload.corpus import batch  # noqa: E402
 from leto.workload.gpt import GPT, GPTConfig, init_weights  # noqa: E402
@@ -136,6 +137,7 @@ def leto(
     adamw: AdamWConfig,
     lend: bool = True,
     after=None,
+    scrub_mib: float = 0.0,
 ) -> tuple[float, dict]:
     cfg = PoolConfig(
         device="cpu" if device.type == "cpu" else f"cuda:{device.index or 0}",
@@ -160,6 +162,8 @@ def leto(
         allocs = client.status()["allocations"]
         args.pool_device_gib = sum(a["nbytes"] for a in allocs if a["kind"] != "record") / 2**30
         up.initialize(lambda: init_weights(model, 0))
+        # The background scrub, as RetainedTraining runs it (leto run's default rate).
+        scrub = Scrubber(up, budget_bytes=int(scrub_mib * 2**20))
 
         buckets = GradBuckets(up.params, up.state, args.bucket_mib) if args.world > 1 else None
         group = dist.group.WORLD if args.world > 1 else None
@@ -182,10 +186,12 @@ def leto(
 
         def step(t):
             up.begin(t)
+            scrub.step()
             with up.lent_memory():
                 loss = compute(args, model, device, t, buckets and buckets.no_sync)
             reduce()
             script_step(t)
+            scrub.before_update()
             up.protect_grads(t, loss=float(loss))
             up.sync(t, group=group)
             up.update(t)
@@ -199,6 +205,10 @@ def leto(
             sync(device)
             t0 = time.perf_counter()
             up.begin(t + k)
+            scrub.step()
+            sync(device)
+            up.profile["scrub step"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
             with up.lent_memory():
                 loss = compute(args, model, device, t + k, buckets and buckets.no_sync)
             sync(device)
@@ -212,10 +222,15 @@ def leto(
             sync(device)
             if user is not None:
                 up.profile["script's clipping + loop record"] += time.perf_counter() - t2
+            scrub.before_update()
             up.protect_grads(t + k, loss=float(loss))
             up.sync(t + k, group=group)
             up.update(t + k)
         breakdown = {k: v / args.iters * 1e3 for k, v in up.profile.items()}
+        state = sum(len(g.data) for g in up.groups) * up.state.page_bytes
+        breakdown["scrub: iterations per full pass"] = (
+            state / scrub.budget if scrub.budget else float("inf")
+        )
         client.close()
         return seconds, breakdown
     finally:
@@ -275,6 +290,17 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
         type=int,
         default=16,
         help="H1: tier-1 parity pages per protection group (lost pages it tolerates per group)",
+    )
+    ap.add_argument(
+        "--scrub-mib",
+        type=float,
+        default=64.0,
+        help="the background scrub's data MiB per iteration (leto run's default; 0: off)",
+    )
+    ap.add_argument(
+        "--scrub-compare",
+        action="store_true",
+        help="also time Leto with the scrub off, side by side: the scrub's own cost",
     )
     ap.add_argument("--json-out", default=None, help="write results as JSON here")
     return ap
@@ -355,7 +381,12 @@ def measure(args, device: torch.device) -> dict:
         return after
 
     t_plain = plain(args, gcfg, device, schedule, adamw, after=peak("plain"))
-    t_leto, breakdown = leto(args, gcfg, device, schedule, adamw, after=peak("leto"))
+    t_leto, breakdown = leto(
+        args, gcfg, device, schedule, adamw, after=peak("leto"), scrub_mib=args.scrub_mib
+    )
+    t_noscrub = None
+    if args.scrub_compare:
+        t_noscrub, _ = leto(args, gcfg, device, schedule, adamw, scrub_mib=0.0)
     res = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "date": datetime.date.today().isoformat(),
@@ -375,6 +406,9 @@ def measure(args, device: torch.device) -> dict:
         "plain_ms": t_plain * 1e3,
         "leto_ms": t_leto * 1e3,
         "overhead_pct": (t_leto / t_plain - 1) * 100,
+        "scrub_mib": args.scrub_mib,
+        "leto_no_scrub_ms": t_noscrub * 1e3 if t_noscrub else None,
+        "scrub_cost_pct": (t_leto / t_noscrub - 1) * 100 if t_noscrub else None,
         "rmu_breakdown_ms": breakdown,
         "world_size": args.world,
         "bucket_mib": args.bucket_mib,
@@ -398,8 +432,13 @@ def show(res: dict, args) -> None:
     if res["world_size"] > 1:
         label += f", DDP ({args.bucket_mib:g} MiB buckets)"
     t.add_row(label, f"{res['plain_ms']:.1f}")
-    t.add_row("Leto (pool + RMU)", f"{res['leto_ms']:.1f}")
+    t.add_row(
+        f"Leto (pool + RMU, scrub {res['scrub_mib']:g} MiB/iteration)", f"{res['leto_ms']:.1f}"
+    )
     t.add_row("overhead", f"{res['overhead_pct']:+.1f} %")
+    if res["leto_no_scrub_ms"] is not None:
+        t.add_row("Leto, scrub off", f"{res['leto_no_scrub_ms']:.1f}")
+        t.add_row("the scrub's cost", f"{res['scrub_cost_pct']:+.2f} %")
     for k, v in sorted(res["rmu_breakdown_ms"].items(), key=lambda kv: -kv[1]):
         t.add_row(f"  profiled: {k}", f"{v:.1f}")
     for k, v in res["peak_allocated_gib"].items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from leto.memory.config import PoolConfig
 from leto.memory.launch import start_state_manager
 from leto.update.rmu import UpdaterConfig
 from leto.update.scrub import CorruptState, Scrubber
@@ -15,10 +16,15 @@ from tests import rmu_harness as h
 from tests.pool_helpers import small_config
 
 
-@pytest.fixture
-def trained():
-    # H1 = 4: a pool whose groups locate one error per codeword (and detect three).
-    sm = start_state_manager(small_config(data_pages=8, tier1_pages=4))
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def trained(request):
+    # H1 = 4: a pool whose groups locate one error per codeword (and detect three). On
+    # CUDA: a VMM pool, the CUDA codec, the background check on a side stream.
+    if request.param == "cuda":
+        cfg = PoolConfig.for_cuda(0, data_pages=8, tier1_pages=4, allow_fault_injection=True)
+    else:
+        cfg = small_config(data_pages=8, tier1_pages=4)
+    sm = start_state_manager(cfg)
     client, up, model, t = h.start(sm, UpdaterConfig(chunk_units=1))
     for it in range(t, 2):
         h.one_iteration(up, model, it)
@@ -104,10 +110,13 @@ def test_background_steps_cover_every_group_within_one_pass(trained):
         steps += 1
     assert 4 <= steps < 100 and s.cursor == (0, 0)
     assert s.checked_bytes == sum(len(g.data) for g in up.groups) * pb
-    # A flip in the last group's last quarter is found by the last step of a pass.
+    # A flip in the last group's last quarter is found by the last step of a pass (on
+    # CUDA, whose check runs on a side stream, its flag is read at the step after).
     last = up.groups[-1]
     _flip(last.data[0], pb - 1, 7)
-    for _ in range(steps - 1):
-        s.step()
+    quiet = 0
     with pytest.raises(CorruptState):
-        s.step()
+        for _ in range(steps + 2):
+            s.step()
+            quiet += 1
+    assert quiet == steps - 1 + (up.device.type == "cuda"), (quiet, steps)
