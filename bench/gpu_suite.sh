@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|preinit|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|preinit|integrity|scrub-bench|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -47,6 +47,20 @@ if [[ $what == overhead-x2 ]]; then
   python3 -m bench.rmu_overhead $M --world-size 2 --iters 4 --warmup 2 --tier1-pages ${LETO_H1:-4} \
     --json-out "$OUT/overhead_x2_16k.json" 2>&1 | tee "$OUT/overhead_x2_16k.txt" || rc=1
   timeout 240 python3 -m pytest -p no:cacheprovider -q tests/test_dp_multigpu.py 2>&1 | tail -3 | tee "$OUT/multigpu_tests.txt" || rc=1
+fi
+if [[ $what == integrity || $what == all ]]; then
+  # Issue 19 on the GPU: the locating decoder and the scrub on a CUDA pool (side-stream
+  # check), faultkit's corrupt mode under leto run (parity repaired, device pages ->
+  # verified checkpoint), and the example job's kill/abort matrix with the scrub on.
+  timeout 580 python3 -m pytest -p no:cacheprovider -q -rs tests/test_locate.py tests/test_scrub.py \
+    tests/test_integrity_gpu.py tests/test_dp_gpu.py 2>&1 | tail -25 | tee "$OUT/integrity_tests.txt" || rc=1
+fi
+if [[ $what == scrub-bench ]]; then
+  # The background scrub's cost at leto run's default rate (64 MiB of data per
+  # iteration), Leto with and without it side by side, 1.01 B GPT, 16 K tokens, H1 = 4.
+  M="--device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 16 --seq 1024"
+  python3 -m bench.rmu_overhead $M --iters 4 --warmup 2 --tier1-pages 4 --scrub-mib ${LETO_SCRUB_MIB:-64} \
+    --scrub-compare --json-out "$OUT/scrub_16k.json" 2>&1 | tee "$OUT/scrub_16k.txt" || rc=1
 fi
 if [[ $what == run-api ]]; then
   # Issue 16 on two GPUs (nvidia-h200-x2): the script's own optimizers through the updater

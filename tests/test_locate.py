@@ -112,14 +112,16 @@ def test_one_parity_page_cannot_locate_anything():
         locate(code, pos, synd)
 
 
-def test_a_bit_flip_in_a_page_of_a_real_group():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_bit_flip_in_a_page_of_a_real_group(device):
     # 1024 data pages of 4 KiB, H = 16: one flipped bit in data page 700 and one in
-    # parity page 3, found by page and symbol.
+    # parity page 3, found by page and symbol (syndromes by the device's own kernel).
     D, H, n = 1024, 16, 4096
-    code = ReedSolomon(D, H, kernel="cpu")
+    code = ReedSolomon(D, H)
     data = torch.randint(
         0, 256, (D, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
     )
+    data = data.to(device)
     parity = code.encode(data)
     data[700, 1001] ^= 0x04
     parity[3, 77] ^= 0x80
