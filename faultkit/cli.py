@@ -91,7 +91,13 @@ def cmd_matrix(args: argparse.Namespace) -> int:
             str(c["host_parity_pages"]),
             f"{r['pages_rebuilt']} dev, {r['host_pages_rebuilt']} host",
             f"{r['recovery_s']:.2f} s" if r["recovery_s"] else "-",
-            "[green]EXACT[/]" if r["exact"] else f"[red]NOT EXACT[/] {r['first_divergence']}",
+            ("[green]EXACT[/]" if r["exact"] else f"[red]NOT EXACT[/] {r['first_divergence']}")
+            + (f" — scrub: {r['scrub']}" if r.get("scrub") else "")
+            + (
+                " — nothing found (overwritten first)"
+                if r["mode"].startswith("corrupt") and not r.get("scrub")
+                else ""
+            ),  # fmt: skip
         )
     Console().print(t)
     mech = rows[0]["poison_mechanism"] if rows else None
@@ -179,6 +185,8 @@ def _verdict_table(v: dict, title: str) -> int:
                 f"({state}), then SIGKILL",
             )
         )
+    if v["mode"].startswith("corrupt"):
+        rows.append(("scrub", v.get("scrub") or "nothing found (overwritten before it was read)"))
     if v["fatal_detail"]:
         rows.append(("fatal", v["fatal_detail"]))
     for k, val in rows:
@@ -223,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="kill (SIGKILL at the phase), copy-corrupt (garble the parity copy in progress, "
         "then SIGKILL; phases grad-parity, parity-copy) or kernel-abort (the next of Leto's "
         "kernels stops after --abort-after-blocks blocks and the rank dies with it in "
-        "flight; phases grad-parity, update, parity, parity-copy, tier2)",
+        "flight; phases grad-parity, update, parity, parity-copy, tier2), corrupt-data or "
+        "corrupt-parity (flip one bit in each of --pages retained pages — device pages of the "
+        "last group, or the first group's host tier 1 — silently: no death, no loss)",
     )
     p.add_argument(
         "--abort-after-blocks",
@@ -266,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--modes",
         default="kill,copy-corrupt",
-        help="comma-separated modes: kill, copy-corrupt, kernel-abort",
+        help="comma-separated modes: kill, copy-corrupt, kernel-abort, corrupt-data, "
+        "corrupt-parity (corrupt modes: 1 and H1 flipped pages, no loss)",
     )
     p.set_defaults(fn=cmd_matrix)
     register_plan(sub)

@@ -170,8 +170,7 @@ def _flip(at: str, target: str, k: int, group: int) -> None:
         raise InjectedCrash(f"corrupt at {at}: this process exposes no retained state")
     g = groups[group]
     pages = {"data": g.data, "tier1": g.tier1, "tier2": g.tier2}[target]
-    if k > len(pages):
-        raise InjectedCrash(f"corrupt at {at}: group {g.gid} has {len(pages)} {target} pages")
+    k = min(k, len(pages))  # a small last group holds fewer pages than asked
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the flip lands between the kernels queued so far and later ones
     flipped = []

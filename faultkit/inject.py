@@ -16,6 +16,10 @@ lost in *each* protection group of every rank (spread over parameters and moment
 the shadows are promoted and recover in place. More pages than parity covers is a
 fatal failure: the runtime falls back to its newest checkpoint (or the initial state)
 and the verdict says so. One fault in the middle iteration, or one every ``every``.
+Modes ``corrupt-data`` / ``corrupt-parity`` flip one bit in each of ``pages`` retained
+pages of the rank, silently (no death, no loss): the verdict also says what the scrub
+did (parity repaired in place; device pages named and the checkpoint fallback; or
+nothing found, when the bytes were overwritten before anything read them).
 
 Not covered: kernel-abort of torch's own kernels (forward, backward, all-reduce): use
 kill on ``--device cuda``.
@@ -23,6 +27,7 @@ kill on ``--device cuda``.
 
 from __future__ import annotations
 
+import json
 import random
 import tempfile
 import time
@@ -44,7 +49,11 @@ COPY_PHASES = ("grad-parity", "parity-copy")
 # the grad-parity copy, the optimizer's landing, the parity update, the parity store,
 # the tier-2 encode.
 KERNEL_PHASES = ("grad-parity", "update", "parity", "parity-copy", "tier2")
-MODES = ("kill", "copy-corrupt", "kernel-abort")
+# Silent corruption (no death): bits flipped in the retained pages of the last state
+# group (corrupt-data: parameters, optimizer state) or the first group's host tier 1
+# (corrupt-parity); ``pages`` says how many pages (one bit each; at least 1).
+CORRUPT_MODES = ("corrupt-data", "corrupt-parity")
+MODES = ("kill", "copy-corrupt", "kernel-abort", *CORRUPT_MODES)
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,12 @@ def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
         raise ValueError(
             f"--mode copy-corrupt needs a phase that copies parity ({', '.join(COPY_PHASES)}), "
             f"not {phase!r}"
+        )
+    if mode in CORRUPT_MODES and cfg.every:
+        raise ValueError(f"--mode {mode} injects one fault: --every is not for it")
+    if mode == "corrupt-parity" and cfg.pages > cfg.tier1_pages:
+        raise ValueError(
+            f"--pages {cfg.pages}: a group has H1={cfg.tier1_pages} tier-1 pages to corrupt"
         )
     if cfg.pages > cfg.data_pages:
         raise ValueError(
@@ -162,6 +177,12 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         detail = f"leto run exited {got['code']} (logs in {work / label / 'logs'})"
     else:
         detail = None
+    scrub = _scrub_outcome(Path(got["out"])) if ok else None
+    if scrub and ff:
+        detail = (
+            f"the scrub found silently corrupted state ({scrub}); every rank restarted on "
+            f"fresh pools from the verified checkpoint, at iteration {min(back) if back else '?'}"
+        )
     return {
         "exact": exact,
         "fatal": bool(ff) or not ok,
@@ -182,10 +203,39 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         "first_divergence": verdict.describe() if verdict else None,
         "verdict": verdict.as_dict() if verdict else None,
         "recovery_s": max(recovery) if recovery else None,
+        "scrub": scrub,
         "reference_run_s": ref.get("run_s"),
         "faulted_run_s": got["run_s"],
         "workdir": str(work),
     }
+
+
+def _hook_mode(cfg: InjectConfig) -> str:
+    """faultkit.hooks' mode string: corrupt modes name target, pages and group. Data
+    pages of the *last* group: at an update phase the first group's first chunk is in
+    flight, the one window parity cannot see (docs/integrity.md)."""
+    k = max(1, cfg.pages)
+    if cfg.mode == "corrupt-data":
+        return f"corrupt:data:{k}:-1"
+    if cfg.mode == "corrupt-parity":
+        return f"corrupt:tier1:{k}:0"
+    return cfg.mode
+
+
+def _scrub_outcome(train_out: Path) -> str | None:
+    """What the scrub logged (``rank<r>.scrub.jsonl``), in a line; None if nothing."""
+    found = []
+    for f in sorted(train_out.glob("rank*.scrub.jsonl")):
+        rank = f.name.split(".")[0][4:]
+        found += [(rank, json.loads(x)) for x in f.read_text().splitlines()]
+    if not found:
+        return None
+    parts = []
+    for rank, x in found:
+        what = "repaired" if x["repaired"] else "named, fatal"
+        where = f"{x['allocation']} page {x['allocation_page']}" if x["allocation"] else x["tier"]
+        parts.append(f"rank {rank} group {x['group']} {where}: {what} ({x['when']})")
+    return "; ".join(dict.fromkeys(parts))
 
 
 def _iterations(cfg: InjectConfig) -> list[int]:
@@ -204,9 +254,9 @@ def inject(cfg: InjectConfig, workdir: Path | None = None, reference: dict | Non
         JobFault(
             cfg.rank,
             f"{PHASES[_phase(cfg, cfg.phase, k)]}@{it}#1",
-            cfg.mode,
-            lose_pages=cfg.pages,
-            host_parity_pages=cfg.host_parity_pages,
+            _hook_mode(cfg),
+            lose_pages=0 if cfg.mode in CORRUPT_MODES else cfg.pages,
+            host_parity_pages=0 if cfg.mode in CORRUPT_MODES else cfg.host_parity_pages,
         )
         for k, it in enumerate(_iterations(cfg))
     ]
@@ -242,6 +292,11 @@ def matrix(
             if mode == "copy-corrupt" and phase not in COPY_PHASES:
                 continue
             if mode == "kernel-abort" and phase not in KERNEL_PHASES:
+                continue
+            if mode in CORRUPT_MODES:  # 1 and H1 flipped pages, no loss
+                for pages in (1, base.tier1_pages):
+                    cfg = replace(base, phase=phase, mode=mode, pages=pages, host_parity_pages=0)
+                    rows.append(inject(cfg, work, reference=ref))
                 continue
             for pages in (0, base.tier1_pages):
                 for host in (0, 1):

@@ -4,7 +4,6 @@ beyond it but within what the code detects is refused, never mislocated."""
 
 from __future__ import annotations
 
-import galois
 import numpy as np
 import pytest
 import torch
@@ -14,7 +13,13 @@ from hypothesis import strategies as st
 from leto.erasure.codec import ReedSolomon
 from leto.erasure.locate import SymbolError, Unlocatable, locate, syndromes
 
-GF = galois.GF(2**16)
+try:  # the oracle (a dev dependency; the GPU machine may lack it: only the oracle tests skip)
+    import galois
+
+    GF = galois.GF(2**16)
+except ImportError:
+    galois = GF = None
+oracle = pytest.mark.skipif(galois is None, reason="needs galois, the independent GF oracle")
 
 
 def oracle_generator(D: int, H: int):
@@ -66,6 +71,7 @@ def _corrupt(D, H, data, errors):
     return d, p, expected
 
 
+@oracle
 @settings(max_examples=150, deadline=None)
 @given(case())
 def test_errors_within_the_radius_are_located_exactly(c):
@@ -85,6 +91,7 @@ def test_errors_within_the_radius_are_located_exactly(c):
     assert torch.equal(pp, as_bytes(np.array(oracle_generator(D, H) @ GF(data))))
 
 
+@oracle
 @settings(max_examples=150, deadline=None)
 @given(case(beyond=True))
 def test_errors_beyond_the_radius_but_detectable_are_refused_not_mislocated(c):

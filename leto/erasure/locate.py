@@ -89,10 +89,12 @@ def syndromes(code: ReedSolomon, data: PageInput, parity: PageInput, *, group: o
     fresh = code.encode(d.pages, group=group)  # H × pbytes, on the data's device
     for j in range(code.parity_pages):
         fresh[j] ^= stored.pages[j].to(fresh.device, non_blocking=True)
-    sym = fresh.view(code.parity_pages, -1, 2).to(torch.int64)
-    sym = sym[..., 0] | (sym[..., 1] << 8)  # H × symbols, little-endian
-    positions = torch.nonzero(sym.any(dim=0)).flatten()
-    return positions.cpu().numpy(), sym[:, positions].cpu().numpy()
+    # Parity pages have an even byte count: 16-bit symbols, little-endian. Only the
+    # non-zero codewords are widened and leave the device.
+    sym = fresh.view(torch.int16)
+    positions = torch.nonzero(sym.ne(0).any(dim=0)).flatten()
+    picked = sym[:, positions].to(torch.int64) & 0xFFFF
+    return positions.cpu().numpy(), picked.cpu().numpy()
 
 
 def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
