@@ -248,15 +248,16 @@ def run_job(
             f"leto run exited {p.returncode} (logs in {out / 'logs'}); last lines:\n{tail}"
         )
     aborts = out / "aborts.jsonl"
+    # The log holds the trip-wire's kernel aborts and faultkit's silent bit flips.
+    logged = [json.loads(x) for x in aborts.read_text().splitlines()] if aborts.exists() else []
     result = {
         **summary,
         "nodes": [n for _, n in nodes],
         "out": str(out / "train"),
         "code": p.returncode,
         "injections": len(summary.get("recoveries", [])),
-        "aborts": [json.loads(x) for x in aborts.read_text().splitlines()]
-        if aborts.exists()
-        else [],
+        "aborts": [x for x in logged if "corrupt" not in x],
+        "corruptions": [x for x in logged if "corrupt" in x],
         "losses": [],
         "states": [],
     }

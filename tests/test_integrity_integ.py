@@ -39,33 +39,37 @@ def _run(tmp_path, at: str, mode: str, extra=()):
     return summary, flips[0], found
 
 
-# Tier 1 in iteration 2 after its scrub step: the update of 2 carries the errors along
-# (it loads, updates and stores that parity). Tier 2 is encoded again from tier 1 by
-# every update, so it is flipped after the first group's refresh (the second group's
-# tier-2 point). The scrub at 3's start finds both.
-@pytest.mark.parametrize(
-    "target,pages,at", [("tier1", 2, "gather@2"), ("tier2", 1, "update.tier2@2#2")]
-)
-def test_flipped_host_parity_is_found_by_the_scrub_and_repaired_in_place(
-    reference, tmp_path, target, pages, at
-):
-    summary, flip, found = _run(tmp_path, at, f"corrupt:{target}:{pages}")
+def test_flipped_host_parity_is_found_by_the_scrub_and_repaired_in_place(reference, tmp_path):
+    # Rank 0's tier 1 in iteration 2 after its scrub step: the update of 2 carries the
+    # errors along (it loads, updates and stores that parity). Rank 1's tier 2, which
+    # every update encodes again from tier 1, after the first group's refresh (the
+    # second group's tier-2 point). The scrub at 3's start finds both; one job.
+    plan = [
+        {"generation": 0, "rank": 0, "at": "gather@2", "mode": "corrupt:tier1:2"},
+        {"generation": 0, "rank": 1, "at": "update.tier2@2#2", "mode": "corrupt:tier2:1"},
+    ]
+    (p,) = start_job(2, CFG, tmp_path, plan, shadow_level="L2")
+    ((code, summary),) = finish_job([p], timeout_s=240)
+    assert code == 0, summary
     assert summary["recoveries"] == [], "parity errors are repaired without a recovery"
-    pages = sorted({f["page"] for f in found if f["tier"] == target})
-    want = [p["page"] for p in flip["pages"]] if target == "tier1" else [-1]
-    assert pages == want and all(f["repaired"] for f in found), found
-    assert all(f["when"] == "scrub" for f in found), found  # the background pass, at 3's start
+    flips = [json.loads(x) for x in (tmp_path / "aborts.jsonl").read_text().splitlines()]
+    assert sorted(f["corrupt"] for f in flips) == ["tier1", "tier2"], flips
+    for rank, tier, want in ((0, "tier1", [0, 1]), (1, "tier2", [-1])):
+        log = tmp_path / "train" / f"rank{rank}.scrub.jsonl"
+        found = [json.loads(x) for x in log.read_text().splitlines()]
+        assert sorted({f["page"] for f in found if f["tier"] == tier}) == want, found
+        assert all(f["repaired"] and f["when"] == "scrub" for f in found), found
     v = compare(reference, tmp_path / "train")
     assert v.exact, v.describe()
 
 
-# Two pages of parameters/optimizer state, flipped while iteration 2 uses them — before
-# its forward pass (first group), or in its update while the first group's first chunk
-# is in flight (last group: its chunks are still to come) — the scrub at 3's start finds
-# them, names them, and the checkpoint fallback (the last save, verified by a full
-# scrub before it was written) replays to the same bytes. (A page whose own chunk is in
-# flight is the one window parity cannot see: docs/integrity.md.)
-@pytest.mark.parametrize("at,group", [("compute.forward@2", 0), ("update.optimizer@2#1", -1)])
+# Two pages of parameters/optimizer state, flipped in iteration 2's update while the
+# first group's first chunk is in flight (last group: its chunks are still to come):
+# the scrub finds them, names them, and the checkpoint fallback (the last save,
+# verified by a full scrub before it was written) replays to the same bytes. (A page
+# whose own chunk is in flight is the one window parity cannot see: docs/integrity.md.
+# A flip before the forward pass: tests/test_integrity_gpu.py and faultkit's matrix.)
+@pytest.mark.parametrize("at,group", [("update.optimizer@2#1", -1)])
 def test_flipped_device_pages_are_named_and_the_job_falls_back_to_a_verified_checkpoint(
     reference, tmp_path, at, group
 ):
