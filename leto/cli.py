@@ -377,9 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scrub-mib-per-iteration",
         type=float,
-        default=64.0,
-        help="data MiB of retained state checked against its parity at each iteration's "
-        "start (silent corruption; 0: only the full pass before each checkpoint)",
+        default=None,
+        help="data MiB of retained state checked against its parity per iteration, a "
+        "whole protection group at a time (silent corruption; 0: only the full pass "
+        "before each checkpoint; default 64 on cuda, 1 on cpu)",
     )
     p.add_argument(
         "--checkpoint-interval",

@@ -20,6 +20,8 @@ from verifiers import compare
 pytestmark = pytest.mark.integ
 ITERS = 5
 CFG = TrainConfig(iterations=ITERS)  # test_runtime_integ's: the reference is shared
+# A full pass of the background scrub every iteration (the test pools are small).
+EVERY = ("--scrub-mib-per-iteration", "64")
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def reference(job_reference):
 
 def _run(tmp_path, at: str, mode: str, extra=()):
     plan = [{"generation": 0, "rank": 1, "at": at, "mode": mode}]
-    (p,) = start_job(2, CFG, tmp_path, plan, shadow_level="L2", extra=extra)
+    (p,) = start_job(2, CFG, tmp_path, plan, shadow_level="L2", extra=(*extra, *EVERY))
     ((code, summary),) = finish_job([p], timeout_s=240)
     assert code == 0, summary
     flips = [json.loads(x) for x in (tmp_path / "aborts.jsonl").read_text().splitlines()]
@@ -48,7 +50,7 @@ def test_flipped_host_parity_is_found_by_the_scrub_and_repaired_in_place(referen
         {"generation": 0, "rank": 0, "at": "gather@2", "mode": "corrupt:tier1:2"},
         {"generation": 0, "rank": 1, "at": "update.tier2@2#2", "mode": "corrupt:tier2:1"},
     ]
-    (p,) = start_job(2, CFG, tmp_path, plan, shadow_level="L2")
+    (p,) = start_job(2, CFG, tmp_path, plan, shadow_level="L2", extra=EVERY)
     ((code, summary),) = finish_job([p], timeout_s=240)
     assert code == 0, summary
     assert summary["recoveries"] == [], "parity errors are repaired without a recovery"
@@ -106,7 +108,7 @@ def test_a_recovery_rebuilt_from_a_silently_corrupted_survivor_is_caught_by_veri
          "inject": [["data", "exp_avg", [0]]]},
     ]  # fmt: skip
     extra = ("--checkpoint-interval", "2", "--allow-fault-injection")
-    (p,) = start_job(2, CFG, tmp_path, plan, shadow_level="L2", extra=extra)
+    (p,) = start_job(2, CFG, tmp_path, plan, shadow_level="L2", extra=(*extra, *EVERY))
     ((code, summary),) = finish_job([p], timeout_s=240)
     assert code == 0, summary
     classes = [r["class"] for r in summary["recoveries"]]

@@ -151,7 +151,7 @@ def _state_manager_pids(root: Path) -> list[int]:
 
 
 def test_a_state_manager_that_dies_falls_back_to_the_checkpoint_exactly(tmp_path):
-    iters = 40
+    iters = 16  # enough left after the first checkpoint for the kill to land mid-run
     leto_run(tmp_path / "ref", "off", iters=iters)
     work = tmp_path / "run"
     (p,) = leto_run(work, "L1", extra=("--checkpoint-interval", "1"), iters=iters, wait=False)
