@@ -43,24 +43,29 @@ def _run(tmp_path, at: str, mode: str, extra=()):
 
 def test_flipped_host_parity_is_found_by_the_scrub_and_repaired_in_place(reference, tmp_path):
     # Rank 0's tier 1 in iteration 2 after its scrub step: the update of 2 carries the
-    # errors along (it loads, updates and stores that parity). Rank 1's tier 2, which
-    # every update encodes again from tier 1, after the first group's refresh (the
-    # second group's tier-2 point). The scrub at 3's start finds both; one job.
+    # errors along (it loads, updates and stores that parity); the background check at
+    # 3's start flags the group, and 4's start locates and repairs them. Rank 1's tier 2,
+    # which every update encodes again from tier 1 (a flip mid-run is overwritten before
+    # anything reads it), in the last iteration after the first group's refresh: the
+    # scrub at the end of training finds it. One job.
     plan = [
         {"generation": 0, "rank": 0, "at": "gather@2", "mode": "corrupt:tier1:2"},
-        {"generation": 0, "rank": 1, "at": "update.tier2@2#2", "mode": "corrupt:tier2:1"},
-    ]
+        {"generation": 0, "rank": 1, "at": f"update.tier2@{ITERS - 1}#2",
+         "mode": "corrupt:tier2:1"},
+    ]  # fmt: skip
     (p,) = start_job(2, CFG, tmp_path, plan, shadow_level="L2", extra=EVERY)
     ((code, summary),) = finish_job([p], timeout_s=240)
     assert code == 0, summary
     assert summary["recoveries"] == [], "parity errors are repaired without a recovery"
     flips = [json.loads(x) for x in (tmp_path / "aborts.jsonl").read_text().splitlines()]
     assert sorted(f["corrupt"] for f in flips) == ["tier1", "tier2"], flips
-    for rank, tier, want in ((0, "tier1", [0, 1]), (1, "tier2", [-1])):
+    for rank, tier, want, when in (
+        (0, "tier1", [0, 1], "scrub"), (1, "tier2", [-1], "at the end of training")
+    ):  # fmt: skip
         log = tmp_path / "train" / f"rank{rank}.scrub.jsonl"
         found = [json.loads(x) for x in log.read_text().splitlines()]
         assert sorted({f["page"] for f in found if f["tier"] == tier}) == want, found
-        assert all(f["repaired"] and f["when"] == "scrub" for f in found), found
+        assert all(f["repaired"] and f["when"] == when for f in found), found
     v = compare(reference, tmp_path / "train")
     assert v.exact, v.describe()
 

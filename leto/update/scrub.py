@@ -27,8 +27,8 @@ each time it covers the next group that whole group is checked — whole pages, 
 the codec runs at full speed (on the H200 a 64 MiB range cut as thin slices of 1,024
 pages took 24.7 ms where a whole 2 GiB group encodes in 4.75 ms) — so a full pass takes state / budget iterations. On CUDA the check is launched
 on a side stream while the forward pass runs (it only reads) and its verdict — one
-flag — is read at the next step; only a group whose flag is set is decoded,
-synchronously.
+flag — is read at the next step (on the CPU the same way, computed at once); only a
+group whose flag is set is decoded, synchronously.
 
 Not covered: corruption inside the window between a full scrub and the checkpoint
 snapshot that follows it (microseconds, same thread), record groups (the marker and
@@ -37,6 +37,7 @@ loop records carry their own CRCs), gradient pages.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -106,6 +107,7 @@ class Scrubber:
         self._pass_t0 = time.time()
         self.findings: list[Finding] = []  # everything found and repaired so far
         self.checked_bytes = 0
+        self.transient = 0  # flagged ranges consistent on the re-check (overwritten)
         self._credit = 0  # data bytes of budget accrued, not yet spent on a group
         self._pending: list = []  # CUDA: (group index, lo, hi, flag, event) of the last step
         self._side = torch.cuda.Stream(up.device) if up.device.type == "cuda" else None
@@ -203,19 +205,19 @@ class Scrubber:
         if self.budget <= 0 or not self.groups:
             return
         pending, self._pending = self._pending, []
-        for gi, lo, hi, flag, ev in pending:  # CUDA: the flags of the last step's checks
-            ev.synchronize()  # long done: a whole forward/backward/update ran since
-            if bool(flag.item()):
-                self.check(gi, lo, hi)
+        for gi, lo, hi, flag, ev in pending:  # the flags of the last step's checks
+            if ev is not None:
+                ev.synchronize()  # long done: a whole forward/backward/update ran since
+            if bool(flag.item()) and not self.check(gi, lo, hi):
+                # Consistent by now: an update rewrote what differed (tier 2 is encoded
+                # again every iteration) before anything read it.
+                self.transient += 1
         sizes = [len(g.data) * self.page_bytes for g in self.groups]
         self._credit = min(self._credit + self.budget, max(sizes) + self.budget)
         while self._credit >= sizes[self.cursor[0]]:
             gi = self.cursor[0]
             self._credit -= sizes[gi]
-            if self._side is None:
-                self.check(gi)
-            else:
-                self._launch(gi, 0, self.page_bytes)
+            self._launch(gi, 0, self.page_bytes)
             self.cursor = ((gi + 1) % len(self.groups), 0)
             if self.cursor == (0, 0):
                 self.passes += 1
@@ -223,9 +225,42 @@ class Scrubber:
                 self.pass_s, self._pass_t0 = now - self._pass_t0, now
                 break
 
+    def _launch(self, gi: int, lo: int, hi: int) -> None:
+        """Re-encode the range — on CUDA on the side stream (it only reads the pages the
+        forward pass reads too) — and leave one flag: does it differ from host tier 1, or
+        tier 2 from tier 1 (encoded on the device from the copied tier-1 range)? The next
+        step reads it (on the CPU too, so CI runs the same path)."""
+        g = self.groups[gi]
+        code = self.up.code(g)
+        side = contextlib.nullcontext()
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.up.device))  # after the update
+            side = torch.cuda.stream(self._side)
+        with side:
+            # The codec's checked page list of this range, built once per range (the
+            # checks cost ~4 µs a page on the host, every iteration otherwise).
+            key = ("scrub", gi, lo, hi)
+            data = self.up._page_lists.get(key) or self.up._pages(key, [p[lo:hi] for p in g.data])
+            fresh = code.tier1.encode(data, group=g.gid)
+            t1 = [p[lo:hi].to(self.up.device, non_blocking=True) for p in g.tier1]
+            for j, p in enumerate(t1):
+                fresh[j] ^= p
+            fresh2 = code.tier2.encode(t1, group=g.gid)
+            for j, p in enumerate(g.tier2):
+                fresh2[j] ^= p[lo:hi].to(self.up.device, non_blocking=True)
+            bad = fresh.any() | fresh2.any()
+            if self._side is None:
+                flag, ev = bad, None
+            else:
+                flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+                flag.copy_(bad, non_blocking=True)
+                ev = self._side.record_event()
+        self._pending.append((gi, lo, hi, flag, ev))
+        self.checked_bytes += (hi - lo) * len(g.data)
+
     def before_update(self) -> None:
         """The update writes the pages the side stream may still be reading."""
-        if self._pending:
+        if self._pending and self._pending[-1][4] is not None:
             torch.cuda.current_stream(self.up.device).wait_event(self._pending[-1][4])
 
     def report(self) -> dict:
@@ -234,6 +269,7 @@ class Scrubber:
             "passes": self.passes,
             "pass_s": self.pass_s,
             "checked_bytes": self.checked_bytes,
+            "transient": self.transient,
             "findings": [asdict(f) for f in self.findings],
         }
 
