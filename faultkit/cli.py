@@ -93,11 +93,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
             f"{r['recovery_s']:.2f} s" if r["recovery_s"] else "-",
             ("[green]EXACT[/]" if r["exact"] else f"[red]NOT EXACT[/] {r['first_divergence']}")
             + (f" — scrub: {r['scrub']}" if r.get("scrub") else "")
-            + (
-                " — nothing found (overwritten first)"
-                if r["mode"].startswith("corrupt") and not r.get("scrub")
-                else ""
-            ),  # fmt: skip
+            + (_unseen(r) if r["mode"].startswith("corrupt") and not r.get("scrub") else ""),
         )
     Console().print(t)
     mech = rows[0]["poison_mechanism"] if rows else None
@@ -124,6 +120,19 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(v))
         return 0 if v["exact"] else 1
     return _verdict_table(v, f"faultkit run-plan ({v['ff']} FF, {v['not_replayed']} past the end)")
+
+
+def _unseen(v: dict) -> str:
+    """What a corrupt run whose scrub found nothing means: harmless when the run is
+    exact (the bytes were overwritten before anything read them); otherwise the flip
+    was absorbed into consistent parity — a page whose chunk was in flight in the
+    update, the window parity cannot see (docs/integrity.md)."""
+    if v["exact"]:
+        return " — nothing found (overwritten before anything read it)"
+    return (
+        " — nothing found: absorbed into consistent parity (a page whose chunk was in "
+        "flight; docs/integrity.md)"
+    )
 
 
 def _refuse(command: str, e: Exception, args: argparse.Namespace) -> int:
@@ -186,7 +195,7 @@ def _verdict_table(v: dict, title: str) -> int:
             )
         )
     if v["mode"].startswith("corrupt"):
-        rows.append(("scrub", v.get("scrub") or "nothing found (overwritten before it was read)"))
+        rows.append(("scrub", v.get("scrub") or _unseen(v)[3:]))
     if v["fatal_detail"]:
         rows.append(("fatal", v["fatal_detail"]))
     for k, val in rows:
