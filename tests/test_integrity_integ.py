@@ -151,3 +151,5 @@ def test_leto_pool_scrub_asks_a_running_job_and_reports_what_each_rank_found(tmp
     r1 = ans["answers"]["1"]
     assert r1["ok"] and r1["iteration"] >= 5, r1
     assert sorted(f["page"] for f in r1["repaired"] if f["tier"] == "tier1") == [0, 1], r1
+    # The answer carries the background scrub's account: off in this job, so no pass.
+    assert r1["background"]["budget_bytes"] == 0 and r1["background"]["passes"] == 0, r1

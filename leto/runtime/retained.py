@@ -192,6 +192,7 @@ class RetainedTraining:
         rec: dict = {"rank": self.rank, "iteration": t}
         try:
             rec.update(ok=True, **self.scrub.full(when="on demand (leto pool scrub)"))
+            rec["background"] = self.scrub.report()  # passes, bytes, findings so far
         except FatalFailure as e:
             rec.update(ok=False, error=f"{type(e).__name__}: {e}")
             raise

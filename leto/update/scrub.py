@@ -101,7 +101,7 @@ class Scrubber:
         self.groups = up.groups  # the allocation set's groups (parameters, optimizer state)
         self.page_bytes = up.state.page_bytes
         self.budget = scrub_budget_bytes() if budget_bytes is None else budget_bytes
-        self.cursor = (0, 0)  # (group index, byte offset) of the next background range
+        self.cursor = 0  # the state group the background check takes next
         self.passes = 0  # complete background passes
         self.pass_s: float | None = None  # wall time of the last complete pass
         self._pass_t0 = time.time()
@@ -214,12 +214,12 @@ class Scrubber:
                 self.transient += 1
         sizes = [len(g.data) * self.page_bytes for g in self.groups]
         self._credit = min(self._credit + self.budget, max(sizes) + self.budget)
-        while self._credit >= sizes[self.cursor[0]]:
-            gi = self.cursor[0]
+        while self._credit >= sizes[self.cursor]:
+            gi = self.cursor
             self._credit -= sizes[gi]
             self._launch(gi, 0, self.page_bytes)
-            self.cursor = ((gi + 1) % len(self.groups), 0)
-            if self.cursor == (0, 0):
+            self.cursor = (gi + 1) % len(self.groups)
+            if self.cursor == 0:
                 self.passes += 1
                 now = time.time()
                 self.pass_s, self._pass_t0 = now - self._pass_t0, now
