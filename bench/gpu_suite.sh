@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|preinit|integrity|scrub-bench|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|preinit|integrity|scrub-bench|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -73,6 +73,22 @@ if [[ $what == run-api ]]; then
   python3 -c 'import transformers; print("transformers", transformers.__version__)' 2>&1 | tee "$OUT/run_api_env.txt"
   timeout 560 python3 -m pytest -p no:cacheprovider -q -rs tests/test_user_optim.py tests/test_porting.py \
     tests/test_dp_multigpu.py 2>&1 | tail -25 | tee "$OUT/run_api_tests.txt" || rc=1
+fi
+if [[ $what == chunk-pass || $what == all ]]; then
+  # Issue 15 item 3: the fused chunk pass. Torch's own fused Adam arithmetic (what the
+  # kernel mirrors and its start-up self-check compares with), the pass's bytes against
+  # the unfused steps and a plain torch loop, its trip-wire; then the overhead with the
+  # pass and without it side by side, 16 K tokens, and with it at 128 K, H1 = 4.
+  python3 -c 'import os, torch; print(open(os.path.join(os.path.dirname(torch.__file__), "include/ATen/native/cuda/fused_adam_utils.cuh")).read())' \
+    | sed -n '/C10_DEVICE inline void adam_math/,/Store results/p' > "$OUT/torch_adam_math.txt"
+  timeout 400 python3 -m pytest -p no:cacheprovider -q -rfEs --tb=short -W ignore::pytest.PytestUnraisableExceptionWarning \
+    tests/test_chunk_pass.py tests/test_user_optim.py > "$OUT/chunk_pass_tests.txt" 2>&1 || rc=1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/chunk_pass_tests.txt" | tail -30
+  M="--device cuda --n-layer 20 --n-embd 2048 --n-head 16 --batch 16 --seq 1024 --tier1-pages 4"
+  python3 -m bench.rmu_overhead $M --iters 4 --warmup 2 --unfused-compare \
+    --json-out "$OUT/overhead_16k_pass.json" 2>&1 | tee "$OUT/overhead_16k_pass.txt" || rc=1
+  python3 -m bench.rmu_overhead $M --micro-batches 8 --iters 3 --warmup 1 \
+    --json-out "$OUT/overhead_128k_pass.json" 2>&1 | tee "$OUT/overhead_128k_pass.txt" || rc=1
 fi
 if [[ $what == overhead-chunks ]]; then
   # Larger chunks: fewer marker writes and launches per iteration (the undo buffer grows,

@@ -38,6 +38,7 @@ from leto.memory.client import PoolClient  # noqa: E402
 from leto.memory.config import PoolConfig  # noqa: E402
 from leto.memory.launch import start_state_manager  # noqa: E402
 from leto.runtime.buckets import GradBuckets  # noqa: E402
+from leto.update.chunk_pass import ENV as ENV_CHUNK_PASS  # noqa: E402
 from leto.update.optim import AdamWConfig  # noqa: E402
 from leto.update.rmu import Updater, UpdaterConfig  # noqa: E402
 from leto.update.schedule import WarmupCosine  # noqa: E402
@@ -188,15 +189,18 @@ def leto(
             up.begin(t)
             scrub.step()
             with up.lent_memory():
-                loss = compute(args, model, device, t, buckets and buckets.no_sync)
+                compute(args, model, device, t, buckets and buckets.no_sync)
             reduce()
             script_step(t)
             scrub.before_update()
-            up.protect_grads(t, loss=float(loss))
+            # The loss is not read (neither loop reads it: a host synchronization
+            # would stall the queue; leto.Run logs it only if the script records it).
+            up.protect_grads(t)
             up.sync(t, group=group)
             up.update(t)
 
         seconds = time_loop(step, args.iters, args.warmup, device)
+        args.chunk_pass = up.update_path
         if after is not None:
             after(up)
         up.profile = defaultdict(float)
@@ -210,7 +214,7 @@ def leto(
             up.profile["scrub step"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             with up.lent_memory():
-                loss = compute(args, model, device, t + k, buckets and buckets.no_sync)
+                compute(args, model, device, t + k, buckets and buckets.no_sync)
             sync(device)
             up.profile["forward + backward"] += time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -223,7 +227,7 @@ def leto(
             if user is not None:
                 up.profile["script's clipping + loop record"] += time.perf_counter() - t2
             scrub.before_update()
-            up.protect_grads(t + k, loss=float(loss))
+            up.protect_grads(t + k)
             up.sync(t + k, group=group)
             up.update(t + k)
         breakdown = {k: v / args.iters * 1e3 for k, v in up.profile.items()}
@@ -301,6 +305,11 @@ def parser(doc: str = __doc__) -> argparse.ArgumentParser:
         "--scrub-compare",
         action="store_true",
         help="also time Leto with the scrub off, side by side: the scrub's own cost",
+    )
+    ap.add_argument(
+        "--unfused-compare",
+        action="store_true",
+        help=f"also time Leto with the fused chunk pass off ({ENV_CHUNK_PASS}=0), side by side",
     )
     ap.add_argument("--json-out", default=None, help="write results as JSON here")
     return ap
@@ -384,9 +393,16 @@ def measure(args, device: torch.device) -> dict:
     t_leto, breakdown = leto(
         args, gcfg, device, schedule, adamw, after=peak("leto"), scrub_mib=args.scrub_mib
     )
-    t_noscrub = None
+    fused = args.chunk_pass
+    t_noscrub = t_unfused = None
     if args.scrub_compare:
         t_noscrub, _ = leto(args, gcfg, device, schedule, adamw, scrub_mib=0.0)
+    if args.unfused_compare:
+        os.environ[ENV_CHUNK_PASS] = "0"
+        try:
+            t_unfused, _ = leto(args, gcfg, device, schedule, adamw, scrub_mib=args.scrub_mib)
+        finally:
+            del os.environ[ENV_CHUNK_PASS]
     res = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "date": datetime.date.today().isoformat(),
@@ -407,6 +423,9 @@ def measure(args, device: torch.device) -> dict:
         "leto_ms": t_leto * 1e3,
         "overhead_pct": (t_leto / t_plain - 1) * 100,
         "scrub_mib": args.scrub_mib,
+        "chunk_pass": fused,
+        "leto_unfused_ms": t_unfused * 1e3 if t_unfused else None,
+        "unfused_overhead_pct": (t_unfused / t_plain - 1) * 100 if t_unfused else None,
         "leto_no_scrub_ms": t_noscrub * 1e3 if t_noscrub else None,
         "scrub_cost_pct": (t_leto / t_noscrub - 1) * 100 if t_noscrub else None,
         "rmu_breakdown_ms": breakdown,
@@ -436,6 +455,10 @@ def show(res: dict, args) -> None:
         f"Leto (pool + RMU, scrub {res['scrub_mib']:g} MiB/iteration)", f"{res['leto_ms']:.1f}"
     )
     t.add_row("overhead", f"{res['overhead_pct']:+.1f} %")
+    t.add_row("  chunk pass", res["chunk_pass"])
+    if res["leto_unfused_ms"] is not None:
+        t.add_row("Leto, unfused steps", f"{res['leto_unfused_ms']:.1f}")
+        t.add_row("overhead, unfused steps", f"{res['unfused_overhead_pct']:+.1f} %")
     if res["leto_no_scrub_ms"] is not None:
         t.add_row("Leto, scrub off", f"{res['leto_no_scrub_ms']:.1f}")
         t.add_row("the scrub's cost", f"{res['scrub_cost_pct']:+.2f} %")

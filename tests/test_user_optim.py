@@ -25,6 +25,7 @@ OPTIMIZERS = {
     "adamw-foreach": lambda g: torch.optim.AdamW(g, weight_decay=0.1, foreach=True),
     "adamw-single": lambda g: torch.optim.AdamW(g, weight_decay=0.1, foreach=False),
     "adam-fused": lambda g: torch.optim.Adam(g, weight_decay=0.01, fused=True),
+    "adam-fused-no-l2": lambda g: torch.optim.Adam(g, betas=(0.8, 0.99), fused=True),
     "adam-single": lambda g: torch.optim.Adam(g, weight_decay=0.01, foreach=False),
     "sgd-nesterov": lambda g: torch.optim.SGD(
         g, momentum=0.9, nesterov=True, weight_decay=1e-3, foreach=False
@@ -114,16 +115,16 @@ class Trainer:
     """One trainer process's objects: the script's optimizer and scheduler over a model
     built on the meta device, the updater, the loop record."""
 
-    def __init__(self, pool, kind: str):
+    def __init__(self, pool, kind: str, dims=h.DIMS, chunk_units: int = 1):
         self.client = PoolClient.connect(pool.socket_path, pool.token, takeover=True)
         report = self.client.localize()
-        self.model = h.build_model()
+        self.model = h.build_model(dims=dims)
         names = {id(p): n for n, p in self.model.named_parameters()}
         self.opts = make(kind, self.model)
         self.opt = self.opts[0]
         self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.opts]
         self.up = Updater(
-            self.client, self.model, None, UpdaterConfig(chunk_units=1),
+            self.client, self.model, None, UpdaterConfig(chunk_units=chunk_units),
             user=UserOptimizer(self.opts, names),
         )  # fmt: skip
         self.loop = self.up.loop
@@ -165,10 +166,13 @@ class Trainer:
         self.t += 1
 
 
-def train(pool, kind: str, crash=None) -> dict[str, torch.Tensor]:
+def train(pool, kind: str, crash=None, **trainer) -> dict[str, torch.Tensor]:
+    """The retained state after ITERS iterations (``crash``: a hook point that raises
+    once, then a fresh trainer recovers), and every group's host parity bytes
+    ("tier1/<gid>", "tier2/<gid>"), checked to encode the state they protect."""
     if crash is not None:
         hooks.arm(*crash, mode="raise")
-    tr = Trainer(pool, kind)
+    tr = Trainer(pool, kind, **trainer)
     try:
         while tr.t < ITERS:
             tr.iteration()
@@ -176,7 +180,7 @@ def train(pool, kind: str, crash=None) -> dict[str, torch.Tensor]:
     except hooks.InjectedCrash:
         tr.client.close()
         hooks.disarm()
-        tr = Trainer(pool, kind)
+        tr = Trainer(pool, kind, **trainer)
         while tr.t < ITERS:
             tr.iteration()
     finally:
@@ -186,6 +190,13 @@ def train(pool, kind: str, crash=None) -> dict[str, torch.Tensor]:
         k: torch.cat([v[s.offset : s.offset + s.numel] for s in st.slots]).cpu()
         for k, v in st.flat.items()
     }
+    for g in tr.up.groups:
+        dev = g.data[0].device  # host parity, checked where the data lives
+        t1, t2 = [p.to(dev) for p in g.tier1], [p.to(dev) for p in g.tier2]
+        assert tr.up.code(g).verify(g.data, t1, t2), f"group {g.gid}'s parity is stale"
+        out[f"tier1/{g.gid}"] = torch.cat([p.reshape(-1).view(torch.uint8) for p in g.tier1]).cpu()
+        out[f"tier2/{g.gid}"] = torch.cat([p.reshape(-1).view(torch.uint8) for p in g.tier2]).cpu()
+    out["chunk pass"] = tr.up.update_path
     tr.client.close()
     return out
 

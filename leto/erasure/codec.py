@@ -59,6 +59,11 @@ class ReedSolomon:
 
     # -- introspection -------------------------------------------------------------
 
+    @property
+    def coefficients(self) -> Coefficients:
+        """The generator's coefficients as kernels take them (their tables cached)."""
+        return self._coeffs
+
     def generator_matrix(self) -> list[list[int]]:
         """The H × D coefficients: parity page j = Σ_i G[j][i] · data page i."""
         return self._g.tolist()

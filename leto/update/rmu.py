@@ -58,6 +58,7 @@ from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.memory.lending import Lender
 from leto.plugins import point
+from leto.update.chunk_pass import ChunkPass
 from leto.update.layout import RetainedModel
 from leto.update.loop_record import LoopRecord
 from leto.update.marker import Auth, Marker, MarkerState, Phase, Step, StreamOrderedWrites
@@ -181,8 +182,22 @@ class Updater:
         # Undo-buffer pages in the group order of a chunk's pages (allocation-major
         # in the buffer, so each allocation's run is one contiguous copy).
         self._undo_order = self._undo_page_order()
+        # The fused chunk pass (optimizer + parity delta in one read) where it applies;
+        # otherwise the unfused steps, and the reason is kept for the run's log.
+        self.chunk_pass, self.chunk_pass_reason = ChunkPass.create(
+            self.state, user, h1, self.device
+        )
+        self._fused: ChunkPass | None = None
 
     # -- helpers --------------------------------------------------------------------
+
+    @property
+    def update_path(self) -> str:
+        """What updates the chunks: the fused pass (its name) or the unfused steps and
+        why (as of the last update)."""
+        if self._fused is not None:
+            return self._fused.name
+        return f"unfused steps ({self.chunk_pass_reason or 'the fused pass is not prepared'})"
 
     def code(self, g: GroupView) -> TwoTierCode:
         n = len(g.data)
@@ -326,6 +341,18 @@ class Updater:
 
     def sync(self, iteration: int, group=None) -> float:
         """Global norm at the global synchronization; returns the clipping coefficient."""
+        if self.user is not None:
+            # The script clipped: the coefficient is 1, and nothing here waits for the
+            # device, so the host queues the update while backward still runs. The
+            # collective stays the barrier, in stream order: no update kernel of any
+            # rank runs before every rank's gradients are protected.
+            if group is not None:
+                import torch.distributed as dist
+
+                dist.all_reduce(torch.ones((), device=self.device), group=group)
+            point("sync", iteration)
+            self._write(self.marker.state.but(phase=Phase.SYNCED, clip=1.0))
+            return 1.0
         coef = self.clip()
         if group is not None:
             import torch.distributed as dist
@@ -360,8 +387,19 @@ class Updater:
                 chunk=0,
             )
         # The coefficient as clip_grad_norm_ holds it: a float32 tensor (stored exactly
-        # in the marker's float64).
-        clip = torch.tensor(m.clip, dtype=torch.float32, device=self.device)
+        # in the marker's float64). Not made for the script's optimizer (which clipped
+        # already): a blocking copy to the device would stall the host here.
+        clip = None
+        self._fused = None  # the chunk pass, when it takes this update
+        if self.user is None:
+            clip = torch.tensor(m.clip, dtype=torch.float32, device=self.device)
+        elif self.chunk_pass is not None:
+            if self.hparams is None:
+                raise RuntimeError("the updater has no hyperparameters for this iteration")
+            step = self.user_step if self.user_step is not None else iteration + 1
+            why = self.chunk_pass.prepare(self.hparams, step, self.user_skip)
+            self._fused = self.chunk_pass if why is None else None
+            self.chunk_pass_reason = why
         for gi in range(m.group, len(self.groups)):
             start = m if gi == m.group else m.but(step=Step.LOAD, auth=Auth.HOST, group=gi, chunk=0)
             if self.cfg.transactions:
@@ -413,6 +451,14 @@ class Updater:
                 with self._side():
                     self._copy_pages(self.buf[y], self.buf[x])
                 scratch_event, scratch_copied = self._side_done(), True
+                if self._fused is not None:
+                    with self._span("chunk pass"):
+                        if not fresh_undo:  # resumed after a crash: start from the undo copy
+                            self._runs_copy(units, to_undo=False)
+                        self._wait(scratch_event)
+                        self._chunk_pass(it, gi, j, units, y, undo, pages)
+                    m = m.but(step=Step.PARITY_DONE)  # not written: see UPDATE_DONE below
+            if m.step is Step.UNDO_DONE:
                 with self._span("optimizer"):
                     if not fresh_undo:
                         # Resuming after a crash: the chunk may be half updated, so start
@@ -453,6 +499,31 @@ class Updater:
             point("update.tier2", it)
             with self._span("tier-2 refresh"):
                 self._refresh_tier2(g, m.auth)
+
+    def _chunk_pass(self, it: int, gi: int, j: int, units, y: Auth, undo, pages) -> None:
+        """The fused pass on the chunk in two halves of its pages (a crash point
+        between them leaves the chunk half updated), its parity change accumulated into
+        scratch buffer ``y``; then the parity step's crash point."""
+        code = self.code(self.groups[gi])
+        first, _ = self.state.chunk_pages(gi, units)
+        ue = self.state.unit_elems
+        mid = ue // 2 // CUT_ELEMS * CUT_ELEMS
+        tables = self._fused.tables(code) if self.device.type == "cuda" else None
+        scratch = self._pages(y, self.buf[y]).pages
+        undo_pages = self._pages(("undo", gi, j), undo).pages
+        live = self._pages(("chunk", gi, j), pages).pages
+
+        def parity_update(ys, col0, old, new):
+            code.tier1.update(ys, col0, old, new, group=self.groups[gi].gid)
+
+        for k, part in enumerate([(0, mid), (mid, ue)] if mid else [(0, ue)]):
+            if k == 1:
+                point("update.optimizer", it)  # a crash here leaves the chunk half updated
+            self._fused.run(units, part, first, scratch, tables, undo_pages, live,
+                            parity_update)  # fmt: skip
+        if not mid:
+            point("update.optimizer", it)
+        point("update.parity", it)
 
     def _refresh_tier2(self, g: GroupView, x: Auth) -> None:
         """Tier 2 from the tier-1 bytes, computed on the device, then copied to host."""

@@ -1,0 +1,221 @@
+// Leto's fused chunk pass (see chunk_pass.py for the contract): one read of a chunk's
+// state does the optimizer step and the parity delta.
+//
+// For every element of the chunk's trainable segments: Adam/AdamW exactly as torch's
+// fused kernel computes it (ATen/native/cuda/fused_adam_utils.cuh, adam_math: float
+// opmath, the lerps written as fma) — new values stored in place — and the change
+// (old XOR new) of the parameter, exp_avg and exp_avg_sq pages multiplied into the
+// scratch tier-1 parity: out[r] ^= sum_c M[r][col0 + c] * (old_c ^ new_c).
+//
+// Layout: unit u holds pages (param, exp_avg, exp_avg_sq) of the same element range,
+// consecutive columns of the group. One thread owns 16 bytes (4 floats, 8 GF(2^16)
+// symbols) at one offset of every page of the chunk and walks the chunk's units, so its
+// parity accumulates in registers and is written once — no atomics, no second pass.
+// The GF multiply is gf_matmul.cu's: 4 nibble tables per coefficient, two output rows
+// per 32-bit word; only the NP row pairs the code has are staged (compact), a stage of
+// a few units at a time, double-buffered.
+//
+// Segments: sorted, disjoint element ranges [start, end) of the chunk with their
+// hyperparameters (an optimizer parameter group's); starts are multiples of 4 (the
+// caller checks), so a thread's 4 elements lie in one segment or after its end.
+// Elements outside every segment (frozen parameters, padding, a step a GradScaler
+// skipped) are not written and change no parity.
+//
+// Trip-wire (nvbit_tools/tripwire.cuh): as gf_matmul.cu — a held block writes nothing.
+// A block that ran has updated its state and its parity columns; the updater's undo
+// copy (taken before this kernel, marker UNDO_DONE) reverts either way.
+//
+// Not covered: amsgrad, maximize, a gradient scale, lr as a tensor, mixed dtypes,
+// more than 16 parity rows (the caller falls back to the unfused steps).
+
+#include "tripwire.cuh"
+
+#define TAB_WORDS 512  // words per column in the codec's table layout [pos 4][pair 8][nib 16]
+
+struct Seg {
+  long long start, end;  // shard-local elements
+  float lr, beta1, beta2, weight_decay, eps, step;
+  int adamw;  // 1: decoupled weight decay (AdamW), 0: Adam's L2 term
+  int pad;
+};
+
+// torch's adam_math for one element (opmath float; ADAM_MODE by `adamw`).
+__device__ __forceinline__ void adam_element(float& param, float grad, float& exp_avg,
+                                             float& exp_avg_sq, const Seg& s, float bc1,
+                                             float bc2_sqrt) {
+  if (s.weight_decay != 0) {
+    if (s.adamw) {
+      param -= s.lr * s.weight_decay * param;
+    } else {
+      grad += param * s.weight_decay;
+    }
+  }
+  exp_avg = fmaf(s.beta1, exp_avg, fmaf(-s.beta1, grad, grad));
+  exp_avg_sq = fmaf(s.beta2, exp_avg_sq, fmaf(-s.beta2, grad * grad, grad * grad));
+  const float step_size = s.lr / bc1;
+  const float denom = (sqrtf(exp_avg_sq) / bc2_sqrt) + s.eps;
+  param -= step_size * exp_avg / denom;
+}
+
+__device__ __forceinline__ void bias_corrections(const Seg& s, float& bc1, float& bc2_sqrt) {
+  bc1 = 1 - powf(s.beta1, s.step);
+  const float bc2 = 1 - powf(s.beta2, s.step);
+  bc2_sqrt = sqrtf(bc2);
+}
+
+// Element-wise only (no parity): what the self-check compares with torch's kernel.
+extern "C" __global__ void adam_check(float* p, const float* g, float* m, float* v,
+                                      long long n, const Seg* seg) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const Seg s = *seg;
+  float bc1, bc2s;
+  bias_corrections(s, bc1, bc2s);
+  float a = p[i], b = m[i], c = v[i];
+  adam_element(a, g[i], b, c, s, bc1, bc2s);
+  p[i] = a;
+  m[i] = b;
+  v[i] = c;
+}
+
+template <int NP>
+__device__ __forceinline__ void stage(unsigned int* dst, const unsigned int* T, int col0,
+                                      int cols) {
+  // dst[c][pos][p][nib] <- T[(col0 + c)][pos][p][nib] for the NP row pairs used.
+  const int n = cols * 4 * NP * 16;
+  for (int w = threadIdx.x; w < n; w += blockDim.x) {
+    const int nib = w & 15;
+    const int p = (w >> 4) % NP;
+    const int pos = (w / (16 * NP)) & 3;
+    const int c = w / (64 * NP);
+    dst[w] = T[(long long)(col0 + c) * TAB_WORDS + pos * 128 + p * 16 + nib];
+  }
+}
+
+template <int NP>
+__device__ __forceinline__ void gf_accumulate(unsigned int (&acc)[8][NP], uint4 d,
+                                              const unsigned int* t) {
+  const unsigned int w[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    const unsigned int x = (s & 1) ? (w[s >> 1] >> 16) : (w[s >> 1] & 0xFFFFu);
+#pragma unroll
+    for (int pos = 0; pos < 4; ++pos) {
+      const unsigned int* tp = t + pos * (NP * 16) + ((x >> (4 * pos)) & 15u);
+#pragma unroll
+      for (int p = 0; p < NP; ++p) acc[s][p] ^= tp[p * 16];
+    }
+  }
+}
+
+__device__ __forceinline__ uint4 xor4(float4 a, float4 b) {
+  return make_uint4(__float_as_uint(a.x) ^ __float_as_uint(b.x),
+                    __float_as_uint(a.y) ^ __float_as_uint(b.y),
+                    __float_as_uint(a.z) ^ __float_as_uint(b.z),
+                    __float_as_uint(a.w) ^ __float_as_uint(b.w));
+}
+
+template <int NP>
+__device__ __forceinline__ void chunk_pass_body(
+    float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
+    const float* __restrict__ g, long long unit_elems, int u_begin, int u_end,
+    long long item_lo, long long item_hi, const Seg* __restrict__ segs, int n_seg,
+    const unsigned int* __restrict__ tables,
+    int table_cols, int col0, const unsigned long long* __restrict__ out_ptrs, int n_rows,
+    LetoTripwire* tw) {
+  if (tw && !tripwire_enter(tw)) return;
+  constexpr int SU = NP >= 8 ? 2 : 4;  // units per table stage (static shared <= 48 KiB)
+  __shared__ __align__(16) unsigned int tab[2][3 * SU * 4 * NP * 16];
+  // Items (4 elements, 16 bytes) item_lo .. item_hi of every page: the updater runs a
+  // chunk in two halves of its pages, a crash point between them.
+  const long long item = item_lo + blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  const bool active = item < item_hi;
+  (void)table_cols;  // one row block: the tables start at column 0 of row block 0
+
+  unsigned int acc[8][NP];
+#pragma unroll
+  for (int s = 0; s < 8; ++s)
+#pragma unroll
+    for (int q = 0; q < NP; ++q) acc[s][q] = 0;
+
+  int si = 0;  // this thread's segment: its elements only grow along the units
+  int cached = -1;
+  Seg s;
+  float bc1 = 1, bc2s = 1;
+
+  const int n_units = u_end - u_begin;
+  const int n_stages = (n_units + SU - 1) / SU;
+  stage<NP>(tab[0], tables, col0, 3 * min(SU, n_units));
+  __syncthreads();
+  for (int st = 0; st < n_stages; ++st) {
+    const int base = st * SU;
+    const int here = min(SU, n_units - base);
+    if (st + 1 < n_stages)
+      stage<NP>(tab[(st + 1) & 1], tables, col0 + 3 * (base + SU),
+                3 * min(SU, n_units - base - SU));
+    const unsigned int* cur = tab[st & 1];
+    if (active) {
+      for (int j = 0; j < here; ++j) {
+        const long long e = (long long)(u_begin + base + j) * unit_elems + item * 4;
+        while (si < n_seg && segs[si].end <= e) ++si;
+        if (si >= n_seg || segs[si].start > e) continue;  // nothing of ours to update
+        if (si != cached) {
+          s = segs[si];
+          bias_corrections(s, bc1, bc2s);
+          cached = si;
+        }
+        float4* pp = reinterpret_cast<float4*>(p + e);
+        float4* mp = reinterpret_cast<float4*>(m + e);
+        float4* vp = reinterpret_cast<float4*>(v + e);
+        const float4 p0 = *pp, m0 = *mp, v0 = *vp;
+        const float4 gg = *reinterpret_cast<const float4*>(g + e);
+        float4 p1 = p0, m1 = m0, v1 = v0;
+        const long long left = s.end - e;  // elements of this segment from e on
+        adam_element(p1.x, gg.x, m1.x, v1.x, s, bc1, bc2s);
+        if (left > 1) adam_element(p1.y, gg.y, m1.y, v1.y, s, bc1, bc2s);
+        if (left > 2) adam_element(p1.z, gg.z, m1.z, v1.z, s, bc1, bc2s);
+        if (left > 3) adam_element(p1.w, gg.w, m1.w, v1.w, s, bc1, bc2s);
+        *pp = p1;
+        *mp = m1;
+        *vp = v1;
+        const unsigned int* t = cur + j * 3 * (4 * NP * 16);
+        gf_accumulate<NP>(acc, xor4(p0, p1), t);
+        gf_accumulate<NP>(acc, xor4(m0, m1), t + 4 * NP * 16);
+        gf_accumulate<NP>(acc, xor4(v0, v1), t + 2 * 4 * NP * 16);
+      }
+    }
+    __syncthreads();
+  }
+  if (active) {
+#pragma unroll
+    for (int r = 0; r < 2 * NP; ++r) {
+      if (r >= n_rows) break;
+      uint4* out = reinterpret_cast<uint4*>(out_ptrs[r]) + item;
+      uint4 o = *out;
+      unsigned int w[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const unsigned int lo = (acc[2 * k][r >> 1] >> (16 * (r & 1))) & 0xFFFFu;
+        const unsigned int hi = (acc[2 * k + 1][r >> 1] >> (16 * (r & 1))) & 0xFFFFu;
+        w[k] ^= lo | (hi << 16);
+      }
+      *out = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+  if (tw) tripwire_leave(tw);
+}
+
+#define CHUNK_PASS(NAME, NP)                                                             \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                \
+      float* p, float* m, float* v, const float* g, long long unit_elems, int u_begin,   \
+      int u_end, long long item_lo, long long item_hi, const Seg* segs, int n_seg,       \
+      const unsigned int* tables, int table_cols, int col0,                              \
+      const unsigned long long* out_ptrs, int n_rows, LetoTripwire* tw) {                \
+    chunk_pass_body<NP>(p, m, v, g, unit_elems, u_begin, u_end, item_lo, item_hi, segs,  \
+                        n_seg, tables, table_cols, col0, out_ptrs, n_rows, tw);          \
+  }
+
+CHUNK_PASS(chunk_pass_p1, 1)
+CHUNK_PASS(chunk_pass_p2, 2)
+CHUNK_PASS(chunk_pass_p4, 4)
+CHUNK_PASS(chunk_pass_p8, 8)

@@ -1,0 +1,194 @@
+"""The fused chunk pass (``leto.update.chunk_pass``): where it applies and why not, the
+segment table it builds from the script's optimizer, and its bytes — state and both
+parity tiers — equal to the unfused steps', fault-free and resumed after a crash
+between its halves. On the CPU the pass is its twin (torch's fused kernel on the same
+segments + the codec's update); on the GPU the CUDA kernel, against the same unfused
+steps (torch's fused AdamW + the codec) and against a plain torch loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leto.memory.config import PoolConfig
+from leto.memory.launch import start_state_manager
+from leto.update.chunk_pass import ENV, SEG, self_check, unsupported
+from leto.update.rmu import Updater, UpdaterConfig
+from leto.update.user_optim import UserOptimizer
+from tests import rmu_harness as h
+from tests import test_user_optim as u
+from tests.pool_helpers import small_config
+
+# Several units per chunk and chunks per group: the pass's unit walk, its halves and
+# the group's column offsets all matter. Odd sizes: segments end mid-vector.
+DIMS = (60, 1031, 37)
+
+
+@pytest.fixture
+def pool():
+    sm = start_state_manager(small_config(data_pages=12, tier1_pages=3))
+    yield sm
+    sm.stop()
+
+
+def names_of(model):
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def test_where_the_fused_pass_applies_and_why_not(pool, monkeypatch):
+    from leto.memory.client import PoolClient
+
+    client = PoolClient.connect(pool.socket_path, pool.token)
+    try:
+        model = h.build_model()
+        up = Updater(client, model, None, UpdaterConfig(chunk_units=2),
+                     user=UserOptimizer(u.make("adamw-fused", model), names_of(model)))  # fmt: skip
+        assert up.chunk_pass is not None and up.chunk_pass.name == "CPU twin"
+        state, h1 = up.state, up.h1
+        cases = {
+            "adamw-foreach": "parameter group 0 is not fused=True",
+            "sgd-nesterov": "optimizer 0 is sgd",
+            "muon+adamw": "optimizer 0 is muon",
+        }
+        for kind, why in cases.items():
+            user = UserOptimizer(u.make(kind, model), names_of(model))
+            assert why in unsupported(state, user, h1), kind
+        user = UserOptimizer(u.make("adam-fused", model), names_of(model))
+        assert unsupported(state, user, h1) is None
+        assert "at most 16" in unsupported(state, user, 17)
+        assert "AdamWConfig" in unsupported(state, None, h1)
+        monkeypatch.setenv(ENV, "0")
+        assert unsupported(state, user, h1) == f"{ENV}=0"
+    finally:
+        client.close()
+
+
+def test_the_segment_table_leaves_out_frozen_parameters_and_skipped_steps(pool):
+    from leto.memory.client import PoolClient
+
+    client = PoolClient.connect(pool.socket_path, pool.token)
+    try:
+        model = h.build_model()
+        frozen = "2.weight"
+        dict(model.named_parameters())[frozen].requires_grad_(False)
+        trainable = [p for n, p in model.named_parameters() if n != frozen]
+        opts = [
+            torch.optim.AdamW(trainable[:2], lr=1e-2, weight_decay=0.1, fused=True),
+            torch.optim.Adam(trainable[2:], lr=3e-3, betas=(0.8, 0.9), fused=True),
+        ]
+        user = UserOptimizer(opts, names_of(model))
+        up = Updater(client, model, None, UpdaterConfig(chunk_units=2), user=user)
+        cp = up.chunk_pass
+        assert cp is not None
+        cp.prepare(user.hparams(), [5, 3], frozenset())
+        st = up.state
+        slots = {s.name: s for s in st.slots}
+        want = [n for n, p in model.named_parameters() if n != frozen]
+        assert cp.table.dtype == SEG and len(cp.table) == len(want)
+        for row, name in zip(cp.table, want, strict=True):
+            s = slots[name]
+            assert (int(row["start"]), int(row["end"])) == (s.offset, s.offset + s.numel)
+            first = name in ("0.weight", "0.bias")
+            assert float(row["lr"]) == pytest.approx(1e-2 if first else 3e-3)
+            assert float(row["step"]) == (5.0 if first else 3.0)
+            assert int(row["adamw"]) == int(first)
+            assert int(row["start"]) % 4 == 0  # the kernel's 16-byte vectors
+        cp.prepare(user.hparams(), [5, 3], frozenset({1}))  # a GradScaler skipped Adam
+        assert [int(r["start"]) for r in cp.table] == [slots[n].offset for n in want[:2]]
+    finally:
+        client.close()
+
+
+def test_adam_with_weight_decay_keeps_the_unfused_steps(pool):
+    got = u.train(pool, "adam-fused", None, dims=DIMS, chunk_units=2)
+    assert got["chunk pass"] == (
+        "unfused steps (parameter group 0: Adam with weight decay (L2) on the GPU)"
+    )
+
+
+def same_bytes(got: dict, want: dict, what: str) -> None:
+    keys = [k for k in want if k != "chunk pass"]
+    assert keys == [k for k in got if k != "chunk pass"], what
+    u.assert_same({k: got[k] for k in keys}, {k: want[k] for k in keys}, what)
+
+
+@pytest.mark.parametrize("crash", [None, ("update.optimizer", 2, 1), ("update.parity", 3, 2)])
+@pytest.mark.parametrize("kind", ["adamw-fused", "adam-fused-no-l2"])
+def test_the_pass_gives_the_unfused_steps_bytes(pool, monkeypatch, kind, crash):
+    kw = {"dims": DIMS, "chunk_units": 2}
+    monkeypatch.setenv(ENV, "0")
+    want = u.train(pool, kind, None, **kw)
+    assert want["chunk pass"] == f"unfused steps ({ENV}=0)"
+    monkeypatch.setenv(ENV, "1")
+    pool.stop()
+    fresh = start_state_manager(small_config(data_pages=12, tier1_pages=3))
+    try:
+        got = u.train(fresh, kind, crash, **kw)
+    finally:
+        fresh.stop()
+    assert got["chunk pass"] == "CPU twin"
+    same_bytes(got, want, f"{kind}, crash {crash}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h1", [2, 4, 8, 16])
+@pytest.mark.parametrize(
+    "kind,crash",
+    [
+        ("adamw-fused", None),
+        ("adam-fused-no-l2", None),
+        ("adamw-fused", ("update.optimizer", 2, 1)),
+    ],
+)
+def test_the_cuda_kernel_gives_the_unfused_steps_bytes(monkeypatch, kind, crash, h1):
+    assert self_check(torch.device("cuda", 0)) is None
+    # 2 MiB pages (512 K parameters a unit): five units, two groups of up to four,
+    # chunks of two units.
+    cfg = PoolConfig.for_cuda(0, data_pages=12, tier1_pages=h1, allow_fault_injection=True)
+    kw = {"dims": (1024, 2400, 7), "chunk_units": 2}
+    out = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv(ENV, env)
+        sm = start_state_manager(cfg)
+        try:
+            out[env] = u.train(sm, kind, crash if env == "1" else None, **kw)
+        finally:
+            sm.stop()
+    assert out["1"]["chunk pass"] == "cuda kernel"
+    same_bytes(out["1"], out["0"], f"{kind} on CUDA, H1 {h1}, crash {crash}")
+
+
+@pytest.mark.gpu
+def test_the_trip_wire_stops_the_kernel_after_n_blocks():
+    from nvbit_tools import tripwire
+
+    sm = start_state_manager(PoolConfig.for_cuda(0, data_pages=12, tier1_pages=4))
+    try:
+        tr = u.Trainer(sm, "adamw-fused", dims=(1024, 2400, 7), chunk_units=2)
+        tr.iteration()
+        up, st = tr.up, tr.up.state
+        up.chunk_pass.prepare(UserOptimizer.hparams(up.user), 2, frozenset())
+        units = st.chunks(0)[0]
+        first, _ = st.chunk_pages(0, units)
+        ue = st.unit_elems
+        h.grads_for(tr.model, 1)
+        before = st.flat["param"].clone()
+        scratch = [torch.zeros(st.page_bytes, dtype=torch.uint8, device="cuda") for _ in range(4)]
+        tables = up.chunk_pass.tables(up.code(up.groups[0]))
+        tripwire.arm(5, kill=False)
+        with pytest.raises(tripwire.TripwireFired) as e:
+            up.chunk_pass.run(units, (0, ue), first, scratch, tables, None, None, None)
+        per_block = 256 * 4  # elements of each page a block owns
+        lo, hi = units[0] * ue, units[1] * ue
+        changed = (st.flat["param"][lo:hi] != before[lo:hi]).view(
+            units[1] - units[0], -1, per_block
+        )
+        blocks = changed.any(dim=2).any(dim=0)  # a block walks every unit of the chunk
+        assert int(blocks.sum()) == 5
+        touched = torch.stack([s.view(-1, per_block * 4).ne(0).any(dim=1) for s in scratch])
+        assert torch.equal(touched.any(dim=0), blocks)  # parity only where the state changed
+        assert e.value.report["blocks_launched"] == ue // per_block
+        tr.client.close()
+    finally:
+        tripwire.disarm()
+        sm.stop()
