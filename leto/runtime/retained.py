@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -69,6 +70,9 @@ class RetainedTraining:
             client, model, schedule, updater or UpdaterConfig(), shard=shard, user=user
         )
         self.params = self.up.params
+        # Which code updates the chunks (the fused pass's kernel or twin, or the unfused
+        # steps and why), in the rank's log.
+        print(f"rank {rank}: chunk updates: {self.up.update_path}", file=sys.stderr, flush=True)
         # Silent corruption: the state checked against its parity (findings logged).
         self.scrub = Scrubber(self.up, log=self.out / f"rank{rank}.scrub.jsonl")
         self.scrub_requests = Path(scrub_requests) if scrub_requests else None

@@ -148,19 +148,19 @@ class ChunkPass:
         return None
 
     def run(self, units: tuple[int, int], part: tuple[int, int], col0: int,
-            scratch: list[torch.Tensor], tables, undo, pages, parity_update) -> None:  # fmt: skip
+            scratch: list[torch.Tensor], tables, pages, parity_update) -> None:  # fmt: skip
         """Optimizer + parity delta on elements ``part`` = [lo, hi) of every page of the
         chunk's ``units`` (its first data page is column ``col0`` of the group; ``lo``
         and ``hi`` multiples of 64), the parity change accumulated into ``scratch``.
         ``tables``: the group's tier-1 tables (``tables``) for the kernel;
-        ``undo``, ``pages`` (the chunk's undo copy and live pages, group order) and
-        ``parity_update(scratch, col0, old, new)`` (the codec's) serve the CPU twin."""
+        ``pages`` (the chunk's live pages, group order) and ``parity_update(scratch,
+        col0, old, new)`` (the codec's) serve the CPU twin."""
         if self.table is None:
             raise RuntimeError("ChunkPass.prepare was not called for this update")
         if self.device.type == "cuda":
             self._kernel(units, part, col0, scratch, tables)
         else:
-            self._twin(units, part, col0, scratch, undo, pages, parity_update)
+            self._twin(units, part, col0, scratch, pages, parity_update)
 
     def tables(self, code) -> torch.Tensor:
         """The CUDA codec's nibble tables of a group's tier-1 code (built once, cached)."""
@@ -213,9 +213,9 @@ class ChunkPass:
         if tw:
             tripwire.fire(self.device)  # SIGKILL with the pass in flight
 
-    def _twin(self, units, part, col0, scratch, undo, pages, parity_update) -> None:
+    def _twin(self, units, part, col0, scratch, pages, parity_update) -> None:
         """The same segments through torch's fused kernel, then the codec's update from
-        the undo copy: the unfused steps' bytes."""
+        the values it read: the unfused steps' bytes."""
         st, ue = self.state, self.state.unit_elems
         (u0, u1), (lo, hi) = units, part
         f, g = st.flat, st.grad[st.shard_start :]
@@ -228,6 +228,12 @@ class ChunkPass:
                 if a < b:
                     by_kind.setdefault(self.exact[i], []).append((a, b))
         names = ("param", "exp_avg", "exp_avg_sq")
+        # The parity change is taken from the values the optimizer read, as the kernel
+        # takes it from its registers — not from the undo copy: a page changed silently
+        # after the undo copy then leaves parity that disagrees with it (the scrub finds
+        # it) instead of parity re-encoding the damage.
+        cut = slice(4 * lo, 4 * hi)  # bytes of every page
+        read = [p[cut].clone() for p in pages]
         for (lr, b1, b2, wd, eps, step, adamw), ranges in by_kind.items():
             live = {n: [f[n][a:b] for a, b in ranges] for n in names}
             armed = tripwire.armed()  # faultkit kernel-abort: computed aside, landed
@@ -240,9 +246,7 @@ class ChunkPass:
             if armed:
                 tripwire.land([t for n in names for t in live[n]],
                               [t for n in names for t in out[n]])  # fmt: skip
-        cut = slice(4 * lo, 4 * hi)  # bytes of every page
-        parity_update([y[cut] for y in scratch], col0, [p[cut] for p in undo],
-                      [p[cut] for p in pages])  # fmt: skip
+        parity_update([y[cut] for y in scratch], col0, read, [p[cut] for p in pages])  # fmt: skip
 
 
 def _module():

@@ -195,9 +195,9 @@ class Updater:
     def update_path(self) -> str:
         """What updates the chunks: the fused pass (its name) or the unfused steps and
         why (as of the last update)."""
-        if self._fused is not None:
-            return self._fused.name
-        return f"unfused steps ({self.chunk_pass_reason or 'the fused pass is not prepared'})"
+        if self.chunk_pass is not None and self.chunk_pass_reason is None:
+            return self.chunk_pass.name
+        return f"unfused steps ({self.chunk_pass_reason})"
 
     def code(self, g: GroupView) -> TwoTierCode:
         n = len(g.data)
@@ -456,7 +456,7 @@ class Updater:
                         if not fresh_undo:  # resumed after a crash: start from the undo copy
                             self._runs_copy(units, to_undo=False)
                         self._wait(scratch_event)
-                        self._chunk_pass(it, gi, j, units, y, undo, pages)
+                        self._chunk_pass(it, gi, j, units, y, pages)
                     m = m.but(step=Step.PARITY_DONE)  # not written: see UPDATE_DONE below
             if m.step is Step.UNDO_DONE:
                 with self._span("optimizer"):
@@ -500,7 +500,7 @@ class Updater:
             with self._span("tier-2 refresh"):
                 self._refresh_tier2(g, m.auth)
 
-    def _chunk_pass(self, it: int, gi: int, j: int, units, y: Auth, undo, pages) -> None:
+    def _chunk_pass(self, it: int, gi: int, j: int, units, y: Auth, pages) -> None:
         """The fused pass on the chunk in two halves of its pages (a crash point
         between them leaves the chunk half updated), its parity change accumulated into
         scratch buffer ``y``; then the parity step's crash point."""
@@ -510,7 +510,6 @@ class Updater:
         mid = ue // 2 // CUT_ELEMS * CUT_ELEMS
         tables = self._fused.tables(code) if self.device.type == "cuda" else None
         scratch = self._pages(y, self.buf[y]).pages
-        undo_pages = self._pages(("undo", gi, j), undo).pages
         live = self._pages(("chunk", gi, j), pages).pages
 
         def parity_update(ys, col0, old, new):
@@ -519,8 +518,7 @@ class Updater:
         for k, part in enumerate([(0, mid), (mid, ue)] if mid else [(0, ue)]):
             if k == 1:
                 point("update.optimizer", it)  # a crash here leaves the chunk half updated
-            self._fused.run(units, part, first, scratch, tables, undo_pages, live,
-                            parity_update)  # fmt: skip
+            self._fused.run(units, part, first, scratch, tables, live, parity_update)
         if not mid:
             point("update.optimizer", it)
         point("update.parity", it)
