@@ -171,6 +171,10 @@ def _warm_device(device: torch.device) -> None:
         from leto.erasure.kernels import for_device
 
         for_device(device)
+        # The fused chunk pass's module and its self-check against torch's fused AdamW.
+        from leto.update.chunk_pass import self_check
+
+        self_check(device)
 
 
 def _record_uncaught(path: str | None) -> None:

@@ -30,6 +30,7 @@ changes). The table is built once per update from that iteration's hyperparamete
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 from importlib import resources
 
@@ -249,6 +250,7 @@ class ChunkPass:
         parity_update([y[cut] for y in scratch], col0, read, [p[cut] for p in pages])  # fmt: skip
 
 
+@functools.cache
 def _module():
     import cupy
 
@@ -268,11 +270,22 @@ def _pointer_table(device: torch.device, ptrs: list[int]) -> torch.Tensor:
     return t
 
 
+_CHECKED: dict[int, str | None] = {}  # device index -> the self-check's answer
+
+
 def self_check(device: torch.device) -> str | None:
     """Run the kernel's Adam/AdamW beside the installed torch's fused kernels on values
     that exercise every branch (zero and huge gradients, tiny second moments, weight
     decay on and off, first and late steps); the first differing byte is the reason
-    the fused pass is not used."""
+    the fused pass is not used. Once per process and device: a parked shadow runs it
+    while warming up (``leto.runtime.api``), so a promotion does not."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CHECKED:
+        _CHECKED[idx] = _self_check(torch.device("cuda", idx))
+    return _CHECKED[idx]
+
+
+def _self_check(device: torch.device) -> str | None:
     fn = _module().get_function("adam_check")
     for n in (4099, 8192):  # torch's unaligned path, then its vectorized one
         reason = _check(fn, device, n)
