@@ -145,7 +145,7 @@ if [[ $what == runtime || $what == all ]]; then
   python3 -m pytest -p no:cacheprovider -q tests/test_digest.py 2>&1 | tee "$OUT/digest_gpu_tests.txt" || rc=1
   # HOF recovery on one H200 (NCCL, world size 1) with a >= 1 B-parameter GPT: L3 against
   # the torchrun + checkpoint baseline, each recovering trainer profiled.
-  timeout 480 python3 -m bench.recovery_speed --device cuda --nproc-per-node 1 --iterations 6 --fail-at 4 \
+  timeout 570 python3 -m bench.recovery_speed --device cuda --nproc-per-node 1 --iterations 6 --fail-at 4 \
     --checkpoint-interval 3 --variants "${LETO_VARIANTS:-L3,torchrun + checkpoint}" \
     --profile-recovery "$OUT/profiles" --json-out "$OUT/recovery_speed_cuda.json" \
     --model --n-layer 20 --n-embd 2048 --n-head 16 --chunk-units 64 2>&1 | tee "$OUT/recovery_speed_cuda.txt" || rc=1
