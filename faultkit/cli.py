@@ -72,7 +72,12 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
     try:
         phases = tuple(args.phases.split(",")) if args.phases else None
-        rows = matrix(_config(args), phases=phases, modes=tuple(args.modes.split(",")))
+        rows = matrix(
+            _config(args),
+            phases=phases,
+            modes=tuple(args.modes.split(",")),
+            corrupt_pages=args.corrupt_pages,
+        )
     except (ValueError, RuntimeError) as e:
         return _refuse("matrix", e, args)
     bad = [r for r in rows if not r["exact"]]
@@ -287,6 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="kill,copy-corrupt",
         help="comma-separated modes: kill, copy-corrupt, kernel-abort, corrupt-data, "
         "corrupt-parity (corrupt modes: 1 and H1 flipped pages, no loss)",
+    )
+    p.add_argument(
+        "--corrupt-pages",
+        default="both",
+        choices=("both", "alternate"),
+        help="corrupt modes: 1 and H1 flipped pages at every phase (both), or 1 and H1 "
+        "taking turns along phases and modes (alternate: half the cases, each phase and "
+        "mode still sees both counts)",
     )
     p.set_defaults(fn=cmd_matrix)
     register_plan(sub)

@@ -276,25 +276,34 @@ def matrix(
     workdir: Path | None = None,
     phases: tuple[str, ...] | None = None,
     modes: tuple[str, ...] = ("kill", "copy-corrupt"),
+    corrupt_pages: str = "both",
 ) -> list[dict]:
     """Every phase x {0, H1} lost pages per group x host parity page lost or not x
     ``modes`` (copy-corrupt where the phase copies parity, kernel-abort where it runs
-    one of Leto's kernels), against one shared fault-free reference."""
+    one of Leto's kernels), against one shared fault-free reference. Corrupt modes flip
+    1 and H1 pages at every phase (``corrupt_pages="both"``), or half of those cases
+    (``"alternate"``: 1 and H1 take turns along phases and modes, so every phase and
+    every corrupt mode still sees both counts — the CI's cut)."""
+    if corrupt_pages not in ("both", "alternate"):
+        raise ValueError(f"--corrupt-pages {corrupt_pages!r}: expected both or alternate")
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-matrix-"))
     ref = reference_run(base, work)
     rows = []
-    for phase in phases or tuple(PHASES):
+    for i, phase in enumerate(phases or tuple(PHASES)):
         _phase(base, phase)  # a clear error for an unknown name
-        for mode in modes:
+        for j, mode in enumerate(modes):
             if mode == "copy-corrupt" and phase not in COPY_PHASES:
                 continue
             if mode == "kernel-abort" and phase not in KERNEL_PHASES:
                 continue
             if mode in CORRUPT_MODES:  # 1 and H1 flipped pages, no loss
-                for pages in (1, base.tier1_pages):
+                counts = (1, base.tier1_pages)
+                if corrupt_pages == "alternate":
+                    counts = (counts[(i + j) % 2],)
+                for pages in counts:
                     cfg = replace(base, phase=phase, mode=mode, pages=pages, host_parity_pages=0)
                     rows.append(inject(cfg, work, reference=ref))
                 continue

@@ -169,3 +169,25 @@ def test_a_group_smaller_than_the_pages_asked_is_named():
     lost = lose_pages(pool, 17, 0, random.Random(0))
     assert lost["short"] == [[0, 6]], lost
     assert lost["device"] == 6 + 17 + 1, lost  # group 0 whole, 17 of group 1, a gradient page
+
+
+def test_the_ci_corrupt_cut_covers_every_phase_and_both_counts(monkeypatch, tmp_path):
+    # Enumeration only: each case is recorded instead of run.
+    import faultkit.inject as fi
+
+    monkeypatch.setattr(fi, "reference_run", lambda base, work: {})
+    monkeypatch.setattr(fi, "inject", lambda cfg, work, reference: cfg)
+    modes = ("corrupt-data", "corrupt-parity")
+    base = InjectConfig(tier1_pages=4)
+    both = fi.matrix(base, tmp_path, modes=modes)
+    cut = fi.matrix(base, tmp_path, modes=modes, corrupt_pages="alternate")
+    key = {(c.phase, c.mode, c.pages) for c in both}
+    assert len(key) == len(both) == 2 * 2 * len(fi.PHASES)
+    assert {(c.phase, c.mode, c.pages) for c in cut} < key and len(cut) == len(both) // 2
+    for phase in fi.PHASES:  # every phase sees 1 and H1 pages, one per mode
+        assert sorted(c.pages for c in cut if c.phase == phase) == [1, 4]
+    for mode in modes:  # and every mode both counts
+        assert {c.pages for c in cut if c.mode == mode} == {1, 4}
+    assert all(c.host_parity_pages == 0 for c in cut)
+    with pytest.raises(ValueError, match="--corrupt-pages 'some'"):
+        fi.matrix(base, tmp_path, modes=modes, corrupt_pages="some")
