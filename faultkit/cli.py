@@ -96,7 +96,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
             str(c["host_parity_pages"]),
             f"{r['pages_rebuilt']} dev, {r['host_pages_rebuilt']} host",
             f"{r['recovery_s']:.2f} s" if r["recovery_s"] else "-",
-            ("[green]EXACT[/]" if r["exact"] else f"[red]NOT EXACT[/] {r['first_divergence']}")
+            ("[green]EXACT[/]" if r["exact"] else f"[red]NOT EXACT[/] {r['first_divergence'] or r['fatal_detail']}")
             + (f" — scrub: {r['scrub']}" if r.get("scrub") else "")
             + (_unseen(r) if r["mode"].startswith("corrupt") and not r.get("scrub") else ""),
         )
@@ -132,8 +132,9 @@ def _unseen(v: dict) -> str:
     exact (the bytes were overwritten before anything read them); otherwise the flip
     was absorbed into consistent parity — a page whose chunk was in flight in the
     update, the window parity cannot see (docs/integrity.md)."""
+    n = sum(len(f["pages"]) for f in v.get("flipped", []))
     if v["exact"]:
-        return " — nothing found (overwritten before anything read it)"
+        return f" — {n} page(s) flipped, nothing found (overwritten before anything read it)"
     return (
         " — nothing found: absorbed into consistent parity (a page whose chunk was in "
         "flight; docs/integrity.md)"

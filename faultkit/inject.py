@@ -162,7 +162,10 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
     # [rank, group, pages it holds] for every group smaller than the pages asked of it.
     short = [x for r in recs for x in r.get("pages_lost", {}).get("short", [])]
     verdict = compare(Path(ref["out"]), Path(got["out"])) if ok else None
-    exact = ok and verdict.exact and pending == 0
+    # A silent-corruption case whose flips never happened proves nothing: not EXACT.
+    flips = got.get("corruptions", [])
+    asked = sum(f.mode.startswith("corrupt") for f in faults)
+    exact = ok and verdict.exact and pending == 0 and len(flips) >= asked
     hof = [r for r in recs if r["class"] == "HOF"]
     # A HOF's time to training again: the slowest rank's resume after the detection.
     recovery = [r["recovery_s"] for r in hof if "recovery_s" in r]
@@ -175,6 +178,8 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         )
     elif not ok:
         detail = f"leto run exited {got['code']} (logs in {work / label / 'logs'})"
+    elif len(flips) < asked:
+        detail = f"{asked} corruption(s) asked, {len(flips)} made: the point was not reached"
     else:
         detail = None
     scrub = _scrub_outcome(Path(got["out"])) if ok else None
@@ -204,6 +209,8 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         "verdict": verdict.as_dict() if verdict else None,
         "recovery_s": max(recovery) if recovery else None,
         "scrub": scrub,
+        # What faultkit flipped: target, group, [page, byte, bit] of each page.
+        "flipped": [{k: x[k] for k in ("corrupt", "group", "at", "pages")} for x in flips],
         "reference_run_s": ref.get("run_s"),
         "faulted_run_s": got["run_s"],
         "workdir": str(work),
