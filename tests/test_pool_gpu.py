@@ -92,3 +92,38 @@ def test_17_lost_pages_in_a_group_is_fatal(gpu_pool):
         c.attach("state", n)
         with pytest.raises(TooManyErasures, match="protection group 0: 17 pages lost"):
             c.reconstruct(report)
+
+
+def test_a_premapped_shadow_remaps_lost_vmm_pages_then_rebuilds_them_bit_exact(gpu_pool):
+    # leto.runtime.premap on CUDA VMM pages: the shadow imports and maps while the
+    # trainer owns the pool; the owner loses pages (cuMemUnmap + release), the shadow
+    # takes over and localizes, and its mapping at those addresses now holds the fresh
+    # zeroed pages (its old import would have kept the lost memory readable) until
+    # reconstruction rebuilds them.
+    n = 64 * 2 * MiB
+    t = PoolClient.connect(gpu_pool.socket_path, gpu_pool.token)
+    want = gpu_pattern(n, 11)
+    t.attach("state", n).copy_(want)
+    t.encode_parity()
+    torch.cuda.synchronize()
+    s = PoolClient.connect(gpu_pool.socket_path, gpu_pool.token, role="shadow")
+    free_before = torch.cuda.mem_get_info()[0]
+    assert s.premap() == 1
+    torch.cuda.synchronize()
+    # Premapping maps memory the pool already holds: what it costs the device is page
+    # tables, not the pages (the preinit footprints need no premap term; docs/preinit.md).
+    cost = free_before - torch.cuda.mem_get_info()[0]
+    print(f"premap device memory cost: {cost} bytes for {n} bytes of device pages mapped")
+    assert cost <= 4 * MiB
+    view = s.attach("state", n)
+    with PoolClient.connect(gpu_pool.socket_path, gpu_pool.token, role="faultkit") as f:
+        f.inject_loss("data", "state", [0, 9])
+    t.close()
+    s.takeover()
+    report = s.localize()
+    assert s.remapped == 2 and report["allocations"]["state"]["failed_pages"] == [0, 9]
+    assert view.data_ptr() == s.pages_of("state").data_ptr()
+    assert int(view[: 2 * MiB].count_nonzero()) == 0  # the fresh page, not the lost one
+    s.reconstruct(report)
+    assert torch.equal(view, want)
+    s.close()

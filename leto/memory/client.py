@@ -54,7 +54,14 @@ class PoolClient:
         self._parity: list[tuple[object, Mapping]] = []
         self._codes: dict[tuple[int, int, int], TwoTierCode] = {}
         self._sets: dict[tuple[str, ...], P.AllocatedSet] = {}
-        self._registered: list[int] = []  # host ranges page-locked for the GPU (cudaHostRegister)
+        self._registered: dict[
+            int, int
+        ] = {}  # page-locked host ranges (cudaHostRegister): ptr -> bytes
+        # Premapping (a parked shadow): the replacement-log position the mappings here
+        # are current at (None: nothing premapped), and each group's tier-1 count.
+        self._cursor: int | None = None
+        self._tier1: dict[int, int] = {}
+        self.remapped = 0  # pages mapped again because localization replaced them
 
     @classmethod
     def connect(
@@ -208,6 +215,7 @@ class PoolClient:
             else:
                 importer = HostPageImporter(g["page_bytes"])
                 self._parity.append((importer, importer.map(group_fds)))
+            self._tier1[g["gid"]] = g["tier1"]
             mapping = self._parity[g["gid"]][1]
             pages = [mapping.page(i) for i in range(n)]
             data: list[torch.Tensor] = []
@@ -246,11 +254,114 @@ class PoolClient:
                 dst.copy_(src if device.type == "cpu" else src.cpu())
 
     def localize(self) -> dict:
-        """Ask the state manager to find and replace lost pages; returns its report."""
-        if self._maps:
+        """Ask the state manager to find and replace lost pages; returns its report.
+        Premapped pages that it replaced (now or since they were mapped) are mapped
+        again here first, so no view ever reaches a lost page."""
+        if self._maps and self._cursor is None:
             raise PoolError("localize before attaching: pages mapped here may be the lost ones")
         reply, _ = P.request(self.sock, P.Localize(self.epoch), P.Localized)
+        if self._cursor is not None:
+            self._refresh()
         return reply.report
+
+    # -- premapping (a parked shadow) -----------------------------------------------
+
+    @property
+    def premapped(self) -> bool:
+        return self._cursor is not None
+
+    @property
+    def mapped(self) -> list[str]:
+        """Names of the allocations mapped here."""
+        return list(self._maps)
+
+    def premap(self) -> int:
+        """As a parked shadow: map every allocation not mapped here yet and every
+        group's parity, page-lock host parity and records for the GPU, and remap pages
+        localization replaced since the last call. Touches no page's contents (the
+        trainer owns them). Returns the number of allocations newly mapped."""
+        if self.role != P.Role.SHADOW.value:
+            raise PoolError(f"premap is for a parked shadow; this client is a {self.role}")
+        reply, fds = P.request(self.sock, P.Premap(list(self._maps)), P.Premapped)
+        fds = P.recv_fds(self.sock, reply.n_fds, fds)
+        pos = 0
+        for info in reply.allocations:
+            n = info["n_pages"]
+            kind = AllocationKind(info["kind"])
+            device = "cpu" if kind is AllocationKind.RECORD else self.config.device
+            importer = importer_for(device, info["page_bytes"])
+            mapping = importer.map(fds[pos : pos + n])
+            pos += n
+            meta = P.Allocated(
+                info["name"], kind.value, info["nbytes"], n, info["page_bytes"], False, n
+            )
+            self._maps[info["name"]] = (mapping, importer, meta)
+        for st in reply.sets:
+            names = tuple(st["names"])
+            if all(n in self._maps for n in names):
+                self._sets[names] = P.AllocatedSet(
+                    [self._allocated_dict(n) for n in names],
+                    st["units"],
+                    st["units_per_group"],
+                    st["first_group"],
+                    0,
+                )
+        if self._cursor is None:
+            self._cursor = reply.cursor  # every fd above is current at this position
+        else:
+            self._refresh()  # pages mapped by earlier calls that were replaced since
+        if reply.allocations:
+            self.layout()  # parity of every group, mapped once
+            if self.config.device.startswith("cuda"):
+                for gid in range(len(self._parity)):
+                    self.register_host(self.parity_mapping(gid))
+                for name, (_, _, meta) in self._maps.items():
+                    if meta.kind == AllocationKind.RECORD.value:
+                        self.register_host(self.pages_of(name))
+        return len(reply.allocations)
+
+    def takeover(self) -> None:
+        """A premapped shadow becomes the pool's trainer (a new epoch; a live owner is
+        fenced). Then ``localize``, which remaps what it replaced."""
+        welcome, _ = P.request(self.sock, P.Takeover(), P.Welcome)
+        self.epoch, self.role = welcome.epoch, P.Role.TRAINER.value
+
+    def _allocated_dict(self, name: str) -> dict:
+        meta = self._maps[name][2]
+        return {
+            "name": name,
+            "nbytes": meta.nbytes,
+            "n_pages": meta.n_pages,
+            "page_bytes": meta.page_bytes,
+        }
+
+    def _refresh(self) -> None:
+        """Map again every page mapped here that the state manager replaced after the
+        cursor (a page host memory pinned for the GPU is unpinned around it: pinned,
+        the GPU would go on reading the old page)."""
+        reply, fds = P.request(self.sock, P.Replaced(self.epoch, self._cursor), P.ReplacedReply)
+        fds = P.recv_fds(self.sock, reply.n_fds, fds)
+        for page, fd in zip(reply.pages, fds, strict=True):
+            if page["target"] == "data" and page["name"] in self._maps:
+                mapping, importer, _ = self._maps[page["name"]]
+                index = page["page"]
+            elif page["target"] != "data" and page["group"] < len(self._parity):
+                importer, mapping = self._parity[page["group"]]
+                index = page["page"] + (
+                    self._tier1[page["group"]] if page["target"] == "tier2" else 0
+                )
+            else:
+                os.close(fd)  # not mapped here: nothing to redo
+                continue
+            pinned = mapping.address in self._registered
+            if pinned:
+                torch.cuda.cudart().cudaHostUnregister(mapping.address)
+                nbytes = self._registered.pop(mapping.address)
+            importer.replace(mapping, index, fd)
+            if pinned:
+                self.register_host(mapping.tensor[:nbytes])
+            self.remapped += 1
+        self._cursor = reply.cursor
 
     def reconstruct(self, report: dict, only: set[int] | None = None) -> dict:
         """Rebuild every page the report marks, on the device where it lives.
@@ -323,12 +434,15 @@ class PoolClient:
         """Page-lock host memory of this pool (parity, records) for asynchronous,
         stream-ordered copies to and from the GPU. Undone by ``close`` before unmapping,
         so no registration outlives the mapping it pins."""
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        nbytes = t.numel() * t.element_size()
+        if self._registered.get(t.data_ptr(), -1) >= nbytes:
+            return  # premapped: registered (whole pages) while the shadow was parked
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
         if int(err) != 0:
             raise PoolError(
-                f"cudaHostRegister of {t.numel() * t.element_size()} bytes at {t.data_ptr():#x} failed: error {int(err)}"
+                f"cudaHostRegister of {nbytes} bytes at {t.data_ptr():#x} failed: error {int(err)}"
             )
-        self._registered.append(t.data_ptr())
+        self._registered[t.data_ptr()] = nbytes
 
     def close(self) -> None:
         """Unmap everything this trainer mapped; retained memory stays with the pool."""
@@ -336,7 +450,7 @@ class PoolClient:
             torch.cuda.synchronize()  # no copy may still target memory about to be unmapped
             for ptr in self._registered:
                 torch.cuda.cudart().cudaHostUnregister(ptr)
-            self._registered = []
+            self._registered = {}
         for mapping, importer, _ in self._maps.values():
             importer.unmap(mapping)
         for importer, mapping in self._parity:

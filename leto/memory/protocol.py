@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from leto.memory.errors import PoolProtocolError, PoolTimeout, remote_error
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the shadow role (PREMAP, REPLACED, TAKEOVER)
 MAX_MESSAGE_BYTES = 256 * 1024
 FD_BATCH = 250
 MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
@@ -45,6 +45,11 @@ class Op(enum.Enum):
     STATUS = "STATUS"
     STATUS_REPLY = "STATUS_REPLY"
     INJECT_LOSS = "INJECT_LOSS"
+    PREMAP = "PREMAP"
+    PREMAPPED = "PREMAPPED"
+    REPLACED = "REPLACED"
+    REPLACED_REPLY = "REPLACED_REPLY"
+    TAKEOVER = "TAKEOVER"
     SHUTDOWN = "SHUTDOWN"
     FDS = "FDS"
     OK = "OK"
@@ -54,6 +59,9 @@ class Op(enum.Enum):
 class Role(enum.Enum):
     TRAINER = "trainer"  # owns the pool under an epoch; one at a time
     OBSERVER = "observer"  # status only (leto pool status)
+    # A parked shadow: maps what exists (PREMAP, LAYOUT, REPLACED), never allocates or
+    # localizes; becomes the trainer with TAKEOVER on the same connection.
+    SHADOW = "shadow"
     FAULTKIT = "faultkit"  # may inject page loss when the pool allows it
     ADMIN = "admin"  # the launcher: may shut the state manager down
 
@@ -161,6 +169,43 @@ class InjectLoss:
 
 
 @dataclass(frozen=True)
+class Premap:
+    """A shadow asks for the allocations it has not mapped yet (``known``: those it has)."""
+
+    known: list
+
+
+@dataclass(frozen=True)
+class Premapped:
+    allocations: list  # [{"name", "kind", "nbytes", "n_pages", "page_bytes"}], new ones
+    sets: list  # [{"names", "units", "units_per_group", "first_group"}], every set
+    cursor: int  # the table's page-replacement log length when the fds were taken
+    n_fds: int  # every page of every new allocation, allocation by allocation
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """Pages replaced (by localization) since log position ``since``, with their fds."""
+
+    epoch: int
+    since: int
+
+
+@dataclass(frozen=True)
+class ReplacedReply:
+    pages: (
+        list  # [{"target": "data", "name", "page"} | {"target": "tier1"/"tier2", "group", "page"}]
+    )
+    cursor: int
+    n_fds: int  # the current page of each entry, in order
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """A shadow becomes the pool's trainer under a new epoch (a live owner is fenced)."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -196,6 +241,11 @@ MESSAGES: dict[Op, type] = {
     Op.STATUS: Status,
     Op.STATUS_REPLY: StatusReply,
     Op.INJECT_LOSS: InjectLoss,
+    Op.PREMAP: Premap,
+    Op.PREMAPPED: Premapped,
+    Op.REPLACED: Replaced,
+    Op.REPLACED_REPLY: ReplacedReply,
+    Op.TAKEOVER: Takeover,
     Op.SHUTDOWN: Shutdown,
     Op.FDS: Fds,
     Op.OK: Ok,

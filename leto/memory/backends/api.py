@@ -99,3 +99,9 @@ class PageImporter(abc.ABC):
 
     @abc.abstractmethod
     def unmap(self, mapping: Mapping) -> None: ...
+
+    @abc.abstractmethod
+    def replace(self, mapping: Mapping, index: int, fd: int) -> None:
+        """Map the page ``fd`` names at page ``index`` of ``mapping``, in place of the
+        page mapped there (which the state manager replaced); closes ``fd``. Addresses,
+        and so every tensor viewing the mapping, stay valid."""

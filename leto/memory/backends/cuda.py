@@ -286,3 +286,27 @@ class CudaPageImporter(_OnDevice, PageImporter):
             # the mapping alone keeps the pages; holding the handles would only leak them.
             for i, h in enumerate(handles):
                 _call(f"releasing imported handle {i}", d.cuMemRelease, h)
+
+    def replace(self, mapping: Mapping, index: int, fd: int) -> None:
+        d, pb = self._dev.d, self.page_bytes
+        addr = mapping.address + index * pb
+        self._dev.make_current()
+        try:
+            handle = _call(
+                f"importing page {index} (fd {fd})",
+                d.cuMemImportFromShareableHandle,
+                fd,
+                self._dev.fd_type,
+            )
+        finally:
+            os.close(fd)
+        try:
+            _call("synchronizing before a remap", d.cuCtxSynchronize)
+            if self._dev.is_mapped(addr):
+                _call(f"unmapping page {index}", d.cuMemUnmap, addr, pb)
+            _call(f"mapping page {index} again", d.cuMemMap, addr, pb, 0, handle, 0)
+            _call(
+                f"cuMemSetAccess on page {index}", d.cuMemSetAccess, addr, pb, self._dev.access, 1
+            )
+        finally:
+            _call(f"releasing imported handle of page {index}", d.cuMemRelease, handle)

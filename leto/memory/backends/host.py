@@ -119,3 +119,9 @@ class HostPageImporter(PageImporter):
 
     def unmap(self, mapping: Mapping) -> None:
         hp.unmap(mapping.address, mapping.n_pages * mapping.page_bytes)
+
+    def replace(self, mapping: Mapping, index: int, fd: int) -> None:
+        try:  # MAP_FIXED swaps the page atomically: the old one is never touched
+            hp.map_fixed(mapping.address + index * self.page_bytes, fd, self.page_bytes)
+        finally:
+            os.close(fd)

@@ -202,7 +202,18 @@ class StateManager:
             return P.send(
                 peer.sock, P.Ok(f"lost {len(msg.pages)} {msg.target} pages of {msg.name}")
             )
-        if isinstance(msg, (P.Alloc, P.AllocSet, P.Layout, P.Localize, P.MarkRebuilt)):
+        if isinstance(msg, P.Premap):
+            self._need(peer, P.Role.SHADOW)
+            infos, sets, cursor, fds = self.table.premap(list(msg.known))
+            return self._send_closing(peer, P.Premapped(infos, sets, cursor, len(fds)), fds)
+        if isinstance(msg, P.Takeover):
+            self._need(peer, P.Role.SHADOW)
+            self._own(peer, takeover=True)
+            return P.send(peer.sock, P.Welcome(self.epoch, os.getpid(), self.config.as_dict()))
+        if peer.role is P.Role.SHADOW and isinstance(msg, (P.Layout, P.Replaced)):
+            # Read-only for a parked shadow: it maps what the trainer's pages are.
+            return self._read_only(peer, msg)
+        if isinstance(msg, (P.Alloc, P.AllocSet, P.Layout, P.Localize, P.MarkRebuilt, P.Replaced)):
             self._need(peer, P.Role.TRAINER)
             if msg.epoch != self.epoch or peer.epoch != self.epoch:
                 raise Refused(
@@ -247,19 +258,28 @@ class StateManager:
                     for fd in fds:
                         os.close(fd)
                 return None
-            if isinstance(msg, P.Layout):
-                groups, fds = self.table.layout()
-                try:
-                    P.send(peer.sock, P.LayoutReply(groups, len(fds)), fds)
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-                return None
+            if isinstance(msg, (P.Layout, P.Replaced)):
+                return self._read_only(peer, msg)
             if isinstance(msg, P.Localize):
                 return P.send(peer.sock, P.Localized(self.table.localize()))
             self.table.mark_rebuilt(msg.groups)
             return P.send(peer.sock, P.Ok(f"groups {msg.groups} rebuilt"))
         raise Refused("protocol", f"{type(msg).__name__} is a reply, not a request")
+
+    def _read_only(self, peer: Peer, msg: P.Layout | P.Replaced) -> None:
+        if isinstance(msg, P.Layout):
+            groups, fds = self.table.layout()
+            return self._send_closing(peer, P.LayoutReply(groups, len(fds)), fds)
+        pages, fds = self.table.replaced_since(msg.since)
+        reply = P.ReplacedReply(pages, len(self.table.replaced), len(fds))
+        return self._send_closing(peer, reply, fds)
+
+    def _send_closing(self, peer: Peer, reply: object, fds: list[int]) -> None:
+        try:
+            P.send(peer.sock, reply, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _need(self, peer: Peer, role: P.Role) -> None:
         if peer.role is not role:
@@ -282,12 +302,17 @@ class StateManager:
         except ValueError:
             raise Refused("protocol", f"unknown role {msg.role!r}") from None
         if role is P.Role.TRAINER:
-            self._fence(peer, msg.takeover)
-            self.epoch += 1
-            self.owner_pid = peer.pid
-            peer.epoch = self.epoch
+            self._own(peer, msg.takeover)
         peer.role = role
         P.send(peer.sock, P.Welcome(self.epoch, os.getpid(), self.config.as_dict()))
+
+    def _own(self, peer: Peer, takeover: bool) -> None:
+        """``peer`` becomes the pool's trainer under a new epoch."""
+        self._fence(peer, takeover)
+        self.epoch += 1
+        self.owner_pid = peer.pid
+        peer.epoch = self.epoch
+        peer.role = P.Role.TRAINER
 
     def _fence(self, peer: Peer, takeover: bool) -> None:
         """Make sure no previous trainer can still write before a new one owns the pool."""

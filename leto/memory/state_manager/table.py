@@ -78,6 +78,12 @@ class Table:
         self.groups: list[Group] = []
         self.failed_total = 0
         self.reusable_replaced = 0
+        # Every page localization replaced, in order: ("data", name, page) or
+        # (tier, gid, page). A premapped shadow remaps those after its cursor.
+        self.replaced: list[tuple[str, str | int, int]] = []
+        self.sets: dict[
+            tuple[str, ...], tuple[int, int, int]
+        ] = {}  # names -> units, per group, first
 
     # -- allocation -----------------------------------------------------------------
 
@@ -232,6 +238,7 @@ class Table:
                     g.members.append((a.name, i))
         for a in created:
             self.allocations[a.name] = a
+        self.sets[tuple(names)] = (units, per_group, first_group)
         return created, units, per_group, first_group
 
     def export(self, a: Allocation) -> list[int]:
@@ -266,7 +273,7 @@ class Table:
             scanned += len(a.pages)
             if not failed:
                 continue
-            self._replace(a.owner, a.pages, a.mapping, failed)
+            self._replace(a.owner, a.pages, a.mapping, failed, ("data", a.name))
             allocations[a.name] = {"kind": a.kind.value, "failed_pages": failed}
             if a.kind is AllocationKind.REUSABLE:
                 self.reusable_replaced += len(failed)  # contents need not survive
@@ -280,7 +287,7 @@ class Table:
                 failed = owner.failed_pages(g.parity_maps[tier])
                 scanned += len(g.parity[tier])
                 if failed:
-                    self._replace(owner, g.parity[tier], g.parity_maps[tier], failed)
+                    self._replace(owner, g.parity[tier], g.parity_maps[tier], failed, (tier, g.gid))
                     g.pending[tier].update(failed)
         seconds = time.perf_counter() - t0
         return {
@@ -299,7 +306,7 @@ class Table:
         }
 
     def _replace(
-        self, owner: PageOwner, handles: list, mapping: Mapping, failed: list[int]
+        self, owner: PageOwner, handles: list, mapping: Mapping, failed: list[int], key: tuple
     ) -> None:
         for i in failed:
             fresh = owner.create()
@@ -307,6 +314,53 @@ class Table:
             owner.release(handles[i])
             handles[i] = fresh
             self.failed_total += 1
+            self.replaced.append((*key, i))
+
+    # -- premapping (parked shadows) ------------------------------------------------
+
+    def premap(self, known: list) -> tuple[list[dict], list[dict], int, list[int]]:
+        """The allocations not in ``known`` with their page fds, every allocation set,
+        and the replacement-log position these fds are current at."""
+        infos, fds = [], []
+        for a in self.allocations.values():
+            if a.name in known:
+                continue
+            infos.append(
+                {
+                    "name": a.name,
+                    "kind": a.kind.value,
+                    "nbytes": a.nbytes,
+                    "n_pages": len(a.pages),
+                    "page_bytes": a.owner.page_bytes,
+                }
+            )
+            fds += self.export(a)
+        sets = [
+            {"names": list(n), "units": u, "units_per_group": g, "first_group": f}
+            for n, (u, g, f) in self.sets.items()
+        ]
+        return infos, sets, len(self.replaced), fds
+
+    def replaced_since(self, since: int) -> tuple[list[dict], list[int]]:
+        """Each page replaced after log position ``since`` (once), with an fd of the
+        page now in its place."""
+        if not isinstance(since, int) or not 0 <= since <= len(self.replaced):
+            raise PoolProtocolError(
+                f"replacement cursor {since!r} is not in 0..{len(self.replaced)}"
+            )
+        pages, fds = [], []
+        for key in dict.fromkeys(self.replaced[since:]):  # distinct, in order
+            target, owner_key, i = key
+            if target == "data":
+                a = self.allocations[owner_key]
+                pages.append({"target": "data", "name": owner_key, "page": i})
+                fds.append(a.owner.export_fd(a.pages[i]))
+            else:
+                g = self.groups[owner_key]
+                owner = self.parity_owner if g.kind != "record" else self.record_owner
+                pages.append({"target": target, "group": owner_key, "page": i})
+                fds.append(owner.export_fd(g.parity[target][i]))
+        return pages, fds
 
     def mark_rebuilt(self, gids: list) -> None:
         for gid in gids:
