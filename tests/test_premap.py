@@ -71,6 +71,33 @@ def test_a_premapped_shadow_attaches_without_importing_and_sees_the_trainers_byt
     t.close()
 
 
+def test_an_allocation_made_between_the_premap_reply_and_its_layout_is_mapped_next_tick(pool):
+    # The interleaving an H200 run hit: the trainer attaches a protected allocation after
+    # the state manager answered PREMAP and before the shadow asked for the groups, so
+    # the groups name an allocation the shadow has not mapped. That is not an error: the
+    # parity is mapped now, the allocation at the next tick.
+    t, want = _trainer(pool)
+    s = _shadow(pool)
+    map_parity = s._map_parity
+
+    def trainer_allocates_first():
+        t.attach("grad", 20 * PAGE).copy_(pattern(20 * PAGE, 9))
+        return map_parity()
+
+    s._map_parity = trainer_allocates_first
+    assert s.premap() == 3 and "grad" not in s.mapped
+    s._map_parity = map_parity
+    assert s.premap() == 1 and "grad" in s.mapped
+    t.encode_parity()
+    s.takeover()
+    assert s.localize()["allocations"] == {}
+    views = s.layout()  # every group's members are mapped now
+    assert any("grad" in [m[0] for m in g.members] for g in views)
+    assert torch.equal(s.attach("grad", 20 * PAGE), pattern(20 * PAGE, 9))
+    s.close()
+    t.close()
+
+
 def test_pages_lost_before_the_promotion_are_mapped_again_then_rebuilt_exactly(pool):
     t, want = _trainer(pool)
     s = _shadow(pool)

@@ -203,21 +203,10 @@ class PoolClient:
         handed out earlier stay valid (groups are only ever appended; pages replaced
         by localization are picked up by a new client, which localizes before mapping).
         """
-        reply, fds = P.request(self.sock, P.Layout(self.epoch), P.LayoutReply)
-        fds = P.recv_fds(self.sock, reply.n_fds, fds)
-        views, pos = [], 0
-        for g in reply.groups:
-            n = g["tier1"] + g["tier2"]
-            group_fds, pos = fds[pos : pos + n], pos + n
-            if g["gid"] < len(self._parity):
-                for fd in group_fds:
-                    os.close(fd)
-            else:
-                importer = HostPageImporter(g["page_bytes"])
-                self._parity.append((importer, importer.map(group_fds)))
-            self._tier1[g["gid"]] = g["tier1"]
+        views = []
+        for g in self._map_parity():
             mapping = self._parity[g["gid"]][1]
-            pages = [mapping.page(i) for i in range(n)]
+            pages = [mapping.page(i) for i in range(g["tier1"] + g["tier2"])]
             data: list[torch.Tensor] = []
             for name, first, count in g["members"]:
                 if name not in self._maps:
@@ -238,6 +227,23 @@ class PoolClient:
                 )
             )
         return views
+
+    def _map_parity(self) -> list[dict]:
+        """The state manager's groups, each group's parity mapped here (once)."""
+        reply, fds = P.request(self.sock, P.Layout(self.epoch), P.LayoutReply)
+        fds = P.recv_fds(self.sock, reply.n_fds, fds)
+        pos = 0
+        for g in reply.groups:
+            n = g["tier1"] + g["tier2"]
+            group_fds, pos = fds[pos : pos + n], pos + n
+            if g["gid"] < len(self._parity):
+                for fd in group_fds:
+                    os.close(fd)
+            else:
+                importer = HostPageImporter(g["page_bytes"])
+                self._parity.append((importer, importer.map(group_fds)))
+            self._tier1[g["gid"]] = g["tier1"]
+        return reply.groups
 
     def _code(self, g: GroupView) -> TwoTierCode:
         key = (len(g.data), len(g.tier1), len(g.tier2))
@@ -311,7 +317,9 @@ class PoolClient:
         else:
             self._refresh()  # pages mapped by earlier calls that were replaced since
         if reply.allocations:
-            self.layout()  # parity of every group, mapped once
+            # Parity only: the trainer may have allocated since the PREMAP reply, so the
+            # groups can name allocations the next call maps (issue 17, seen on the H200).
+            self._map_parity()
             if self.config.device.startswith("cuda"):
                 for gid in range(len(self._parity)):
                     self.register_host(self.parity_mapping(gid))
