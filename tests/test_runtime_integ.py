@@ -70,6 +70,8 @@ def plan(seed: int, n: int = 2) -> list[dict]:
 @pytest.mark.parametrize("level,seed", [("L1", 1), ("L3", 3), ("off", 4)])
 def test_two_failures_recover_exactly_at_each_shadow_level(reference, tmp_path, level, seed):
     faults = plan(seed)
+    if level == "L3":  # lost pages at a promotion of premapped shadows
+        faults[0].update(lose_pages=1, host_parity_pages=1)
     (summary,) = leto_run(tmp_path, level, faults)
     v = compare(reference, tmp_path / "train")
     assert v.exact, f"{faults}: {v.describe()}"
@@ -81,6 +83,13 @@ def test_two_failures_recover_exactly_at_each_shadow_level(reference, tmp_path, 
         assert all(steps <= set(t) for t in rec["trainers"].values()), rec["trainers"]
         roles = {t["role"] for t in rec["trainers"].values()}
         assert roles == ({"active"} if level == "off" else {"promoted"}), roles
+        if level == "L3":
+            # Each shadow mapped the pool while parked, and remapped exactly the pages
+            # the fault plan lost (on every rank's pool) before anything read them.
+            assert all(t["premapped"] for t in rec["trainers"].values()), rec["trainers"]
+            lost = rec["pages_lost"]["device"] + rec["pages_lost"]["host"]
+            assert lost > 0 or "lose_pages" not in f, rec["pages_lost"]
+            assert sum(t["remapped_pages"] for t in rec["trainers"].values()) == lost, rec
 
 
 def test_two_agents_as_two_nodes_over_loopback(reference, tmp_path):

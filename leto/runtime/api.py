@@ -35,6 +35,7 @@ from leto.runtime import store as job_store
 from leto.runtime.config import (
     TrainerEnv,
 )
+from leto.runtime.premap import Premap
 
 
 @dataclass
@@ -212,10 +213,16 @@ def _record_uncaught(path: str | None) -> None:
     sys.excepthook = hook
 
 
-def _park(fd: int, timeout_s: float) -> dict:
-    """Block until the agent writes one JSON line; EOF means the agent no longer wants
-    this shadow (it stopped, or the job ended): exit quietly."""
+def _park(fd: int, tick=None, every_s: float = 0.5) -> dict:
+    """Block until the agent writes one JSON line, calling ``tick()`` every ``every_s``
+    meanwhile (the premapping); EOF means the agent no longer wants this shadow (it
+    stopped, or the job ended): exit quietly. (No timeout: a shadow parks as long as
+    its trainer trains; the agent ends it by closing the pipe.)"""
+    import select
+
     with os.fdopen(fd, "r") as f:
+        while tick is not None and not select.select([f], [], [], every_s)[0]:
+            tick()
         line = f.readline()
     if not line:
         sys.exit(0)
@@ -274,6 +281,7 @@ def init(prepare=None) -> Context:
 
     order = ("device", "prepare", "pg")
     timings: dict[str, float] = {}
+    premap = None
     if role == "shadow":
         ahead = {"L1": 0, "L2": 2, "L3": 3}[level]
         for name in order[:ahead]:
@@ -284,7 +292,10 @@ def init(prepare=None) -> Context:
         from leto.preinit.guard import parked_key
 
         store.set(parked_key(generation, rank), json.dumps({"pid": os.getpid(), "level": level}))
-        msg = _park(env.promote_fd, timeout_s)
+        if env.premap and level in ("L2", "L3"):  # with the device runtime up
+            premap = Premap(env.pool_socket, env.pool_token, timeout_s, rank)
+            premap.tick()
+        msg = _park(env.promote_fd, premap.tick if premap else None)
         timings["promoted_at"] = time.time()
         profile_recovery()
         if msg.get("fault_at"):
@@ -297,9 +308,15 @@ def init(prepare=None) -> Context:
             step(name)
     timings["deferred_init_s"] = time.time() - t_deferred
     t_pool = time.time()
-    client = PoolClient.connect(env.pool_socket, env.pool_token, takeover=True, timeout_s=timeout_s)
-    report = client.localize()
+    client = premap.promote() if premap else None
+    if client is None:
+        client = PoolClient.connect(
+            env.pool_socket, env.pool_token, takeover=True, timeout_s=timeout_s
+        )
+    report = client.localize()  # a premapped client maps what it replaced again
     timings["attach_localize_s"] = time.time() - t_pool
+    if premap:
+        timings.update(premap.summary(), remapped_pages=client.remapped)
     return Context(
         role="promoted" if role == "shadow" else "active",
         rank=rank,

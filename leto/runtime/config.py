@@ -32,6 +32,8 @@ ENV_PROFILE_RECOVERY = "LETO_PROFILE_RECOVERY"
 ENV_ERROR_FILE = "LETO_ERROR_FILE"
 ENV_PREINIT = "LETO_PREINIT"  # --shadow-level auto: the trainer's guard configuration (JSON)
 ENV_LOG_DIR = "LETO_LOG_DIR"  # leto run's --log-dir
+# "0": parked L2/L3 shadows do not map the pool ahead of a promotion (leto.runtime.premap).
+ENV_PREMAP = "LETO_PREMAP"
 # Where a leto.Run writes its loss log and the verifiers' trace (default <log dir>/train).
 ENV_TRAIN_DIR = "LETO_TRAIN_DIR"
 
@@ -68,6 +70,7 @@ class TrainerEnv:
     error_file: str | None = None
     log_dir: str = "leto-run"
     train_dir: str = ""  # a Run's output; "" is <log_dir>/train
+    premap: bool = True  # parked L2/L3 shadows map the pool ahead of a promotion
 
     @classmethod
     def from_environ(cls, env=None) -> TrainerEnv:
@@ -110,6 +113,7 @@ class TrainerEnv:
             preinit=e.get(ENV_PREINIT) or None,
             profile_recovery=e.get(ENV_PROFILE_RECOVERY) or None,
             error_file=e.get(ENV_ERROR_FILE) or None,
+            premap=e.get(ENV_PREMAP, "1") != "0",
             log_dir=e.get(ENV_LOG_DIR, "leto-run"),
             train_dir=e.get(ENV_TRAIN_DIR, ""),
         )
