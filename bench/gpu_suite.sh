@@ -141,12 +141,14 @@ if [[ $what == faultkit || $what == all ]]; then
     --phases update,parity-copy,grad-parity 2>&1 | tee "$OUT/faultkit_matrix_cuda.txt" || rc=1
 fi
 if [[ $what == runtime || $what == all ]]; then
-  # The verifiers' digest on the GPU (every recovery's exactness check hashes 16 GB).
-  python3 -m pytest -p no:cacheprovider -q tests/test_digest.py 2>&1 | tee "$OUT/digest_gpu_tests.txt" || rc=1
-  # HOF recovery on one H200 (NCCL, world size 1) with a >= 1 B-parameter GPT: L3 against
-  # the torchrun + checkpoint baseline, each recovering trainer profiled.
+  # The verifiers' digest on the GPU (every recovery's exactness check hashes 16 GB), and
+  # a premapped shadow's remap of lost VMM pages (issue 17).
+  python3 -m pytest -p no:cacheprovider -q tests/test_digest.py tests/test_pool_gpu.py 2>&1 | tail -3 | tee "$OUT/runtime_gpu_tests.txt" || rc=1
+  # HOF recovery on one H200 (NCCL, world size 1) with a >= 1 B-parameter GPT: L3 (its
+  # shadow premapped the pool) against the torchrun + checkpoint baseline, then L3 without
+  # premapping; each recovering trainer profiled.
   timeout 570 python3 -m bench.recovery_speed --device cuda --nproc-per-node 1 --iterations 6 --fail-at 4 \
-    --checkpoint-interval 3 --variants "${LETO_VARIANTS:-L3,torchrun + checkpoint}" \
+    --checkpoint-interval 3 --variants "${LETO_VARIANTS:-L3,torchrun + checkpoint,L3 (attach cold)}" \
     --profile-recovery "$OUT/profiles" --json-out "$OUT/recovery_speed_cuda.json" \
     --model --n-layer 20 --n-embd 2048 --n-head 16 --chunk-units 64 2>&1 | tee "$OUT/recovery_speed_cuda.txt" || rc=1
 fi

@@ -35,23 +35,26 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from leto.runtime.config import ENV_PROFILE_RECOVERY
+from leto.runtime.config import ENV_PREMAP, ENV_PROFILE_RECOVERY
 from leto.runtime.store import free_port
 from verifiers import compare
 from verifiers.trace import read_run
 
 REPO = Path(__file__).resolve().parents[1]
+# name -> (shadow level, recovery, extra environment). L2/L3 shadows premap the pool
+# while parked (leto.runtime.premap); "L3 (attach cold)" is L3 without it, side by side.
 VARIANTS = {
-    "L1": ("L1", "in-place"),
-    "L2": ("L2", "in-place"),
-    "L3": ("L3", "in-place"),
-    "cold (in place)": ("off", "in-place"),
-    "torchrun + checkpoint": ("off", "checkpoint"),
+    "L1": ("L1", "in-place", {}),
+    "L2": ("L2", "in-place", {}),
+    "L3": ("L3", "in-place", {}),
+    "L3 (attach cold)": ("L3", "in-place", {ENV_PREMAP: "0"}),
+    "cold (in place)": ("off", "in-place", {}),
+    "torchrun + checkpoint": ("off", "checkpoint", {}),
 }
 
 
 def run_variant(
-    work: Path, level: str, recovery: str, args, faults, checkpoint_interval: int
+    work: Path, level: str, recovery: str, args, faults, checkpoint_interval: int, env=None
 ) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -62,7 +65,7 @@ def run_variant(
         str(REPO / "examples" / "train_gpt.py"), "--iterations", str(args.iterations),
         "--out", str(work / "out"), *args.model,
     ]  # fmt: skip
-    env = dict(os.environ, LETO_FAULT_PLAN=json.dumps(faults))
+    env = dict(os.environ, **(env or {}), LETO_FAULT_PLAN=json.dumps(faults))
     if args.profile_recovery:
         env[ENV_PROFILE_RECOVERY] = str(Path(args.profile_recovery).resolve() / work.name)
     p = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1200)
@@ -129,10 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"reference run: {time.monotonic() - t0:.0f} s", flush=True)
     rows = {}
     for name in chosen:
-        level, recovery = VARIANTS[name]
-        work = root / name.replace(" ", "_").replace("+", "")
+        level, recovery, extra = VARIANTS[name]
+        work = root / "".join(c if c.isalnum() else "_" for c in name)
         t0 = time.monotonic()
-        summary = run_variant(work, level, recovery, args, faults, args.checkpoint_interval)
+        summary = run_variant(work, level, recovery, args, faults, args.checkpoint_interval, extra)
         rec = summary["recoveries"][0]
         verdict = compare(root / "reference" / "out", work / "out")
         rows[name] = {

@@ -96,7 +96,11 @@ def cmd_matrix(args: argparse.Namespace) -> int:
             str(c["host_parity_pages"]),
             f"{r['pages_rebuilt']} dev, {r['host_pages_rebuilt']} host",
             f"{r['recovery_s']:.2f} s" if r["recovery_s"] else "-",
-            ("[green]EXACT[/]" if r["exact"] else f"[red]NOT EXACT[/] {r['first_divergence'] or r['fatal_detail']}")
+            (
+                "[green]EXACT[/]"
+                if r["exact"]
+                else f"[red]NOT EXACT[/] {r['first_divergence'] or r['fatal_detail']}"
+            )
             + (f" — scrub: {r['scrub']}" if r.get("scrub") else "")
             + (_unseen(r) if r["mode"].startswith("corrupt") and not r.get("scrub") else ""),
         )
