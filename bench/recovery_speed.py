@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
             "exact": verdict.exact,
             "first_divergence": verdict.describe(),
             "record": rec,
+            # Whether every promoted trainer came from a premapped shadow: a premapping
+            # that was dropped makes "L3" an attach-cold figure, and the table says so.
+            "premapped": [t.get("premapped") for t in rec.get("trainers", {}).values()],
         }
         print(
             f"{name}: regained in {rows[name]['regained_s']:.2f} s, exact "
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
         "variants": rows,
     }
     t = Table(title=f"HOF recovery, {args.nproc_per_node} ranks on {args.device}")
-    for c in ("variant", "failure → progress regained", "vs baseline", "to training", "exact"):
+    cols = ("variant", "failure → progress regained", "vs baseline", "to training", "premapped")
+    for c in (*cols, "exact"):
         t.add_column(c)
     for name, r in rows.items():
         t.add_row(
@@ -167,12 +171,19 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['regained_s']:.2f} s",
             f"{base / r['regained_s']:.1f}× faster" if name != "torchrun + checkpoint" else "—",
             f"{r['to_training_s']:.2f} s" if r["to_training_s"] else "-",
+            _premapped(r["premapped"]),
             "EXACT" if r["exact"] else f"NOT EXACT: {r['first_divergence']}",
         )
     Console().print(t)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=2))
     return res
+
+
+def _premapped(flags: list) -> str:
+    if not flags or all(f is None for f in flags):
+        return "-"  # no shadow, or no premapping at its level
+    return "yes" if all(flags) else f"NO ({sum(map(bool, flags))} of {len(flags)})"
 
 
 if __name__ == "__main__":
