@@ -14,7 +14,12 @@ Gradient accumulation: micro-batches accumulate into the retained gradient buffe
 example job's ``--micro-batches``; every backward but the last under ``no_sync``), and
 a crash in any of them is a crash in the compute phase (the iteration is redone).
 
-Not covered: tensor/pipeline parallelism.
+A parallelized model (FSDP2, tensor parallel, FSDP2 x TP): the retained state is this
+rank's shards and the parallelism's own reductions fill the retained gradients
+(``leto.update.shards``); under FSDP2 use ``set_requires_gradient_sync`` for
+micro-batches instead of ``no_sync``.
+
+Not covered: pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from leto.errors import FatalFailure
+from leto.errors import FatalFailure, InvalidInput
 from leto.memory.client import PoolClient
 from leto.plugins import point
 from leto.runtime.buckets import GradBuckets
@@ -70,6 +75,11 @@ class RetainedTraining:
             client, model, schedule, updater or UpdaterConfig(), shard=shard, user=user
         )
         self.params = self.up.params
+        # A parallelized model reduces its gradients itself (FSDP2's reduce-scatter, TP's
+        # collectives), into the retained shards: Leto's all-reduce is off.
+        shards = self.up.state.shards
+        self.sharded = shards is not None
+        self.fsdp = bool(shards) and any(sh.owner is not None for sh in shards.values())
         # Which code updates the chunks (the fused pass's kernel or twin, or the unfused
         # steps and why), in the rank's log.
         print(f"rank {rank}: chunk updates: {self.up.update_path}", file=sys.stderr, flush=True)
@@ -90,7 +100,7 @@ class RetainedTraining:
         # all-reduce of the whole retained buffer after backward.
         self.buckets = (
             GradBuckets(self.params, self.up.state, bucket_mib, at_backward_end=user is not None)
-            if world > 1 and bucket_mib > 0
+            if world > 1 and bucket_mib > 0 and not self.sharded
             else None
         )
 
@@ -212,6 +222,12 @@ class RetainedTraining:
     def no_sync(self):
         """Context for the backward of every micro-batch but the last (as DDP's
         ``no_sync``): gradients accumulate, nothing is reduced yet."""
+        if self.fsdp:
+            raise InvalidInput(
+                "run.no_sync() with a model sharded by fully_shard: use FSDP2's "
+                "model.set_requires_gradient_sync(False) for the micro-batches instead"
+            )
+        # (Tensor parallel alone: nothing is reduced across ranks, nothing to defer.)
         return self.buckets.no_sync() if self.buckets is not None else contextlib.nullcontext()
 
     def reduce(self, t: int) -> None:
@@ -222,7 +238,7 @@ class RetainedTraining:
         if self.buckets is not None:
             if not self.buckets.reduced:
                 self.buckets.finish()  # the buckets backward launched, then any it did not
-        elif self.world > 1:
+        elif self.world > 1 and not self.sharded:
             dist.all_reduce(self.up.state.grad)
             self.up.state.grad.div_(self.world)
 

@@ -8,7 +8,10 @@ its state together. Gradients are a separate protected allocation (their own gro
 re-encoded every iteration). Every tensor is flat; each model parameter is a view into
 it at a fixed offset, so model code is unchanged.
 
-Not covered: tensor/pipeline parallelism, parameters of mixed dtypes (one dtype per
+A parallelized model (FSDP2, tensor parallel, both) retains each rank's local shards
+instead (``leto.update.shards``): a slot per parameter shard, FSDP2's padding after it.
+
+Not covered: pipeline parallelism, parameters of mixed dtypes (one dtype per
 model; bf16 gets fp32 master weights).
 """
 
@@ -21,6 +24,7 @@ import torch
 from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.update.optim import CUT_ELEMS
+from leto.update.shards import LocalShard, bind_shard, is_sharded, local, local_shards
 
 SET_NAMES = ("param", "master", "exp_avg", "exp_avg_sq")
 # Parameter alignment in elements: the optimizer's cut granularity (it must divide every
@@ -37,6 +41,7 @@ class ParamSlot:
     layerwise: bool = False  # updated as a whole (its own chunk), e.g. by Muon
     trainable: bool = True  # requires_grad: frozen parameters are retained, never updated
     aliases: tuple[str, ...] = ()  # other names of the same (tied) parameter
+    span: int = 0  # elements reserved from offset when more than numel (an FSDP2 shard's padding)
 
 
 class RetainedModel:
@@ -55,6 +60,20 @@ class RetainedModel:
         if not params:
             raise ValueError("the model has no parameters")
         check_buffers(model)
+        # FSDP2 / tensor parallel: this rank's shard of each DTensor parameter is what is
+        # retained (None: no DTensor parameters).
+        self.shards: dict[str, LocalShard] | None = None
+        if is_sharded(model):
+            import torch.distributed as dist
+
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            by_id = local_shards(model, world)
+            self.shards = {n: by_id[id(p)] for n, p in params if id(p) in by_id}
+            if shard is not None or layerwise is not None:
+                raise ValueError(
+                    "a parallelized model (FSDP2, tensor parallel) takes neither ZeRO-1 nor "
+                    "a layer-wise optimizer under Leto"
+                )
         # Tied parameters (one tensor under several names, e.g. an LM head sharing the
         # embedding) are retained once and bound under every name.
         aliases: dict[int, list[str]] = {}
@@ -107,10 +126,14 @@ class RetainedModel:
                 if off // per_group_elems != (off + p.numel() - 1) // per_group_elems:
                     off = -(-off // per_group_elems) * per_group_elems  # start the next group
             others = tuple(n for n in aliases[id(p)] if n != name)
+            shape, span = p.shape, 0
+            if self.shards is not None and name in self.shards:
+                shape, span = self.shards[name].shape, self.shards[name].span
+            numel = shape.numel()
             self.slots.append(
-                ParamSlot(name, p.shape, off, p.numel(), whole, p.requires_grad, others)
+                ParamSlot(name, shape, off, numel, whole, p.requires_grad, others, span)
             )
-            off += p.numel()
+            off += max(numel, span)
             if whole:
                 off = -(-off // ue) * ue  # nothing else shares its units
         self.numel = off
@@ -175,6 +198,15 @@ class RetainedModel:
         memory, under each of its names; returns the new parameters by name."""
         out = {}
         for slot in self.slots:
+            sh = self.shards.get(slot.name) if self.shards is not None else None
+            if sh is not None:  # a DTensor parameter stays; its local shard moves here
+                bind_shard(
+                    sh,
+                    self.param_full[slot.offset : slot.offset + max(slot.span, slot.numel)],
+                    self.grad[slot.offset : slot.offset + slot.numel] if slot.trainable else None,
+                )
+                out[slot.name] = sh.param
+                continue
             view = self.param_full[slot.offset : slot.offset + slot.numel].view(slot.shape)
             param = torch.nn.Parameter(view, requires_grad=slot.trainable)
             if slot.trainable:
@@ -190,14 +222,18 @@ class RetainedModel:
         ``zero_grad(set_to_none=True)`` drops it)."""
         for slot in self.slots:
             p = params[slot.name]
-            if slot.trainable and (p.grad is None or p.grad.data_ptr() != self._grad_ptr(slot)):
-                p.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if slot.trainable and (
+                p.grad is None or local(p.grad).data_ptr() != self._grad_ptr(slot)
+            ):
+                view = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                sh = self.shards.get(slot.name) if self.shards is not None else None
+                p.grad = sh.grad_of(view) if sh is not None else view
 
     def check_grads(self, params: dict[str, torch.nn.Parameter]) -> None:
         """Every trainable parameter's gradient is still its retained view."""
         for slot in self.slots:
             g = params[slot.name].grad
-            if slot.trainable and (g is None or g.data_ptr() != self._grad_ptr(slot)):
+            if slot.trainable and (g is None or local(g).data_ptr() != self._grad_ptr(slot)):
                 raise RuntimeError(
                     f"the gradient of {slot.name} is not in retained memory any more "
                     f"(set to None or replaced after the iteration began); gradients "
