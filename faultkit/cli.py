@@ -51,6 +51,7 @@ def _config(args: argparse.Namespace):
         every=getattr(args, "every", 0),
         shadow_level=args.shadow_level,
         abort_after_blocks=getattr(args, "abort_after_blocks", 3),
+        parallel=getattr(args, "parallel", "dp"),
     )
 
 
@@ -84,7 +85,9 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"exact": not bad, "cases": rows}))
         return 0 if not bad else 1
-    t = Table(title=f"faultkit matrix: {len(rows) - len(bad)} of {len(rows)} EXACT")
+    t = Table(
+        title=f"faultkit matrix ({args.parallel}): {len(rows) - len(bad)} of {len(rows)} EXACT"
+    )
     for c in ("phase", "mode", "pages/group", "host parity", "rebuilt", "recovery", "verdict"):
         t.add_column(c)
     for r in rows:
@@ -163,6 +166,7 @@ def _verdict_table(v: dict, title: str) -> int:
     t.add_column("value")
     rows = [
         ("fault", f"{v['mode']} rank {v['config']['rank']} at {', '.join(v['points'])}"),
+        ("job", f"{v['config']['parallel']}, world size {v['config']['world_size']}"),
         ("injections / recoveries", f"{v['injections']} / {v['recoveries']}"),
         (
             "device pages lost / rebuilt (all ranks)",
@@ -212,6 +216,14 @@ def _verdict_table(v: dict, title: str) -> int:
         t.add_row(k, str(val))
     Console().print(t)
     return 0 if v["exact"] else 1
+
+
+PARALLEL_HELP = (
+    "the job's parallelism: dp (the example GPT, data parallel), or the parallel example "
+    "(examples/parallel/gpt_parallel_leto.py; each rank retains its shards) as fsdp "
+    "(FSDP2), tp (tensor-parallel MLPs over every rank) or fsdp+tp (TP over pairs of "
+    "ranks, FSDP2 across them: world size 4 or more)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--shadow-level", default="L2", help="leto run's shadows: L1, L2, L3, off")
+    p.add_argument("--parallel", default="dp", help=PARALLEL_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(fn=cmd_inject)
 
@@ -283,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks")
         p.add_argument("--device", default="cpu", help="cpu or cuda")
         p.add_argument("--shadow-level", default="L2", help="leto run's shadows: L1, L2, L3, off")
+        p.add_argument("--parallel", default="dp", help=PARALLEL_HELP)
         p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser(

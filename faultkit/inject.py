@@ -54,6 +54,19 @@ KERNEL_PHASES = ("grad-parity", "update", "parity", "parity-copy", "tier2")
 # (corrupt-parity); ``pages`` says how many pages (one bit each; at least 1).
 CORRUPT_MODES = ("corrupt-data", "corrupt-parity")
 MODES = ("kill", "copy-corrupt", "kernel-abort", *CORRUPT_MODES)
+# The job each parallelism runs: "dp" the example GPT with data parallelism; the others
+# the torchtitan-style example on a (dp, tp) mesh, each rank retaining its shards:
+# "fsdp" FSDP2 over every rank, "tp" tensor-parallel MLPs over every rank, "fsdp+tp"
+# FSDP2 x TP with TP over pairs of ranks. -> the example's --tp for a world size.
+PARALLEL_SCRIPT = (
+    Path(__file__).resolve().parents[1] / "examples" / "parallel" / "gpt_parallel_leto.py"
+)
+PARALLEL = {
+    "dp": None,
+    "fsdp": lambda world: 1,
+    "tp": lambda world: world,
+    "fsdp+tp": lambda world: 2,
+}
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,7 @@ class InjectConfig:
     every: int = 0  # 0: one fault in the middle iteration; K: one every K iterations
     shadow_level: str = "L2"  # leto run's shadows (off: cold restarts in place)
     abort_after_blocks: int = 3  # kernel-abort: blocks of the kernel that run
+    parallel: str = "dp"  # the job's parallelism: one of PARALLEL
 
 
 def _phase(cfg: InjectConfig, phase: str, salt: int = 0) -> str:
@@ -92,6 +106,13 @@ def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
             f"--mode kernel-abort needs a phase that runs one of Leto's kernels "
             f"({', '.join(KERNEL_PHASES)}), not {phase!r}: torch's own kernels are not "
             "instrumented (use --mode kill on --device cuda)"
+        )
+    if cfg.parallel not in PARALLEL:
+        raise ValueError(f"--parallel {cfg.parallel!r}: choose one of {', '.join(PARALLEL)}")
+    if cfg.parallel == "fsdp+tp" and (cfg.world_size < 4 or cfg.world_size % 2):
+        raise ValueError(
+            f"--parallel fsdp+tp puts TP over pairs of ranks and FSDP2 across the pairs: "
+            f"it needs an even world size of at least 4, not {cfg.world_size}"
         )
     if mode not in MODES:
         raise ValueError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -135,9 +156,15 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
     env = {"LETO_TRIPWIRE_BLOCKS": str(cfg.abort_after_blocks)}
     if cfg.device == "cpu":  # a small CPU job: save the tensors, so a divergence names its byte
         env[ENV_KEEP] = "1"
+    tp = PARALLEL[cfg.parallel]
+    job = {} if tp is None else {
+        "script": PARALLEL_SCRIPT,
+        "script_args": ["--iterations", str(cfg.iterations), "--seed", str(cfg.seed),
+                        "--tp", str(tp(cfg.world_size)), "--out", str(Path(out) / "train")],
+    }  # fmt: skip
     got = run_job(
         cfg.world_size, train, out, faults, pool=pool, device=cfg.device,
-        shadow_level=cfg.shadow_level, allow_failure=bool(faults), env=env,
+        shadow_level=cfg.shadow_level, allow_failure=bool(faults), env=env, **job,
     )  # fmt: skip
     got["run_s"] = time.perf_counter() - t0
     return got
