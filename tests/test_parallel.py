@@ -1,5 +1,5 @@
-"""Parallelized models under Leto (FSDP2, tensor parallel, FSDP2 x TP): each rank
-retains its own shards.
+"""Parallelized models under Leto (FSDP2, tensor parallel, FSDP2 x TP, pipeline
+stages): each rank retains its own shards or stage.
 
 Two gloo ranks in spawned processes, each with its own state manager: after binding,
 FSDP2's padded shard (what it all-gathers from), the parameters' local tensors and the
@@ -7,8 +7,9 @@ gradients its reduce-scatter writes are all retained pool memory, and a backward
 the retained gradient the same bytes as the same model sharded without Leto. Layouts
 Leto cannot retain are refused by name. End to end (``leto run``): the parallel example
 under Leto is bit-identical to the same script under torchrun — FSDP2 and TP on two
-ranks, FSDP2 x TP on four — also after a rank is killed in the optimizer step with
-parameter, moment, gradient and host-parity pages lost on every rank.
+ranks, FSDP2 x TP on four, pipeline stages on two (GPipe and 1F1B) — also after a rank
+is killed (in the optimizer step, or mid-schedule) with parameter, moment, gradient and
+host-parity pages lost on every rank.
 """
 
 from __future__ import annotations
@@ -146,32 +147,42 @@ def _params(out: Path, world: int) -> list[dict]:
     return [torch.load(out / f"rank{r}.params.pt", map_location="cpu") for r in range(world)]
 
 
+# (job, flags, world size, the fault, the rank it kills): FSDP2 and TP on two ranks,
+# FSDP2 x TP on four, pipeline stages under GPipe (killed in the forward of the third
+# micro-batch: mid-schedule) and 1F1B (in the optimizer step).
+CASES = {
+    "fsdp": ("gpt_parallel", ["--tp", "1"], 2, "update.optimizer@2#1", 1),
+    "tp": ("gpt_parallel", ["--tp", "2"], 2, "update.optimizer@2#1", 1),
+    "fsdp+tp": ("gpt_parallel", ["--tp", "2"], 4, "update.optimizer@2#1", 3),
+    "pp-gpipe": ("gpt_pipeline", ["--schedule", "gpipe"], 2, "compute.forward@2#3", 1),
+    "pp-1f1b": ("gpt_pipeline", ["--schedule", "1f1b"], 2, "update.optimizer@2#1", 0),
+}
+
+
 @pytest.mark.integ
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(
-    "parallel,world,tp,rank",
-    [("fsdp", 2, 1, 1), ("tp", 2, 2, 1), ("fsdp+tp", 4, 2, 3)],
-)
-def test_the_parallel_example_under_leto_is_bit_identical_to_torchrun_after_a_kill_with_lost_pages(
-    tmp_path, parallel, world, tp, rank
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_parallel_examples_under_leto_are_bit_identical_to_torchrun_after_a_fault_with_lost_pages(
+    tmp_path, case
 ):
+    script, flags, world, at, rank = CASES[case]
     plain = tmp_path / "plain"
-    args = ["--iterations", "4", "--tp", str(tp)]
+    args = ["--iterations", "4", *flags]
     subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(world), str(EXAMPLES / "gpt_parallel.py"), *args, "--out", str(plain)],
+         str(world), str(EXAMPLES / f"{script}.py"), *args, "--out", str(plain)],
         check=True, capture_output=True, text=True, timeout=180,
         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
     )  # fmt: skip
-    # A rank killed in iteration 2's optimizer step; parameter and moment pages, a host
-    # parity page and a gradient page (the reduced shard: not replicated anywhere, only
-    # its parity protects it) lost on every rank.
+    # Parameter and moment pages, a host parity page and a gradient page (a sharded or
+    # per-stage gradient: not replicated anywhere, only its parity protects it) lost on
+    # every rank while the job is fenced.
     lose = (("data", "param", (0, 3)), ("data", "exp_avg", (1, 2)), ("tier1", 1, (0,)),
             ("data", "grad", (1,)))  # fmt: skip
     out = tmp_path / "leto"
     got = run_job(
-        world, TrainConfig(), out, [JobFault(rank, "update.optimizer@2#1", inject=lose)],
-        shadow_level="L2", script=EXAMPLES / "gpt_parallel_leto.py",
+        world, TrainConfig(), out, [JobFault(rank, at, inject=lose)],
+        shadow_level="L2", script=EXAMPLES / f"{script}_leto.py",
         script_args=[*args, "--out", str(out / "train")], timeout_s=300,
     )  # fmt: skip
     assert got["injections"] == 1 and got["recoveries"][0]["pages_lost"]["device"] > 0, got
@@ -182,14 +193,14 @@ def test_the_parallel_example_under_leto_is_bit_identical_to_torchrun_after_a_ki
             a, b = first[r][k].contiguous(), leto[r][k].contiguous()
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"rank {r}: {k}"
     # Training moved the weights (a run that trained nothing would also "match").
-    before = _initial()["blocks.0.fc.weight"]
+    before = _initial(4 if script == "gpt_pipeline" else 2)["blocks.0.fc.weight"]
     after = leto[0]["blocks.0.fc.weight"]
     assert not torch.equal(after, before[: after.shape[0], : after.shape[1]])
 
 
-def _initial() -> dict[str, torch.Tensor]:
+def _initial(layers: int) -> dict[str, torch.Tensor]:
     from leto.workload.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab=257, block=32, n_layer=2, n_head=2, n_embd=64, dropout=0.0))
+    m = GPT(GPTConfig(vocab=257, block=32, n_layer=layers, n_head=2, n_embd=64, dropout=0.0))
     return {n: p.detach().clone() for n, p in m.named_parameters()}

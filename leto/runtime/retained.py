@@ -60,12 +60,16 @@ class RetainedTraining:
         bucket_mib: float = 25.0,
         user=None,
         scrub_requests: Path | None = None,
+        data_parallel: bool = True,
     ):
         """``model`` may live on the meta device: its parameters become views of pool
         memory. ``init_fn()`` initializes them on a fresh pool (first start only).
         ``user``: the script's own optimizer (``UserOptimizer``; ``leto.Run`` drives
         this mode) instead of ``updater.adamw`` and ``schedule``. ``scrub_requests``:
-        the file ``leto pool scrub`` writes to ask for a full scrub now."""
+        the file ``leto pool scrub`` writes to ask for a full scrub now.
+        ``data_parallel``: every rank holds the same parameters and Leto averages the
+        gradients over all of them; False: each rank's parameters are its own (a
+        pipeline stage) and nothing is reduced across ranks."""
         self.rank, self.world, self.out = rank, world, Path(out)
         self.model = model
         self.init_fn = init_fn
@@ -78,7 +82,7 @@ class RetainedTraining:
         # A parallelized model reduces its gradients itself (FSDP2's reduce-scatter, TP's
         # collectives), into the retained shards: Leto's all-reduce is off.
         shards = self.up.state.shards
-        self.sharded = shards is not None
+        self.sharded = shards is not None or not data_parallel
         self.fsdp = bool(shards) and any(sh.owner is not None for sh in shards.values())
         # Which code updates the chunks (the fused pass's kernel or twin, or the unfused
         # steps and why), in the rank's log.

@@ -81,6 +81,7 @@ class Run:
         zero1: bool = False,
         chunk_units: int = 2,
         bucket_mib: float = 25.0,
+        data_parallel: bool = True,
     ):
         """``ctx``: what ``leto.init()`` returned. ``optimizer``: the script's optimizer,
         or a list of them (e.g. Muon for the 2-D weights and AdamW for the rest; the update
@@ -91,7 +92,11 @@ class Run:
         before ``leto.Run``; they are retained then). ``init()``: fills the parameters on a
         fresh pool when the model was built on the meta device (otherwise the model's
         own initial values are retained). ``out``: the loss log (and, with ``--verify``,
-        the verifiers' trace); default ``$LETO_TRAIN_DIR``, else ``<--log-dir>/train``."""
+        the verifiers' trace); default ``$LETO_TRAIN_DIR``, else ``<--log-dir>/train``.
+        ``data_parallel=False``: this rank's parameters are its own — a pipeline stage
+        (``torch.distributed.pipelining``) — so Leto reduces no gradients across ranks
+        and does not check that ranks start alike. (FSDP2 and tensor-parallel models are
+        recognized by their DTensor parameters and reduce their own gradients.)"""
         t0 = time.time()
         self.ctx = ctx
         self.model = model
@@ -156,6 +161,7 @@ class Run:
             bucket_mib=bucket_mib if bucket_mib > 0 else math.inf,
             user=self.user,
             scrub_requests=Path(ctx.env.log_dir) / SCRUB_REQUEST if ctx.env else None,
+            data_parallel=data_parallel,
         )
         self.loop = self.job.loop = self.job.up.loop
         self.user.adopt(self.job.params)  # the optimizers now hold the retained parameters
