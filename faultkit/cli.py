@@ -78,6 +78,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
             phases=phases,
             modes=tuple(args.modes.split(",")),
             corrupt_pages=args.corrupt_pages,
+            losses=args.losses,
         )
     except (ValueError, RuntimeError) as e:
         return _refuse("matrix", e, args)
@@ -222,7 +223,8 @@ PARALLEL_HELP = (
     "the job's parallelism: dp (the example GPT, data parallel), or the parallel example "
     "(examples/parallel/gpt_parallel_leto.py; each rank retains its shards) as fsdp "
     "(FSDP2), tp (tensor-parallel MLPs over every rank) or fsdp+tp (TP over pairs of "
-    "ranks, FSDP2 across them: world size 4 or more)"
+    "ranks, FSDP2 across them: world size 4 or more), or pp (gpt_pipeline_leto.py: one "
+    "pipeline stage per rank, GPipe over 4 micro-batches)"
 )
 
 
@@ -319,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="corrupt modes: 1 and H1 flipped pages at every phase (both), or 1 and H1 "
         "taking turns along phases and modes (alternate: half the cases, each phase and "
         "mode still sees both counts)",
+    )
+    p.add_argument(
+        "--losses",
+        default="all",
+        choices=("all", "alternate"),
+        help="kill/copy-corrupt/kernel-abort: every loss ({0, H1} pages x host parity page "
+        "or not) at every phase (all), or one per phase, the four taking turns (alternate)",
     )
     p.set_defaults(fn=cmd_matrix)
     register_plan(sub)

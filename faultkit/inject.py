@@ -55,17 +55,16 @@ KERNEL_PHASES = ("grad-parity", "update", "parity", "parity-copy", "tier2")
 CORRUPT_MODES = ("corrupt-data", "corrupt-parity")
 MODES = ("kill", "copy-corrupt", "kernel-abort", *CORRUPT_MODES)
 # The job each parallelism runs: "dp" the example GPT with data parallelism; the others
-# the torchtitan-style example on a (dp, tp) mesh, each rank retaining its shards:
-# "fsdp" FSDP2 over every rank, "tp" tensor-parallel MLPs over every rank, "fsdp+tp"
-# FSDP2 x TP with TP over pairs of ranks. -> the example's --tp for a world size.
-PARALLEL_SCRIPT = (
-    Path(__file__).resolve().parents[1] / "examples" / "parallel" / "gpt_parallel_leto.py"
-)
+# examples/parallel, each rank retaining its shards: "fsdp" FSDP2 over every rank, "tp"
+# tensor-parallel MLPs over every rank, "fsdp+tp" FSDP2 x TP with TP over pairs of
+# ranks, "pp" one pipeline stage per rank (GPipe). -> (script, its flags for a world size)
+_PAR = Path(__file__).resolve().parents[1] / "examples" / "parallel"
 PARALLEL = {
     "dp": None,
-    "fsdp": lambda world: 1,
-    "tp": lambda world: world,
-    "fsdp+tp": lambda world: 2,
+    "fsdp": (_PAR / "gpt_parallel_leto.py", lambda world: ["--tp", "1"]),
+    "tp": (_PAR / "gpt_parallel_leto.py", lambda world: ["--tp", str(world)]),
+    "fsdp+tp": (_PAR / "gpt_parallel_leto.py", lambda world: ["--tp", "2"]),
+    "pp": (_PAR / "gpt_pipeline_leto.py", lambda world: []),
 }
 
 
@@ -156,11 +155,11 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
     env = {"LETO_TRIPWIRE_BLOCKS": str(cfg.abort_after_blocks)}
     if cfg.device == "cpu":  # a small CPU job: save the tensors, so a divergence names its byte
         env[ENV_KEEP] = "1"
-    tp = PARALLEL[cfg.parallel]
-    job = {} if tp is None else {
-        "script": PARALLEL_SCRIPT,
+    par = PARALLEL[cfg.parallel]
+    job = {} if par is None else {
+        "script": par[0],
         "script_args": ["--iterations", str(cfg.iterations), "--seed", str(cfg.seed),
-                        "--tp", str(tp(cfg.world_size)), "--out", str(Path(out) / "train")],
+                        *par[1](cfg.world_size), "--out", str(Path(out) / "train")],
     }  # fmt: skip
     got = run_job(
         cfg.world_size, train, out, faults, pool=pool, device=cfg.device,
@@ -311,15 +310,22 @@ def matrix(
     phases: tuple[str, ...] | None = None,
     modes: tuple[str, ...] = ("kill", "copy-corrupt"),
     corrupt_pages: str = "both",
+    losses: str = "all",
 ) -> list[dict]:
     """Every phase x {0, H1} lost pages per group x host parity page lost or not x
     ``modes`` (copy-corrupt where the phase copies parity, kernel-abort where it runs
     one of Leto's kernels), against one shared fault-free reference. Corrupt modes flip
     1 and H1 pages at every phase (``corrupt_pages="both"``), or half of those cases
     (``"alternate"``: 1 and H1 take turns along phases and modes, so every phase and
-    every corrupt mode still sees both counts — the CI's cut)."""
+    every corrupt mode still sees both counts — the CI's cut). The other modes run
+    every loss combination (``losses="all"``: {0, H1} pages x host page or not) at each
+    phase, or one per phase and mode (``"alternate"``: the four take turns, so each is
+    still run at two of the eight phases — the CI's cut for the parallel jobs)."""
     if corrupt_pages not in ("both", "alternate"):
         raise ValueError(f"--corrupt-pages {corrupt_pages!r}: expected both or alternate")
+    if losses not in ("all", "alternate"):
+        raise ValueError(f"--losses {losses!r}: expected all or alternate")
+    combos = [(0, 0), (base.tier1_pages, 1), (0, 1), (base.tier1_pages, 0)]
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
@@ -341,10 +347,9 @@ def matrix(
                     cfg = replace(base, phase=phase, mode=mode, pages=pages, host_parity_pages=0)
                     rows.append(inject(cfg, work, reference=ref))
                 continue
-            for pages in (0, base.tier1_pages):
-                for host in (0, 1):
-                    cfg = replace(base, phase=phase, mode=mode, pages=pages, host_parity_pages=host)
-                    rows.append(inject(cfg, work, reference=ref))
+            for pages, host in combos if losses == "all" else [combos[(i + j) % 4]]:
+                cfg = replace(base, phase=phase, mode=mode, pages=pages, host_parity_pages=host)
+                rows.append(inject(cfg, work, reference=ref))
     return rows
 
 

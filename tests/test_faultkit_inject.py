@@ -191,3 +191,23 @@ def test_the_ci_corrupt_cut_covers_every_phase_and_both_counts(monkeypatch, tmp_
     assert all(c.host_parity_pages == 0 for c in cut)
     with pytest.raises(ValueError, match="--corrupt-pages 'some'"):
         fi.matrix(base, tmp_path, modes=modes, corrupt_pages="some")
+
+
+def test_the_ci_loss_cut_runs_every_phase_and_every_loss(monkeypatch, tmp_path):
+    # Enumeration only, as above: the parallel jobs' CI cut (kill, --losses alternate).
+    import faultkit.inject as fi
+
+    monkeypatch.setattr(fi, "reference_run", lambda base, work: {})
+    monkeypatch.setattr(fi, "inject", lambda cfg, work, reference: cfg)
+    base = InjectConfig(tier1_pages=4, parallel="fsdp")
+    full = fi.matrix(base, tmp_path, modes=("kill",))
+    cut = fi.matrix(base, tmp_path, modes=("kill",), losses="alternate")
+    key = {(c.phase, c.pages, c.host_parity_pages) for c in full}
+    assert len(key) == len(full) == 4 * len(fi.PHASES)
+    assert {(c.phase, c.pages, c.host_parity_pages) for c in cut} < key
+    assert sorted(c.phase for c in cut) == sorted(fi.PHASES)  # every phase once
+    losses = [(c.pages, c.host_parity_pages) for c in cut]
+    assert {x: losses.count(x) for x in losses} == {(0, 0): 2, (4, 1): 2, (0, 1): 2, (4, 0): 2}
+    assert all(c.parallel == "fsdp" for c in cut)
+    with pytest.raises(ValueError, match="--losses 'half'"):
+        fi.matrix(base, tmp_path, modes=("kill",), losses="half")
