@@ -1,8 +1,8 @@
 """A torchtitan-style parallel job: a GPT on a (dp, tp) device mesh — tensor parallel
 MLPs (``parallelize_module``: the first linear column-wise, the second row-wise) when
 ``--tp`` > 1, and ``fully_shard`` per block and at the root over the data-parallel
-dimension when it has more than one rank (FSDP2; FSDP2 x TP on a 2-D mesh). AdamW (fused
-on a GPU), a warm-up LR schedule, gradient clipping over DTensor gradients.
+dimension when it has more than one rank (FSDP2; FSDP2 x TP on a 2-D mesh). Fused
+AdamW, a warm-up LR schedule, gradient clipping over DTensor gradients.
 ``gpt_parallel_leto.py`` is the same script under Leto (docs/porting.md).
 
 torchrun --standalone --nproc-per-node 2 examples/parallel/gpt_parallel.py          # FSDP2
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -76,9 +77,16 @@ def main() -> None:
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda
-    )
+    # Fused AdamW steps a parameter group in one call, which cannot mix DTensors and plain
+    # tensors (TP alone leaves the embeddings and norms plain): a group for each.
+    params = list(model.parameters())
+    groups = [
+        {"params": g}
+        for g in ([p for p in params if isinstance(p, DTensor)],
+                  [p for p in params if not isinstance(p, DTensor)])
+        if g
+    ]  # fmt: skip
+    optimizer = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
     for it in range(args.iterations):
         x = tokens(rank, it).to(device)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -50,7 +51,6 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     args = ap.parse_args()
-    cuda = torch.cuda.is_available()
     ctx = leto.init()  # the process group (a shadow parks in here)
     rank = ctx.rank
     device = ctx.device
@@ -71,9 +71,16 @@ def main() -> None:
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda
-    )
+    # Fused AdamW steps a parameter group in one call, which cannot mix DTensors and plain
+    # tensors (TP alone leaves the embeddings and norms plain): a group for each.
+    params = list(model.parameters())
+    groups = [
+        {"params": g}
+        for g in ([p for p in params if isinstance(p, DTensor)],
+                  [p for p in params if not isinstance(p, DTensor)])
+        if g
+    ]  # fmt: skip
+    optimizer = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
     run = leto.Run(ctx, model, optimizer, scheduler)
     for it in run.iterations(args.iterations):

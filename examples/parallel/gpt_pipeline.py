@@ -1,6 +1,6 @@
 """A pipeline-parallel job (``torch.distributed.pipelining``): the example GPT cut into
 one stage per rank — the embeddings and the first blocks, ..., the last blocks, the
-final norm and the head — run by a GPipe or 1F1B schedule over micro-batches. AdamW,
+final norm and the head — run by a GPipe or 1F1B schedule over micro-batches. Fused AdamW,
 a warm-up LR schedule, gradient clipping by the norm over every stage.
 ``gpt_pipeline_leto.py`` is the same script under Leto (docs/porting.md).
 
@@ -81,7 +81,7 @@ def main() -> None:
         stage, MICRO, loss_fn=loss_fn
     )
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda
+        model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
     for it in range(args.iterations):

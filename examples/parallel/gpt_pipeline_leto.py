@@ -64,7 +64,6 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
     args = ap.parse_args()
-    cuda = torch.cuda.is_available()
     ctx = leto.init()  # the process group (a shadow parks in here)
     rank = ctx.rank
     device = ctx.device
@@ -80,7 +79,7 @@ def main() -> None:
         stage, MICRO, loss_fn=loss_fn
     )
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda
+        model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
     run = leto.Run(ctx, model, optimizer, scheduler, data_parallel=False)
