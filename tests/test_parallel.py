@@ -7,7 +7,7 @@ gradients its reduce-scatter writes are all retained pool memory, and a backward
 the retained gradient the same bytes as the same model sharded without Leto. Layouts
 Leto cannot retain are refused by name. End to end (``leto run``): the parallel example
 under Leto is bit-identical to the same script under torchrun — FSDP2 and TP on two
-ranks, FSDP2 x TP on four, pipeline stages on two (GPipe and 1F1B) — also after a rank
+ranks, FSDP2 x TP on four, pipeline stages on two and four (GPipe, 1F1B) — also after a rank
 is killed (in the optimizer step, or mid-schedule) with parameter, moment, gradient and
 host-parity pages lost on every rank.
 """
@@ -106,7 +106,13 @@ def _rank(rank: int, port: int, sockets: list, q) -> None:
             torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 4), torch.nn.Tanh()
         )  # columns split evenly: FSDP2 shards them on dim 1
         cols = _shard(even, mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
-        for bad in (partly, cols):
+        # Tensor parallel over a size-1 "tp" dimension of a (2, 1) mesh, no FSDP2: the
+        # other rank is a data-parallel replica Leto would have to reduce with.
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        tp_mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))["tp"]
+        beside_dp = parallelize_module(_model(), tp_mesh, {"0": ColwiseParallel()})
+        for bad in (partly, cols, beside_dp):
             try:
                 RetainedModel(client, bad)
             except InvalidInput as e:
@@ -138,7 +144,8 @@ def test_fsdp2_shards_params_and_reduce_scattered_grads_live_in_retained_memory(
         assert isinstance(got[r], dict), got[r]
     assert got[0]["padded"] == 0 and got[1]["padded"] > 0  # rank 1's shards carry padding
     for r in range(2):
-        unsharded, cols = got[r]["refusals"]
+        unsharded, cols, beside_dp = got[r]["refusals"]
+        assert "0.weight is tensor-parallel over 1 of 2 ranks" in beside_dp
         assert "parameter 2.weight is not sharded by fully_shard" in unsharded
         assert "0.weight is sharded on dim 1; Leto retains Shard(0) shards only" in cols
 
@@ -149,13 +156,15 @@ def _params(out: Path, world: int) -> list[dict]:
 
 # (job, flags, world size, the fault, the rank it kills): FSDP2 and TP on two ranks,
 # FSDP2 x TP on four, pipeline stages under GPipe (killed in the forward of the third
-# micro-batch: mid-schedule) and 1F1B (in the optimizer step).
+# micro-batch: mid-schedule) and 1F1B (in the optimizer step; on four stages, a middle
+# one in its second micro-batch).
 CASES = {
     "fsdp": ("gpt_parallel", ["--tp", "1"], 2, "update.optimizer@2#1", 1),
     "tp": ("gpt_parallel", ["--tp", "2"], 2, "update.optimizer@2#1", 1),
     "fsdp+tp": ("gpt_parallel", ["--tp", "2"], 4, "update.optimizer@2#1", 3),
     "pp-gpipe": ("gpt_pipeline", ["--schedule", "gpipe"], 2, "compute.forward@2#3", 1),
     "pp-1f1b": ("gpt_pipeline", ["--schedule", "1f1b"], 2, "update.optimizer@2#1", 0),
+    "pp-4-stages": ("gpt_pipeline", ["--schedule", "1f1b"], 4, "compute.backward@2#2", 2),
 }
 
 
