@@ -112,7 +112,9 @@ def _rank(rank: int, port: int, sockets: list, q) -> None:
 
         tp_mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))["tp"]
         beside_dp = parallelize_module(_model(), tp_mesh, {"0": ColwiseParallel()})
-        for bad in (partly, cols, beside_dp):
+        # HSDP: FSDP2 on a (replicate, shard) mesh.
+        hsdp = _shard(_model(), init_device_mesh("cpu", (2, 1), mesh_dim_names=("r", "s")))
+        for bad in (partly, cols, beside_dp, hsdp):
             try:
                 RetainedModel(client, bad)
             except InvalidInput as e:
@@ -144,7 +146,8 @@ def test_fsdp2_shards_params_and_reduce_scattered_grads_live_in_retained_memory(
         assert isinstance(got[r], dict), got[r]
     assert got[0]["padded"] == 0 and got[1]["padded"] > 0  # rank 1's shards carry padding
     for r in range(2):
-        unsharded, cols, beside_dp = got[r]["refusals"]
+        unsharded, cols, beside_dp, hsdp = got[r]["refusals"]
+        assert "0.weight is on an HSDP mesh (replicate x shard)" in hsdp
         assert "0.weight is tensor-parallel over 1 of 2 ranks" in beside_dp
         assert "parameter 2.weight is not sharded by fully_shard" in unsharded
         assert "0.weight is sharded on dim 1; Leto retains Shard(0) shards only" in cols

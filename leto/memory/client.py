@@ -164,25 +164,25 @@ class PoolClient:
             P.AllocSet(self.epoch, list(names), [int(b) for b in nbytes], list(unit_pages)),
             P.AllocatedSet,
         )
-        fds = P.recv_fds(self.sock, reply.n_fds, fds)
+        self._map_allocations(reply.allocations, P.recv_fds(self.sock, reply.n_fds, fds))
+        self._sets[tuple(names)] = reply
+        return reply
+
+    def _map_allocations(self, infos: list[dict], fds: list[int]) -> None:
+        """Map allocations the state manager described (``Table.info``) from their page
+        fds, in order (records in host memory, the rest on this pool's device)."""
         pos = 0
-        for info in reply.allocations:
+        for info in infos:
             n = info["n_pages"]
-            importer = importer_for(self.config.device, info["page_bytes"])
+            kind = AllocationKind(info["kind"])
+            device = "cpu" if kind is AllocationKind.RECORD else self.config.device
+            importer = importer_for(device, info["page_bytes"])
             mapping = importer.map(fds[pos : pos + n])
             pos += n
             meta = P.Allocated(
-                info["name"],
-                AllocationKind.PROTECTED.value,
-                info["nbytes"],
-                n,
-                info["page_bytes"],
-                False,
-                n,
+                info["name"], kind.value, info["nbytes"], n, info["page_bytes"], False, n
             )
             self._maps[info["name"]] = (mapping, importer, meta)
-        self._sets[tuple(names)] = reply
-        return reply
 
     def attach_like(
         self, name: str, like: torch.Tensor, kind: AllocationKind = AllocationKind.PROTECTED
@@ -289,28 +289,12 @@ class PoolClient:
         if self.role != P.Role.SHADOW.value:
             raise PoolError(f"premap is for a parked shadow; this client is a {self.role}")
         reply, fds = P.request(self.sock, P.Premap(list(self._maps)), P.Premapped)
-        fds = P.recv_fds(self.sock, reply.n_fds, fds)
-        pos = 0
-        for info in reply.allocations:
-            n = info["n_pages"]
-            kind = AllocationKind(info["kind"])
-            device = "cpu" if kind is AllocationKind.RECORD else self.config.device
-            importer = importer_for(device, info["page_bytes"])
-            mapping = importer.map(fds[pos : pos + n])
-            pos += n
-            meta = P.Allocated(
-                info["name"], kind.value, info["nbytes"], n, info["page_bytes"], False, n
-            )
-            self._maps[info["name"]] = (mapping, importer, meta)
+        self._map_allocations(reply.allocations, P.recv_fds(self.sock, reply.n_fds, fds))
         for st in reply.sets:
-            names = tuple(st["names"])
+            names = tuple(a["name"] for a in st["allocations"])
             if all(n in self._maps for n in names):
                 self._sets[names] = P.AllocatedSet(
-                    [self._allocated_dict(n) for n in names],
-                    st["units"],
-                    st["units_per_group"],
-                    st["first_group"],
-                    0,
+                    st["allocations"], st["units"], st["units_per_group"], st["first_group"], 0
                 )
         if self._cursor is None:
             self._cursor = reply.cursor  # every fd above is current at this position
@@ -333,15 +317,6 @@ class PoolClient:
         fenced). Then ``localize``, which remaps what it replaced."""
         welcome, _ = P.request(self.sock, P.Takeover(), P.Welcome)
         self.epoch, self.role = welcome.epoch, P.Role.TRAINER.value
-
-    def _allocated_dict(self, name: str) -> dict:
-        meta = self._maps[name][2]
-        return {
-            "name": name,
-            "nbytes": meta.nbytes,
-            "n_pages": meta.n_pages,
-            "page_bytes": meta.page_bytes,
-        }
 
     def _refresh(self) -> None:
         """Map again every page mapped here that the state manager replaced after the

@@ -178,7 +178,7 @@ class Premap:
 @dataclass(frozen=True)
 class Premapped:
     allocations: list  # [{"name", "kind", "nbytes", "n_pages", "page_bytes"}], new ones
-    sets: list  # [{"names", "units", "units_per_group", "first_group"}], every set
+    sets: list  # [{"allocations", "units", "units_per_group", "first_group"}], every set
     cursor: int  # the table's page-replacement log length when the fds were taken
     n_fds: int  # every page of every new allocation, allocation by allocation
 

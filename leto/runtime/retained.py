@@ -17,9 +17,10 @@ a crash in any of them is a crash in the compute phase (the iteration is redone)
 A parallelized model (FSDP2, tensor parallel, FSDP2 x TP): the retained state is this
 rank's shards and the parallelism's own reductions fill the retained gradients
 (``leto.update.shards``); under FSDP2 use ``set_requires_gradient_sync`` for
-micro-batches instead of ``no_sync``.
+micro-batches instead of ``no_sync``. A pipeline stage (``data_parallel=False``) has no
+replicas: nothing is reduced across ranks.
 
-Not covered: pipeline parallelism.
+Not covered: pipeline x data parallelism.
 """
 
 from __future__ import annotations
@@ -79,10 +80,11 @@ class RetainedTraining:
             client, model, schedule, updater or UpdaterConfig(), shard=shard, user=user
         )
         self.params = self.up.params
-        # A parallelized model reduces its gradients itself (FSDP2's reduce-scatter, TP's
-        # collectives), into the retained shards: Leto's all-reduce is off.
+        # Leto averages gradients over the ranks only when every rank holds the same
+        # parameters: a parallelized model reduces its own (FSDP2's reduce-scatter, TP's
+        # collectives) into the retained shards, and a pipeline stage has no replicas.
         shards = self.up.state.shards
-        self.sharded = shards is not None or not data_parallel
+        self.replicated = shards is None and data_parallel
         self.fsdp = bool(shards) and any(sh.owner is not None for sh in shards.values())
         # Which code updates the chunks (the fused pass's kernel or twin, or the unfused
         # steps and why), in the rank's log.
@@ -104,7 +106,7 @@ class RetainedTraining:
         # all-reduce of the whole retained buffer after backward.
         self.buckets = (
             GradBuckets(self.params, self.up.state, bucket_mib, at_backward_end=user is not None)
-            if world > 1 and bucket_mib > 0 and not self.sharded
+            if world > 1 and bucket_mib > 0 and self.replicated
             else None
         )
 
@@ -242,7 +244,7 @@ class RetainedTraining:
         if self.buckets is not None:
             if not self.buckets.reduced:
                 self.buckets.finish()  # the buckets backward launched, then any it did not
-        elif self.world > 1 and not self.sharded:
+        elif self.world > 1 and self.replicated:
             dist.all_reduce(self.up.state.grad)
             self.up.state.grad.div_(self.world)
 

@@ -193,8 +193,8 @@ class Run:
         self.job.init_fn = None  # the original parameters it holds are garbage now
         self._restore_loop(self.next_iteration)
         self._epochs = [sc.last_epoch for sc in self.schedulers]  # at the start of an iteration
-        if self.job.fresh and ctx.world_size > 1 and not self.job.sharded:
-            self._check_identical()  # (FSDP2 ranks hold different shards)
+        if self.job.fresh and ctx.world_size > 1 and self.job.replicated:
+            self._check_identical()  # (shards and pipeline stages differ by design)
         ctx.resumed(
             self.next_iteration,
             resume_s=time.time() - t_resume,

@@ -11,8 +11,10 @@ it at a fixed offset, so model code is unchanged.
 A parallelized model (FSDP2, tensor parallel, both) retains each rank's local shards
 instead (``leto.update.shards``): a slot per parameter shard, FSDP2's padding after it.
 
-Not covered: pipeline parallelism, parameters of mixed dtypes (one dtype per
-model; bf16 gets fp32 master weights).
+A pipeline stage is an ordinary model here (its parameters are its own).
+
+Not covered: parameters of mixed dtypes (one dtype per model; bf16 gets fp32 master
+weights).
 """
 
 from __future__ import annotations

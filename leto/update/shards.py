@@ -30,8 +30,8 @@ bound): ``FSDPModule._get_fsdp_state()._fsdp_param_group.fsdp_params`` and, per
 ``_sharded_param_data``, ``fsdp_placement``, ``mesh_info`` and ``to_sharded_dtensor``.
 
 Not covered: HSDP (FSDP2's replicate × shard mesh), ``Shard(d)`` for d > 0
-(``shard_placement_fn``), CPU offload, data parallelism beside TP without FSDP2,
-pipeline parallelism.
+(``shard_placement_fn``), CPU offload, data parallelism beside TP without FSDP2.
+(Pipeline stages are ordinary modules: ``leto.Run(..., data_parallel=False)``.)
 """
 
 from __future__ import annotations

@@ -243,15 +243,7 @@ class StateManager:
                     msg.names, msg.nbytes, msg.unit_pages
                 )
                 fds = [fd for a in allocs for fd in self.table.export(a)]
-                infos = [
-                    {
-                        "name": a.name,
-                        "nbytes": a.nbytes,
-                        "n_pages": len(a.pages),
-                        "page_bytes": a.owner.page_bytes,
-                    }
-                    for a in allocs
-                ]
+                infos = [self.table.info(a) for a in allocs]
                 try:
                     P.send(peer.sock, P.AllocatedSet(infos, units, per_group, first, len(fds)), fds)
                 finally:

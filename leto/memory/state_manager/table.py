@@ -318,26 +318,33 @@ class Table:
 
     # -- premapping (parked shadows) ------------------------------------------------
 
+    @staticmethod
+    def info(a: Allocation) -> dict:
+        """What a client needs to map ``a`` from its page fds."""
+        return {
+            "name": a.name,
+            "kind": a.kind.value,
+            "nbytes": a.nbytes,
+            "n_pages": len(a.pages),
+            "page_bytes": a.owner.page_bytes,
+        }
+
     def premap(self, known: list) -> tuple[list[dict], list[dict], int, list[int]]:
         """The allocations not in ``known`` with their page fds, every allocation set,
         and the replacement-log position these fds are current at."""
         infos, fds = [], []
         for a in self.allocations.values():
-            if a.name in known:
-                continue
-            infos.append(
-                {
-                    "name": a.name,
-                    "kind": a.kind.value,
-                    "nbytes": a.nbytes,
-                    "n_pages": len(a.pages),
-                    "page_bytes": a.owner.page_bytes,
-                }
-            )
-            fds += self.export(a)
+            if a.name not in known:
+                infos.append(self.info(a))
+                fds += self.export(a)
         sets = [
-            {"names": list(n), "units": u, "units_per_group": g, "first_group": f}
-            for n, (u, g, f) in self.sets.items()
+            {
+                "allocations": [self.info(self.allocations[n]) for n in names],
+                "units": u,
+                "units_per_group": g,
+                "first_group": f,
+            }
+            for names, (u, g, f) in self.sets.items()
         ]
         return infos, sets, len(self.replaced), fds
 
