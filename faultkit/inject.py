@@ -320,7 +320,7 @@ def matrix(
     every corrupt mode still sees both counts — the CI's cut). The other modes run
     every loss combination (``losses="all"``: {0, H1} pages x host page or not) at each
     phase, or one per phase and mode (``"alternate"``: the four take turns, so each is
-    still run at two of the eight phases — the CI's cut for the parallel jobs)."""
+    run at a quarter of the phases — the CI's cut for the parallel jobs)."""
     if corrupt_pages not in ("both", "alternate"):
         raise ValueError(f"--corrupt-pages {corrupt_pages!r}: expected both or alternate")
     if losses not in ("all", "alternate"):
