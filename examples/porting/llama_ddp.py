@@ -66,6 +66,9 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     state = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     torch.save(state, os.path.join(args.out, f"rank{rank}.params.pt"))
+    # DDP's reducer must not hold the last reference to the process group: freed there,
+    # gloo's destructor joins its threads with the GIL held and can deadlock (torch #56297).
+    del model
     dist.destroy_process_group()
 
 
