@@ -80,7 +80,7 @@ class Recovery:
         for cl in self.cells:
             cl.fence()
             if drop_shadows:
-                cl.drop_shadow(grace_s=0)  # its generation's process group (L3) has no future
+                cl.drop_shadow()  # its generation's process group (L3) has no future
         t_fenced = time.time()
         self.store.add(keys.fenced(gen), 1)
         job_store.wait_count(
@@ -100,7 +100,7 @@ class Recovery:
         promoted = self.shadows.level if self.shadows.on else None
         for cl in self.cells:
             if promoted is None:
-                cl.drop_shadow(grace_s=0)
+                cl.drop_shadow()
                 cl.start_active(new, self.fault(new, cl.rank))
                 continue
             if cl.shadow is None or cl.shadow.poll() is not None:

@@ -116,7 +116,7 @@ class Shadows:
             if self.levels is not None:
                 self.level = self.levels.relaunch(gen + 1)
             for cl in self.cells:
-                cl.drop_shadow(grace_s=0)
+                cl.drop_shadow()
             if not self.on:
                 return  # the controller found no level that fits: none until a recovery
             for cl in self.cells:
@@ -141,7 +141,7 @@ class Shadows:
                 for e in mine:
                     self.levels.on_reclaim(cl.rank, gen + 1, e)
                 self._dead_since.pop(cl.shadow.pid, None)
-                cl.drop_shadow(grace_s=0)  # reaped; the restart replaces it
+                cl.drop_shadow()  # reaped; the restart replaces it
                 reclaimed.append(cl)
                 continue
             beat = self.monitor.last_beat(cl.rank)
