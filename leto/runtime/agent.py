@@ -195,6 +195,7 @@ class Agent:
                     gen += 1
                     reported = False
                     continue
+                shadows.start_due()
                 shadows.replace_dead(gen)
                 if all(cl.active.poll() == 0 for cl in cells):
                     log.info("generation %d: every local trainer finished", gen)

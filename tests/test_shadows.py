@@ -1,0 +1,81 @@
+"""The agent's shadows after a recovery: the successors' start is held back until every
+local trainer of the new generation has finished its first iteration after the recovery
+(or finished the job), so their start-up does not compete with the recovered trainers —
+and never longer than ``DEFER_MAX_S``.
+
+Real store (torch's HashStore), the real monitor and the trainers' own heartbeat code;
+cells are stand-ins that record which shadows they were asked to start."""
+
+import time
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from leto.runtime import shadows as shadows_mod
+from leto.runtime.api import Context
+from leto.runtime.config import RunConfig
+from leto.runtime.monitor import Monitor
+from leto.runtime.shadows import Shadows
+
+
+class _Alive:
+    def poll(self):
+        return None
+
+
+class _Cell(SimpleNamespace):
+    def start_shadow(self, generation, level):
+        self.started.append((generation, level))
+
+
+def _job(n=2):
+    store = dist.HashStore()
+    cfg = RunConfig(nproc_per_node=n, beat_poll_s=0.0, shadow_level="L2")
+    cells = [
+        _Cell(rank=r, active=_Alive(), active_error=lambda: None, started=[]) for r in range(n)
+    ]
+    monitor = Monitor(cfg, cells, store)
+    sh = Shadows(cfg, cells)
+    sh.store, sh.monitor = store, monitor
+    trainers = [
+        Context("active", r, n, r, 1, "L2", None, None, {}, store=store, env=SimpleNamespace(preinit=None))
+        for r in range(n)
+    ]  # fmt: skip
+    return sh, monitor, cells, trainers
+
+
+def _poll(sh, monitor, gen=1):
+    monitor.failures(gen)  # reads every rank's beat, as the agent's loop does
+    sh.start_due()
+
+
+def test_successors_start_once_every_trainer_finished_its_first_iteration_after_recovery():
+    sh, monitor, cells, trainers = _job()
+    sh.after_recovery(1)
+    _poll(sh, monitor)
+    assert all(c.started == [] for c in cells)  # recovering: no beat yet
+    for t in trainers:
+        t.heartbeat(7)  # the first iteration after the regained one begins
+    _poll(sh, monitor)
+    assert all(c.started == [] for c in cells)
+    trainers[0].heartbeat(8)  # rank 0 is done with it; rank 1 is not
+    _poll(sh, monitor)
+    assert all(c.started == [] for c in cells)
+    trainers[1].heartbeat("done")  # the job's last iteration: finished counts as done
+    _poll(sh, monitor)
+    assert [c.started for c in cells] == [[(2, "L2")], [(2, "L2")]]
+    _poll(sh, monitor)
+    assert [len(c.started) for c in cells] == [1, 1]  # started once
+
+
+def test_a_slow_first_iteration_does_not_hold_the_successors_past_the_cap(monkeypatch):
+    monkeypatch.setattr(shadows_mod, "DEFER_MAX_S", 0.2)
+    sh, monitor, cells, trainers = _job()
+    sh.after_recovery(1)
+    for t in trainers:
+        t.heartbeat(7)
+    _poll(sh, monitor)
+    assert all(c.started == [] for c in cells)
+    time.sleep(0.25)
+    _poll(sh, monitor)
+    assert [c.started for c in cells] == [[(2, "L2")], [(2, "L2")]]
