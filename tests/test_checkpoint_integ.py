@@ -63,3 +63,46 @@ def test_ranks_with_different_costs_save_at_the_same_iterations(tmp_path):
         dcp.load(loaded, checkpoint_id=path, no_dist=True)
     assert torch.equal(loaded["rank0.param"], torch.full((64,), float(it))), loaded["rank0.param"]
     assert torch.equal(loaded["rank1.exp_avg"], torch.full((64,), -1.0))
+
+
+def _joining_worker(rank: int, world: int, port: int, root: str, q) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    job = _job(rank, 1.0)
+    first = Checkpointer(root, rank, interval=4)  # generation 0: saves at 0 and 4
+    for t in range(7):
+        first.after_iteration(t, job)
+    first.close()
+    got = {"first": [s["iteration"] for s in first.saves]}
+    # A promoted trainer joining at 7 continues the schedule (next save at 8, not 7).
+    joined = Checkpointer(root, rank, interval=4, joining_at=7)
+    for t in range(7, 10):
+        joined.after_iteration(t, job)
+    joined.close()
+    got["joined at 7"] = [s["iteration"] for s in joined.saves]
+    # A restart after a fallback that passed over the checkpoints of 4 and 8 (restored
+    # the one of 0, joins at 1): its schedule runs from 0, not from the newer ones.
+    back = Checkpointer(root, rank, interval=4, joining_at=1)
+    for t in range(1, 6):
+        back.after_iteration(t, job)
+    back.close()
+    got["joined at 1"] = [s["iteration"] for s in back.saves]
+    q.put((rank, got))
+    dist.destroy_process_group()
+
+
+def test_a_trainer_joining_a_running_job_continues_its_checkpoint_schedule(tmp_path):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    args = (2, port, str(tmp_path), q)
+    procs = [ctx.Process(target=_joining_worker, args=(r, *args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0, f"a rank exited {p.exitcode}"
+    want = {"first": [0, 4], "joined at 7": [8], "joined at 1": [4]}
+    assert got[0] == want and got[1] == want, got

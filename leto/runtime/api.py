@@ -63,8 +63,9 @@ class Context:
     def checkpoint_dir(self) -> str | None:
         return self.env.checkpoint_dir
 
-    def checkpointer(self):
-        """Asynchronous DCP saves at the configured (or Young's) interval."""
+    def checkpointer(self, next_iteration: int = 0):
+        """Asynchronous DCP saves at the configured (or Young's) interval; a trainer of a
+        later generation continues the schedule at ``next_iteration``."""
         from leto.runtime.checkpoint import Checkpointer
 
         if self.checkpoint_dir is None:
@@ -75,6 +76,7 @@ class Context:
             interval=self.env.checkpoint_interval or None,
             mttf_s=self.env.mttf_s,
             hof_ratio=self.env.hof_ratio,
+            joining_at=next_iteration if self.generation > 0 else None,
         )
 
     def heartbeat(self, iteration: int | str) -> None:

@@ -54,9 +54,12 @@ class Checkpointer:
         mttf_s: float | None = None,
         hof_ratio: float = 0.0,
         keep: int = 2,
+        joining_at: int | None = None,
     ):
         """``interval``: a fixed interval in iterations; otherwise Young's with
-        ``mttf_s`` (all failures) and ``hof_ratio``."""
+        ``mttf_s`` (all failures) and ``hof_ratio``. ``joining_at``: this process joins a
+        running job (a promoted shadow, a restart after a fallback) at that iteration —
+        collective."""
         if interval is None and mttf_s is None:
             raise InvalidInput("give a checkpoint interval, or the MTTF for Young's formula")
         if interval is not None and interval < 1:
@@ -78,6 +81,19 @@ class Checkpointer:
         # group keeps them from interleaving with training's all-reduces.
         self.pg = dist.new_group(backend="gloo")
         self.agree_pg = dist.new_group(backend="gloo")  # interval agreement, main thread
+        if joining_at is not None:
+            # Continue the job's schedule from its newest complete checkpoint before this
+            # iteration (a fallback may have passed over newer ones): a fresh process
+            # otherwise saved at its first iteration, which after a recovery put a full
+            # scrub and a save on the first iteration after it. The ranks agree (a save
+            # is collective); fenced generations write nothing more.
+            skip, found = 0, latest(self.root)
+            while found is not None and found[1] >= joining_at:
+                skip += 1
+                found = latest(self.root, skip)
+            newest = torch.tensor([float(found[1]) if found else -1.0])
+            dist.all_reduce(newest, op=dist.ReduceOp.MIN, group=self.agree_pg)
+            self.last_t = int(newest.item()) if newest.item() >= 0 else None
 
     def _state(self, job) -> dict[str, torch.Tensor]:
         return _tensors(job, self.rank)

@@ -201,7 +201,8 @@ class Run:
             bind_s=t_resume - t0,
             **self.job.timings,
         )
-        self.checkpointer = ctx.checkpointer()  # insurance against fatal failures only
+        # Insurance against fatal failures only.
+        self.checkpointer = ctx.checkpointer(self.next_iteration)
         atexit.register(self._close)
 
     # -- the loop -------------------------------------------------------------------
