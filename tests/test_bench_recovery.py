@@ -17,16 +17,27 @@ def _trace(out, times: list[tuple[int, float]]) -> None:
 
 
 def test_the_first_iteration_after_recovery_is_compared_with_the_median_steady_one(tmp_path):
-    # Iterations 0-3 before the failure (0 carries start-up: 10 s; steady 1.0, 1.2, 3.0 s),
-    # detection at 20, iteration 3 regained at 21.5, iteration 4 at 23.5 (2 s).
-    _trace(tmp_path, [(0, 10.0), (1, 11.0), (2, 12.2), (3, 15.2), (3, 21.5), (4, 23.5)])
-    got = first_iteration(tmp_path, 0, detected_at=20.0, fail_at=3)
-    assert got["first_s"] == 23.5 - 21.5
-    assert got["steady_s"] == 12.2 - 11.0  # the median of 1.0, 1.2 and 3.0, not the mean
-    assert got["ratio"] == (23.5 - 21.5) / (12.2 - 11.0)
-    assert regained_s(tmp_path, 0, 20.0, 3) == 1.5
+    # Iterations 0-4 before the failure (0 carries start-up: 10 s; iterations 1-3 take 1.0,
+    # 1.2 and 3.0 s; 4 saves a checkpoint: 5 s), detection at 30, iteration 4 regained at
+    # 31.5, iteration 5 at 33.5 (2 s).
+    times = [(0, 10.0), (1, 11.0), (2, 12.2), (3, 15.2), (4, 20.2), (4, 31.5), (5, 33.5)]
+    _trace(tmp_path, times)
+    got = first_iteration(tmp_path, 0, detected_at=30.0, fail_at=4, checkpoint_interval=4)
+    assert got["first_s"] == 33.5 - 31.5
+    # The median of 1.0, 1.2 and 3.0 — not the mean, and not the checkpoint iteration 4.
+    assert got["steady_s"] == 12.2 - 11.0
+    assert got["ratio"] == (33.5 - 31.5) / (12.2 - 11.0)
+    assert got["checkpoint_iteration"] is False
+    assert regained_s(tmp_path, 0, 30.0, 4) == 1.5
+
+
+def test_a_checkpoint_iteration_is_compared_with_checkpoint_iterations(tmp_path):
+    times = [(0, 10.0), (1, 11.0), (2, 12.0), (3, 13.0), (4, 18.0), (3, 31.0), (4, 37.0)]
+    _trace(tmp_path, times)
+    got = first_iteration(tmp_path, 0, detected_at=30.0, fail_at=3, checkpoint_interval=4)
+    assert (got["first_s"], got["steady_s"], got["checkpoint_iteration"]) == (6.0, 5.0, True)
 
 
 def test_no_figure_when_the_run_ends_at_the_failed_iteration(tmp_path):
     _trace(tmp_path, [(0, 10.0), (1, 11.0), (2, 12.0), (2, 21.0)])
-    assert first_iteration(tmp_path, 0, detected_at=20.0, fail_at=2) is None
+    assert first_iteration(tmp_path, 0, detected_at=20.0, fail_at=2, checkpoint_interval=4) is None
