@@ -5,6 +5,7 @@ exactly what was saved."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -70,6 +71,16 @@ def _joining_worker(rank: int, world: int, port: int, root: str, q) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     job = _job(rank, 1.0)
+    # Whether a save found an earlier checkpoint's metadata in its directory (on any rank).
+    import leto.runtime.checkpoint as ckpt
+
+    real, stale = ckpt.dcp.async_save, []
+
+    def spy(state, checkpoint_id, process_group):
+        stale.append((Path(checkpoint_id) / ".metadata").exists())
+        return real(state, checkpoint_id=checkpoint_id, process_group=process_group)
+
+    ckpt.dcp.async_save = spy
     first = Checkpointer(root, rank, interval=4)  # generation 0: saves at 0 and 4
     for t in range(7):
         first.after_iteration(t, job)
@@ -82,12 +93,15 @@ def _joining_worker(rank: int, world: int, port: int, root: str, q) -> None:
     joined.close()
     got["joined at 7"] = [s["iteration"] for s in joined.saves]
     # A restart after a fallback that passed over the checkpoints of 4 and 8 (restored
-    # the one of 0, joins at 1): its schedule runs from 0, not from the newer ones.
+    # the one of 0, joins at 1): its schedule runs from 0, not from the newer ones, and
+    # its save at 4 replaces the old one, whose metadata is gone before any rank writes.
     back = Checkpointer(root, rank, interval=4, joining_at=1)
     for t in range(1, 6):
+        job.up.state.flat["param"].fill_(100.0 + t)
         back.after_iteration(t, job)
     back.close()
     got["joined at 1"] = [s["iteration"] for s in back.saves]
+    got["a save found old metadata"] = any(stale)
     q.put((rank, got))
     dist.destroy_process_group()
 
@@ -104,5 +118,19 @@ def test_a_trainer_joining_a_running_job_continues_its_checkpoint_schedule(tmp_p
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0, f"a rank exited {p.exitcode}"
-    want = {"first": [0, 4], "joined at 7": [8], "joined at 1": [4]}
+    want = {
+        "first": [0, 4],
+        "joined at 7": [8],
+        "joined at 1": [4],
+        "a save found old metadata": False,
+    }
     assert got[0] == want and got[1] == want, got
+    loaded = {"rank0.param": torch.empty(64)}
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(loaded, checkpoint_id=tmp_path / "it00000004", no_dist=True)
+    assert torch.equal(loaded["rank0.param"], torch.full((64,), 104.0)), loaded["rank0.param"]

@@ -112,10 +112,16 @@ class Checkpointer:
         # Only a verified state is saved: silent corruption found later falls back to
         # a checkpoint that predates it (CorruptState, a fatal failure, if found now).
         self.scrubs.append(job.scrub.full(when=f"before the checkpoint of iteration {t}"))
+        step = _step_dir(self.root, t)
+        # A save over an existing checkpoint (a fallback passed over it, and the schedule
+        # reached its iteration again): its metadata goes first, and no rank writes
+        # until it has, or a save cut short would leave old metadata over new shards —
+        # a "complete" checkpoint of mixed state.
+        if self.rank == 0:
+            (step / ".metadata").unlink(missing_ok=True)
+        dist.barrier(group=self.agree_pg)
         t0 = time.perf_counter()
-        self.pending = dcp.async_save(
-            self._state(job), checkpoint_id=_step_dir(self.root, t), process_group=self.pg
-        )
+        self.pending = dcp.async_save(self._state(job), checkpoint_id=step, process_group=self.pg)
         blocking_s = time.perf_counter() - t0
         self.last_t = t
         t_iter = sorted(self._t_iter)[len(self._t_iter) // 2] if self._t_iter else None
