@@ -24,6 +24,22 @@ def _job(rank: int, value: float):
     return SimpleNamespace(up=SimpleNamespace(state=state), rank=rank, scrub=scrub)
 
 
+def _run_ranks(worker, root, world: int = 2) -> dict:
+    """Run ``worker(rank, world, port, root, queue)`` on ``world`` spawned ranks; each
+    puts ``(rank, result)``; returns rank -> result."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, str(root), q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0, f"a rank exited {p.exitcode}"
+    return got
+
+
 def _worker(rank: int, world: int, port: int, root: str, q) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -41,16 +57,7 @@ def _worker(rank: int, world: int, port: int, root: str, q) -> None:
 
 
 def test_ranks_with_different_costs_save_at_the_same_iterations(tmp_path):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, str(tmp_path), q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0, f"a rank exited {p.exitcode}"
+    got = _run_ranks(_worker, tmp_path)
     assert got[0] == got[1], f"ranks saved at different iterations: {got}"
     path, it = latest(tmp_path)
     assert it == got[0][-1], (it, got)
@@ -107,17 +114,7 @@ def _joining_worker(rank: int, world: int, port: int, root: str, q) -> None:
 
 
 def test_a_trainer_joining_a_running_job_continues_its_checkpoint_schedule(tmp_path):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    args = (2, port, str(tmp_path), q)
-    procs = [ctx.Process(target=_joining_worker, args=(r, *args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0, f"a rank exited {p.exitcode}"
+    got = _run_ranks(_joining_worker, tmp_path)
     want = {
         "first": [0, 4],
         "joined at 7": [8],

@@ -35,11 +35,14 @@ def _step_dir(root: Path, iteration: int) -> Path:
     return root / f"it{iteration:08d}"
 
 
-def latest(root: str | Path, skip: int = 0) -> tuple[Path, int] | None:
+def latest(root: str | Path, skip: int = 0, before: int | None = None) -> tuple[Path, int] | None:
     """The newest complete checkpoint under ``root`` and the iteration it ends; with
-    ``skip``, the one that many older (None when there are not that many)."""
+    ``skip``, the one that many older (None when there are not that many); with
+    ``before``, among those of earlier iterations only."""
     root = Path(root)
     done = sorted(p for p in root.glob("it*") if (p / ".metadata").exists())
+    if before is not None:
+        done = [p for p in done if int(p.name[2:]) < before]
     if len(done) <= skip:
         return None
     return done[-1 - skip], int(done[-1 - skip].name[2:])
@@ -87,10 +90,7 @@ class Checkpointer:
             # otherwise saved at its first iteration, which after a recovery put a full
             # scrub and a save on the first iteration after it. The ranks agree (a save
             # is collective); fenced generations write nothing more.
-            skip, found = 0, latest(self.root)
-            while found is not None and found[1] >= joining_at:
-                skip += 1
-                found = latest(self.root, skip)
+            found = latest(self.root, before=joining_at)
             newest = torch.tensor([float(found[1]) if found else -1.0])
             dist.all_reduce(newest, op=dist.ReduceOp.MIN, group=self.agree_pg)
             self.last_t = int(newest.item()) if newest.item() >= 0 else None
