@@ -213,6 +213,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             hang_timeout_s=args.hang_timeout_s,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_interval=args.checkpoint_interval,
+            checkpointing=not args.no_checkpoints,
             mttf_s=args.mttf_s,
             hof_ratio=args.hof_ratio,
             recovery=args.recovery,
@@ -357,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--hang-timeout-s", type=float, default=60.0, help="a stalled heartbeat this long is a hang"
     )
     p.add_argument("--checkpoint-dir", default="", help="DCP checkpoints (default: in log-dir)")
+    p.add_argument(
+        "--no-checkpoints",
+        action="store_true",
+        help="save no checkpoints: a fatal failure restarts the job from its first "
+        "iteration (for measurements; a job that must not lose work keeps them)",
+    )
     p.add_argument(
         "--beat-poll-s",
         type=float,

@@ -22,3 +22,13 @@ def test_faultkit_probe_reports_the_emulation_when_hwpoison_is_missing(capsys):
     if not kernel_has_memory_failure():
         assert m["host_poison"] == Mechanism.MEMFD_TRUNCATE
         assert "CONFIG_MEMORY_FAILURE" in m["host_poison_why"]
+
+
+def test_leto_run_refuses_no_checkpoints_beside_what_needs_them(capsys, tmp_path):
+    script = str(tmp_path / "never_started.py")
+    for extra, says in [
+        (["--recovery", "checkpoint"], "--recovery checkpoint restarts from checkpoints"),
+        (["--checkpoint-dir", str(tmp_path)], "with --no-checkpoints: choose one"),
+    ]:
+        assert leto_main(["run", "--no-checkpoints", *extra, script]) == 2
+        assert says in capsys.readouterr().err

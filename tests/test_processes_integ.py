@@ -277,3 +277,21 @@ def test_a_compiled_model_trains_and_recovers_exactly(tmp_path):
     assert got["iterations"] == job.ITERS, got["iterations"]
     for n, v in model.named_parameters():
         assert torch.equal(got["params"][n].view(torch.uint8), v.detach().view(torch.uint8)), n
+
+
+@pytest.mark.integ
+def test_without_checkpoints_a_fatal_failure_restarts_from_the_first_iteration(tmp_path):
+    # --no-checkpoints (benchmarks at sizes whose checkpoints outgrow the disk): nothing
+    # is saved, the fallback restarts every rank from iteration 0, and the same fatal
+    # failure again stops the job — there is no older tier to try.
+    p = _leto_run(tmp_path, {"LETO_TEST_RAISE": "fatal"}, SCRIPT.parent / "raise_once.py",
+                  stderr=subprocess.PIPE, extra=("--no-checkpoints",))  # fmt: skip
+    out, err = p.communicate(timeout=150)
+    assert p.returncode == 13, err[-2000:]  # EXIT_FATAL
+    summary = json.loads(out.strip().splitlines()[-1])
+    (rec,) = summary["recoveries"]
+    assert rec["class"] == "FF", rec
+    assert {t["next_iteration"] for t in rec["trainers"].values()} == {0}, rec
+    assert "a restart from the first iteration was tried" in summary["stopped"], summary
+    assert "falling back to the first iteration (--no-checkpoints)" in err, err[-2000:]
+    assert not (tmp_path / "logs" / "checkpoints").exists()

@@ -113,6 +113,10 @@ class Agent:
                 [cl.rank for cl in cells], c.world_size, c.device, c.shadow_level,
             )  # fmt: skip
             shadows.start_first()
+            if not c.checkpointing:
+                log.warning(
+                    "--no-checkpoints: a fatal failure restarts the job from its first iteration"
+                )
             reported = False
             while True:
                 time.sleep(c.poll_s)
@@ -154,12 +158,17 @@ class Agent:
                         code = EXIT_FATAL
                         break
                     before = self._fatal.setdefault(self._fatal_now, []) if self._fatal_now else []
-                    if len(before) >= 2:
+                    # Without checkpoints there is one tier: the start.
+                    if len(before) >= (2 if c.checkpointing else 1):
+                        tried = (
+                            "the newest checkpoint and an older one were tried"
+                            if c.checkpointing
+                            else "a restart from the first iteration was tried (--no-checkpoints)"
+                        )
                         self.stopped = (
                             f"a fatal failure in generation {gen} is the same as in generations "
                             f"{', '.join(map(str, before))} ({self._fatal_now[0]}: "
-                            f"{self._fatal_now[1]}); the newest checkpoint and an older one "
-                            "were tried — the job stops instead of looping."
+                            f"{self._fatal_now[1]}); {tried} — the job stops instead of looping."
                         )
                         log.error("%s", self.stopped)
                         code = EXIT_FATAL
@@ -172,8 +181,10 @@ class Agent:
                         )  # fmt: skip
                     else:
                         log.warning(
-                            "generation %d: fatal failure, falling back to the checkpoint", gen
-                        )
+                            "generation %d: fatal failure, falling back to %s", gen,
+                            "the checkpoint" if c.checkpointing else "the first iteration "
+                            "(--no-checkpoints)",
+                        )  # fmt: skip
                     rec = recovery.fallback(gen, self._detected, skip=skip)
                     rec.repeats = list(before) or None
                     self.records.append(rec)

@@ -151,6 +151,10 @@ class RunConfig:
     scrub_mib: float | None = None
     checkpoint_dir: str = ""  # empty: <log_dir>/checkpoints
     checkpoint_interval: int = 0  # iterations; 0: Young's formula with the FF-only MTTF
+    # --no-checkpoints: no saves at all; a fatal failure restarts the job from its first
+    # iteration (bit-exact, from the seed). For runs that only measure (benchmarks at
+    # sizes whose checkpoints outgrow the disk), not for jobs that must not lose work.
+    checkpointing: bool = True
     mttf_s: float = 3600.0  # expected time between failures of any class (for Young)
     hof_ratio: float = 0.5  # expected fraction of failures Leto recovers in place
     # "in-place" (Leto), or "checkpoint": every failure restarts all ranks cold from the
@@ -169,6 +173,12 @@ class RunConfig:
             raise ValueError(f"--shadow-level {self.shadow_level!r}: use auto, off, L1, L2 or L3")
         if self.recovery not in ("in-place", "checkpoint"):
             raise ValueError(f"--recovery {self.recovery!r}: use in-place or checkpoint")
+        if not self.checkpointing and self.recovery == "checkpoint":
+            raise ValueError("--recovery checkpoint restarts from checkpoints: drop --no-checkpoints")
+        if not self.checkpointing and self.checkpoint_dir:
+            raise ValueError(
+                f"--checkpoint-dir {self.checkpoint_dir!r} with --no-checkpoints: choose one"
+            )
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"--log-level {self.log_level!r}: DEBUG, INFO, WARNING or ERROR")
         if self.nnodes < 1 or self.nproc_per_node < 1:
@@ -189,8 +199,11 @@ class RunConfig:
         return self.nnodes * self.nproc_per_node
 
     def checkpoints(self) -> str:
+        """Where the trainers save; "" under --no-checkpoints."""
         import os
 
+        if not self.checkpointing:
+            return ""
         return os.path.abspath(self.checkpoint_dir or os.path.join(self.log_dir, "checkpoints"))
 
     def level(self) -> str:
