@@ -8,7 +8,9 @@ cold-started trainers: new processes re-attach to the surviving pools), and
 ``checkpoint`` (the baseline: every rank restarts cold on a fresh pool, forms a new
 process group, loads the newest DCP checkpoint and recomputes from it, as torchrun +
 torch.distributed.checkpoint would). Checkpoints are taken every ``--checkpoint-interval``
-iterations in every variant. Recovery time = failure (the agent's detection, within
+iterations in every variant, or (``--checkpoints baseline``) in the baseline only: the
+reference and the in-place variants read none, and at 3 B+ parameters each save is
+tens of GB. Recovery time = failure (the agent's detection, within
 ``poll_s``) until the iteration in flight at the failure is completed again (its
 verifiers record), i.e. pre-failure progress regained. Every run must be bit-exact
 against the fault-free one.
@@ -55,14 +57,31 @@ VARIANTS = {
 
 
 def run_variant(
-    work: Path, level: str, recovery: str, args, faults, checkpoint_interval: int, env=None
+    work: Path,
+    level: str,
+    recovery: str,
+    args,
+    faults,
+    checkpoint_interval: int | None,
+    env=None,
 ) -> dict:
+    """``checkpoint_interval`` None: the run saves no checkpoints (``--no-checkpoints``)."""
     work.mkdir(parents=True, exist_ok=True)
+    ckpt = (
+        Path(args.checkpoint_dir) / work.name
+        if args.checkpoint_dir
+        else work / "logs" / "checkpoints"
+    )
+    saves = (
+        ["--no-checkpoints"]
+        if checkpoint_interval is None
+        else ["--checkpoint-interval", str(checkpoint_interval), "--checkpoint-dir", str(ckpt)]
+    )
     cmd = [
         sys.executable, "-m", "leto.cli", "run", "--json", "--verify", "--device", args.device,
         "--nproc-per-node", str(args.nproc_per_node), "--master-port", str(free_port()),
         "--shadow-level", level, "--recovery", recovery, "--log-dir", str(work / "logs"),
-        "--checkpoint-interval", str(checkpoint_interval), *args.pool_flags,
+        *saves, *args.pool_flags,
         str(REPO / "examples" / "train_gpt.py"), "--iterations", str(args.iterations),
         "--out", str(work / "out"), *args.model,
     ]  # fmt: skip
@@ -71,7 +90,7 @@ def run_variant(
         env[ENV_PROFILE_RECOVERY] = str(Path(args.profile_recovery).resolve() / work.name)
     p = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1200)
     # A 1 B-parameter model's checkpoints are ~12 GB each: keep the disk for the next.
-    shutil.rmtree(work / "logs" / "checkpoints", ignore_errors=True)
+    shutil.rmtree(ckpt, ignore_errors=True)
     if p.returncode != 0:
         raise RuntimeError(f"{level}/{recovery} failed ({p.returncode}): {p.stderr[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -87,7 +106,7 @@ def regained_s(out: Path, rank: int, detected_at: float, fail_at: int) -> float:
 
 
 def first_iteration(
-    out: Path, rank: int, detected_at: float, fail_at: int, checkpoint_interval: int
+    out: Path, rank: int, detected_at: float, fail_at: int, checkpoint_interval: int | None
 ) -> dict | None:
     """The first whole iteration after progress is regained (``fail_at`` + 1, run by the
     promoted or restarted process) against the same rank's steady iterations before the
@@ -102,8 +121,8 @@ def first_iteration(
     if fail_at not in after or fail_at + 1 not in after:
         return None
 
-    def saves(i: int) -> bool:
-        return i % checkpoint_interval == 0
+    def saves(i: int) -> bool:  # (None: the run saved no checkpoints)
+        return checkpoint_interval is not None and i % checkpoint_interval == 0
 
     # Iteration i's duration is its record's time less iteration i-1's.
     steady = [
@@ -132,6 +151,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fail-at", type=int, default=6, help="iteration the failure strikes")
     ap.add_argument("--rank", type=int, default=0, help="the rank that fails")
     ap.add_argument("--checkpoint-interval", type=int, default=4, help="iterations")
+    ap.add_argument(
+        "--checkpoints",
+        choices=("all", "baseline"),
+        default="all",
+        help="which variants save checkpoints: all (every --checkpoint-interval), or the "
+        "baseline only, once, after iteration 0, failing in iteration 1 — the reference and "
+        "in-place variants run --no-checkpoints (their recovery reads none; at 3 B+ "
+        "parameters each save is tens of GB and minutes)",
+    )
+    ap.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="where checkpointing variants save (a subfolder each, removed after it; "
+        "default: the run's log dir). A RAM-backed folder gives the baseline the fastest "
+        "storage a user could have",
+    )
     ap.add_argument("--json-out", default=None, help="write results as JSON here")
     ap.add_argument(
         "--model",
@@ -161,29 +196,46 @@ def main(argv: list[str] | None = None) -> dict:
         if args.device == "cpu"
         else ["--data-pages", "64", "--tier1-pages", "4"]
     )
-    faults = [{"generation": 0, "rank": args.rank, "at": f"update.optimizer@{args.fail_at}#1"}]
+
+    def faults(at: int) -> list[dict]:
+        return [{"generation": 0, "rank": args.rank, "at": f"update.optimizer@{at}#1"}]
+
     root = Path(tempfile.mkdtemp(prefix="leto-recovery-speed-"))
     t0 = time.monotonic()
     # The fault-free reference only supplies states to compare with: one checkpoint (the
     # first iteration's, always taken) instead of one every interval, each with a full
     # scrub and a DCP save of the whole state (at 1 B parameters, ~20 s apiece).
-    run_variant(root / "reference", "off", "in-place", args, [], args.iterations)
+    only_baseline = args.checkpoints == "baseline"
+    run_variant(
+        root / "reference", "off", "in-place", args, [], None if only_baseline else args.iterations
+    )
     print(f"reference run: {time.monotonic() - t0:.0f} s", flush=True)
     rows = {}
     for name in chosen:
         level, recovery, extra = VARIANTS[name]
         work = root / "".join(c if c.isalnum() else "_" for c in name)
         t0 = time.monotonic()
-        summary = run_variant(work, level, recovery, args, faults, args.checkpoint_interval, extra)
+        interval, fail_at = args.checkpoint_interval, args.fail_at
+        if only_baseline and recovery != "checkpoint":
+            interval = None
+        elif only_baseline:
+            # The baseline fails in iteration 1, right after its only save (iteration
+            # 0's): what a restart loads and redoes — the whole state, one iteration —
+            # is the same at any iteration right after a save, and one checkpoint of a
+            # 3-5 B model (36-60 GB) is what the machine's RAM or disk holds. The
+            # in-place variants fail later, once their shadows are parked and premapped.
+            interval, fail_at = args.iterations, 1
+        summary = run_variant(work, level, recovery, args, faults(fail_at), interval, extra)
         rec = summary["recoveries"][0]
         verdict = compare(root / "reference" / "out", work / "out")
         rows[name] = {
-            "regained_s": regained_s(work / "out", args.rank, rec["detected_at"], args.fail_at),
+            "regained_s": regained_s(work / "out", args.rank, rec["detected_at"], fail_at),
+            "fail_at": fail_at,
             "to_training_s": rec.get("recovery_s"),
             # Item 2 of issue 17: the first iteration after promotion as fast as a steady
             # one (cold kernels, allocator growth and lazy set-up would show here).
             "first_iteration": first_iteration(
-                work / "out", args.rank, rec["detected_at"], args.fail_at, args.checkpoint_interval
+                work / "out", args.rank, rec["detected_at"], fail_at, interval
             ),
             "exact": verdict.exact,
             "first_divergence": verdict.describe(),

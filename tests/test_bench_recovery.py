@@ -3,6 +3,7 @@ recovery against the steady ones before it (issue 17, item 2)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench.recovery_speed import first_iteration, regained_s
@@ -41,3 +42,13 @@ def test_a_checkpoint_iteration_is_compared_with_checkpoint_iterations(tmp_path)
 def test_no_figure_when_the_run_ends_at_the_failed_iteration(tmp_path):
     _trace(tmp_path, [(0, 10.0), (1, 11.0), (2, 12.0), (2, 21.0)])
     assert first_iteration(tmp_path, 0, detected_at=20.0, fail_at=2, checkpoint_interval=4) is None
+
+
+def test_without_checkpoints_every_iteration_is_of_one_kind(tmp_path):
+    # --checkpoints baseline: the in-place variants save nothing, so iteration 4 (a
+    # checkpoint iteration at interval 4) is a steady one like the others.
+    _trace(tmp_path, [(0, 10.0), (1, 11.0), (2, 12.2), (3, 15.2), (4, 20.2), (5, 31.0), (6, 32.5)])
+    got = first_iteration(tmp_path, 0, detected_at=30.0, fail_at=5, checkpoint_interval=None)
+    assert got["checkpoint_iteration"] is False
+    # The median of 1.0, 1.2, 3.0 and 5.0: iteration 4 counts (with saves it would not).
+    assert (got["first_s"], got["steady_s"]) == pytest.approx((1.5, 2.1))
