@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|preinit|integrity|scrub-bench|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -151,6 +151,40 @@ if [[ $what == runtime || $what == all ]]; then
     --checkpoint-interval 3 --variants "${LETO_VARIANTS:-L3,torchrun + checkpoint,L3 (attach cold)}" \
     --profile-recovery "$OUT/profiles" --json-out "$OUT/recovery_speed_cuda.json" \
     --model --n-layer 20 --n-embd 2048 --n-head 16 --chunk-units 64 2>&1 | tee "$OUT/recovery_speed_cuda.txt" || rc=1
+fi
+if [[ $what == scale ]]; then
+  # Issue 17 items 3 and 5: HOF recovery time against state size on one H200 (fp32 +
+  # AdamW: 16 bytes a parameter retained), in-place variants side by side with torchrun +
+  # DCP. LETO_SCALE: "size|variants|seconds" entries separated by ';', run in order, each
+  # under its own time limit, or "rest" (results are written after every variant). The baseline's
+  # one checkpoint goes to RAM (/dev/shm) when it fits there: the fastest storage a user
+  # could give it; else to the disk.
+  timeout 120 python3 -m pytest -p no:cacheprovider -q tests/test_pool_gpu.py -k premap 2>&1 | tail -3 | tee "$OUT/premap_gpu_tests.txt" || rc=1
+  { df -BG /tmp /dev/shm; free -g; ulimit -n; } 2>&1 | tee "$OUT/scale_machine.txt"
+  IFS=';' read -ra entries <<< "${LETO_SCALE:-1b|L3,torchrun + checkpoint,L2,L1|300}"
+  for entry in "${entries[@]}"; do
+    IFS='|' read -r size variants secs <<< "$entry"
+    # "rest": what is left of the device call (LETO_SCALE_END seconds after the start).
+    [[ $secs == rest ]] && secs=$(( ${LETO_SCALE_END:-585} - SECONDS ))
+    case $size in  # (iterations, the in-place variants' failure, model)
+      1b) its=6 at=4 M="--n-layer 20 --n-embd 2048 --n-head 16" ckpt_gb=13 ;;
+      3b) its=5 at=3 M="--n-layer 26 --n-embd 3072 --n-head 24" ckpt_gb=38 ;;
+      5b) its=5 at=3 M="--n-layer 25 --n-embd 4096 --n-head 32" ckpt_gb=65 ;;
+      *) echo "LETO_SCALE: unknown size $size (1b, 3b, 5b)"; rc=1; continue ;;
+    esac
+    ck=/dev/shm/leto-ckpt
+    # tmpfs needs room for the files and DCP's staging copy in the same RAM.
+    if (( $(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9) < ckpt_gb * 5 / 2 )); then ck=/tmp/leto-ckpt; fi
+    echo "== $size: $variants (limit $secs s, checkpoints in $ck)" | tee -a "$OUT/scale_machine.txt"
+    timeout "$secs" python3 -m bench.recovery_speed --device cuda --nproc-per-node 1 --iterations $its \
+      --fail-at $at --checkpoints baseline --checkpoint-dir $ck --variants "$variants" \
+      --json-out "$OUT/scale_$size.json" --model $M --chunk-units 64 2>&1 | tee "$OUT/scale_$size.txt" || rc=1
+    # A time limit stops the bench, not the leto run it started: stop that job (SIGTERM
+    # ends its trainers, shadows and state managers) before the next size needs the GPU.
+    pkill -TERM -f "leto.cli run" && sleep 8
+    pkill -KILL -f "leto.memory.state_manager|examples/train_gpt.py"
+    rm -rf "$ck" /tmp/leto-recovery-speed-*
+  done
 fi
 if [[ $what == preinit || $what == all ]]; then
   # Issue 8: footprints per level and reclamation latency, the allocation-path hook on real

@@ -96,6 +96,20 @@ def run_variant(
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def parameters(model_flags: list[str]) -> int:
+    """The example GPT's parameter count for these flags (built on the meta device)."""
+    import torch
+
+    from leto.workload.gpt import GPT
+    from leto.workload.train import add_arguments, from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    cfg = from_args(ap.parse_known_args(model_flags)[0])
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg.gpt()).parameters())
+
+
 def regained_s(out: Path, rank: int, detected_at: float, fail_at: int) -> float:
     """Detection until iteration ``fail_at`` is recorded again."""
     trace = read_run(out).traces[rank]
@@ -205,6 +219,11 @@ def main(argv: list[str] | None = None) -> dict:
     # The fault-free reference only supplies states to compare with: one checkpoint (the
     # first iteration's, always taken) instead of one every interval, each with a full
     # scrub and a DCP save of the whole state (at 1 B parameters, ~20 s apiece).
+    res = {
+        "date": datetime.date.today().isoformat(),
+        "command": "python -m bench.recovery_speed " + " ".join(argv or sys.argv[1:]),
+        "parameters": parameters(args.model),
+    }
     only_baseline = args.checkpoints == "baseline"
     run_variant(
         root / "reference", "off", "in-place", args, [], None if only_baseline else args.iterations
@@ -250,13 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
         if args.json_out:  # what is done survives a time limit
-            Path(args.json_out).write_text(json.dumps(rows, indent=2))
+            Path(args.json_out).write_text(json.dumps({**res, "variants": rows}, indent=2))
     base = rows["torchrun + checkpoint"]["regained_s"]
-    res = {
-        "date": datetime.date.today().isoformat(),
-        "command": "python -m bench.recovery_speed " + " ".join(argv or sys.argv[1:]),
-        "variants": rows,
-    }
+    res["variants"] = rows
     t = Table(title=f"HOF recovery, {args.nproc_per_node} ranks on {args.device}")
     cols = (
         "variant", "failure → progress regained", "vs baseline", "to training",
