@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from leto.erasure import TwoTierCode
+from leto.memory import fdlimit
 from leto.memory import protocol as P
 from leto.memory.backends import Mapping, importer_for
 from leto.memory.backends.host import HostPageImporter
@@ -73,6 +74,7 @@ class PoolClient:
         takeover: bool = False,
         timeout_s: float = 10.0,
     ) -> PoolClient:
+        fdlimit.raise_limit()  # replies carry an fd per page (a 5 B model: ~40,000)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(timeout_s)
         try:

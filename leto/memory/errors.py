@@ -33,6 +33,10 @@ class PoolTimeout(PoolError, TimeoutError):
     """A blocking pool operation did not finish in time."""
 
 
+class PoolFdLimit(PoolError):
+    """A reply's page descriptors do not fit this process's open-file limit."""
+
+
 class RemoteError(PoolError):
     """The state manager refused a request; ``code`` names the reason."""
 

@@ -18,11 +18,13 @@ import dataclasses
 import enum
 import json
 import os
+import resource
 import socket
 import typing
 from dataclasses import dataclass
 
-from leto.memory.errors import PoolProtocolError, PoolTimeout, remote_error
+from leto.memory import fdlimit
+from leto.memory.errors import PoolFdLimit, PoolProtocolError, PoolTimeout, remote_error
 
 PROTOCOL_VERSION = 2  # 2: the shadow role (PREMAP, REPLACED, TAKEOVER)
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -357,6 +359,25 @@ def recv(sock: socket.socket) -> tuple[object, list[int]]:
 def recv_fds(sock: socket.socket, n_fds: int, first: list[int]) -> list[int]:
     """Collect ``n_fds`` descriptors: those attached to the reply, then FDS batches."""
     fds = list(first)
+    if n_fds - len(fds) > fdlimit.room():
+        # Refused before they arrive, and drained: the connection stays in step.
+        short = n_fds - len(fds)
+        for fd in fds:
+            _close(fd)
+        got = len(fds)
+        while got < n_fds:
+            msg, batch = recv(sock)
+            got += len(batch)
+            for fd in batch:
+                _close(fd)
+            if not isinstance(msg, Fds):
+                break  # out of step anyway: the error below says why
+        raise PoolFdLimit(
+            f"a reply carries {n_fds} page descriptors and this process may open only "
+            f"{fdlimit.room() + len(first)} more (open-file limit "
+            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}, {short} still to come): raise "
+            "`ulimit -n` (hard limit), or use larger pages (--page-bytes); nothing was mapped"
+        )
     try:
         while len(fds) < n_fds:
             msg, batch = recv(sock)

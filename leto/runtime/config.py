@@ -174,7 +174,9 @@ class RunConfig:
         if self.recovery not in ("in-place", "checkpoint"):
             raise ValueError(f"--recovery {self.recovery!r}: use in-place or checkpoint")
         if not self.checkpointing and self.recovery == "checkpoint":
-            raise ValueError("--recovery checkpoint restarts from checkpoints: drop --no-checkpoints")
+            raise ValueError(
+                "--recovery checkpoint restarts from checkpoints: drop --no-checkpoints"
+            )
         if not self.checkpointing and self.checkpoint_dir:
             raise ValueError(
                 f"--checkpoint-dir {self.checkpoint_dir!r} with --no-checkpoints: choose one"

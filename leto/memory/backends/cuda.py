@@ -19,6 +19,7 @@ a mapping from other GPUs (granted to this device only), and Windows handle type
 from __future__ import annotations
 
 import os
+import resource
 from types import SimpleNamespace
 
 from leto.memory.backends.api import Mapping, PageImporter, PageOwner
@@ -189,6 +190,7 @@ class CudaPageOwner(_OnDevice, PageOwner):
     def __init__(self, page_bytes: int, device_index: int = 0):
         super().__init__(page_bytes, device_index)
         self._scratch: int | None = None  # one page of address space for zeroing new pages
+        self._cached = 0  # exported fds kept open (export_fd)
 
     def create(self) -> CudaPage:
         d, pb = self._dev.d, self.page_bytes
@@ -218,10 +220,16 @@ class CudaPageOwner(_OnDevice, PageOwner):
     def export_fd(self, handle: CudaPage) -> int:
         # Exported once and dup'ed after: a recovering trainer attaches every page, and
         # 7,371 exports took ~0.4 s of a 1 B-parameter model's recovery on the H200.
+        # Kept while they take at most a quarter of the open-file limit: replies need
+        # room for an fd per page besides (a 5 B-parameter pool: ~40,000 pages).
         if handle.fd is None:
             self._dev.make_current()
             export, what = self._dev.d.cuMemExportToShareableHandle, "exporting a page as an fd"
-            handle.fd = int(_call(what, export, _live(handle), self._dev.fd_type, 0))
+            fd = int(_call(what, export, _live(handle), self._dev.fd_type, 0))
+            if self._cached >= resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4:
+                return fd  # the caller's to close, like a dup
+            handle.fd = fd
+            self._cached += 1
         _live(handle)
         return os.dup(handle.fd)
 
@@ -230,6 +238,7 @@ class CudaPageOwner(_OnDevice, PageOwner):
             # The fd references the memory too: a lost page must not survive through it.
             os.close(handle.fd)
             handle.fd = None
+            self._cached -= 1
         if handle.handle is not None:
             self._dev.make_current()
             _call("cuMemRelease", self._dev.d.cuMemRelease, handle.handle)

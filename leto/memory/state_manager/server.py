@@ -30,6 +30,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from leto.memory import fdlimit
 from leto.memory import protocol as P
 from leto.memory.backends import owner_for
 from leto.memory.backends.host import HostPageOwner
@@ -69,22 +70,13 @@ def check_private_dir(path: Path) -> None:
         )
 
 
-def _raise_nofile_limit() -> None:
-    # One fd per host page stays open in the state manager; take what the system allows.
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 class StateManager:
     def __init__(self, config: PoolConfig, socket_dir: Path, token: str):
         self.config = config
         self.socket_dir = Path(socket_dir)
         self.token = token
         check_private_dir(self.socket_dir)
-        _raise_nofile_limit()
+        fdlimit.raise_limit()  # an fd per page stays open here, and replies carry more
         self.table = Table(
             config,
             owner_for(config.device, config.page_bytes),

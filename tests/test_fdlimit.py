@@ -1,0 +1,73 @@
+"""Page descriptors against the open-file limit (``leto.memory.fdlimit``): processes
+raise the limit as far as they may, and a reply whose descriptors cannot fit is refused
+by name — drained, so the connection stays in step — instead of failing with EMFILE
+half-way through an attach."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from leto.memory import fdlimit
+from leto.memory import protocol as P
+from leto.memory.errors import PoolFdLimit
+
+
+def _memfds(n: int) -> list[int]:
+    return [os.memfd_create(f"page{i}") for i in range(n)]
+
+
+def test_a_reply_whose_descriptors_do_not_fit_is_refused_and_drained(monkeypatch):
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pages = _memfds(600)  # the first FD_BATCH ride on the reply, the rest in FDS batches
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        P.send(a, P.Fds(len(pages)), pages)
+        P.send(a, P.Fds(0))  # the next message must still be read in step
+        monkeypatch.setattr(fdlimit, "room", lambda: 100)
+        _, first = P.recv(b)
+        with pytest.raises(PoolFdLimit, match=r"carries 600 page descriptors.*ulimit -n"):
+            P.recv_fds(b, len(pages), first)
+        assert len(os.listdir("/proc/self/fd")) == before, "received descriptors leaked"
+        msg, fds = P.recv(b)
+        assert isinstance(msg, P.Fds) and msg.count == 0 and fds == []
+    finally:
+        for fd in pages:
+            os.close(fd)
+        a.close()
+        b.close()
+
+
+def test_a_reply_that_fits_is_received_whole():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pages = _memfds(300)
+    try:
+        P.send(a, P.Fds(len(pages)), pages)
+        _, first = P.recv(b)
+        got = P.recv_fds(b, len(pages), first)
+        assert len(got) == 300
+        for fd in got:
+            os.close(fd)
+    finally:
+        for fd in pages:
+            os.close(fd)
+        a.close()
+        b.close()
+
+
+def test_the_limit_is_raised_to_the_hard_one_at_least():
+    # A fresh process with a low soft limit (as many shells set: 1,024) ends up with at
+    # least its hard limit — or WANT, where it may raise the hard limit too.
+    code = (
+        "import resource; from leto.memory import fdlimit; "
+        "s, h = resource.getrlimit(resource.RLIMIT_NOFILE); "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, h)); "
+        "print(fdlimit.raise_limit(), h)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    now, hard = map(int, out.stdout.split())
+    assert now >= min(hard, fdlimit.WANT) and now > 256
