@@ -71,3 +71,31 @@ def test_the_limit_is_raised_to_the_hard_one_at_least():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     now, hard = map(int, out.stdout.split())
     assert now >= min(hard, fdlimit.WANT) and now > 256
+
+
+def test_a_reply_of_any_size_holds_one_batch_of_descriptors_open_on_either_side():
+    # The state manager gives openers (protocol.send opens each as its batch goes out,
+    # closes it after); the client imports each fd as it arrives (recv_fds' take). A
+    # 5 B-parameter pool's ~40,000 pages then pass a hard limit of 20,000.
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    n = 3 * P.FD_BATCH + 7
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        P.send(a, P.Fds(n), [lambda i=i: os.memfd_create(f"page{i}") for i in range(n)])
+        assert len(os.listdir("/proc/self/fd")) == before, "the sender kept what it opened"
+        peak = []
+
+        def take(i: int, fd: int) -> int:
+            peak.append(len(os.listdir("/proc/self/fd")))
+            size = os.fstat(fd).st_size
+            os.close(fd)
+            return i + size
+
+        _, first = P.recv(b)
+        got = P.recv_fds(b, n, first, take)
+        assert got == list(range(n))
+        assert max(peak) <= before + P.FD_BATCH + 1, max(peak) - before
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        a.close()
+        b.close()

@@ -129,10 +129,10 @@ class PoolClient:
             reply, fds = P.request(
                 self.sock, P.Alloc(self.epoch, name, kind.value, int(nbytes)), P.Allocated
             )
-            fds = P.recv_fds(self.sock, reply.n_fds, fds)
             device = "cpu" if kind is AllocationKind.RECORD else self.config.device
             importer = importer_for(device, reply.page_bytes)
-            mapping = importer.map(fds)
+            pages = P.recv_fds(self.sock, reply.n_fds, fds, lambda _, fd: importer.take(fd))
+            mapping = importer.map(pages)
             self._maps[name] = (mapping, importer, reply)
         mapping, _, info = self._maps[name]
         if info.nbytes != nbytes or info.kind != kind.value:
@@ -166,20 +166,30 @@ class PoolClient:
             P.AllocSet(self.epoch, list(names), [int(b) for b in nbytes], list(unit_pages)),
             P.AllocatedSet,
         )
-        self._map_allocations(reply.allocations, P.recv_fds(self.sock, reply.n_fds, fds))
+        self._map_allocations(reply.allocations, reply.n_fds, fds)
         self._sets[tuple(names)] = reply
         return reply
 
-    def _map_allocations(self, infos: list[dict], fds: list[int]) -> None:
-        """Map allocations the state manager described (``Table.info``) from their page
-        fds, in order (records in host memory, the rest on this pool's device)."""
-        pos = 0
+    def _map_allocations(self, infos: list[dict], n_fds: int, first: list[int]) -> None:
+        """Receive the page fds of allocations the state manager described
+        (``Table.info``), each imported as it arrives, and map them in order (records
+        in host memory, the rest on this pool's device)."""
+        importers, per_fd = [], []
         for info in infos:
-            n = info["n_pages"]
             kind = AllocationKind(info["kind"])
             device = "cpu" if kind is AllocationKind.RECORD else self.config.device
-            importer = importer_for(device, info["page_bytes"])
-            mapping = importer.map(fds[pos : pos + n])
+            importers.append(importer_for(device, info["page_bytes"]))
+            per_fd += [importers[-1]] * info["n_pages"]
+        if len(per_fd) != n_fds:
+            for fd in first:
+                os.close(fd)
+            raise PoolProtocolError(f"{len(per_fd)} pages described, {n_fds} descriptors announced")
+        pages = P.recv_fds(self.sock, n_fds, first, lambda i, fd: per_fd[i].take(fd))
+        pos = 0
+        for info, importer in zip(infos, importers, strict=True):
+            n = info["n_pages"]
+            kind = AllocationKind(info["kind"])
+            mapping = importer.map(pages[pos : pos + n])
             pos += n
             meta = P.Allocated(
                 info["name"], kind.value, info["nbytes"], n, info["page_bytes"], False, n
@@ -291,7 +301,7 @@ class PoolClient:
         if self.role != P.Role.SHADOW.value:
             raise PoolError(f"premap is for a parked shadow; this client is a {self.role}")
         reply, fds = P.request(self.sock, P.Premap(list(self._maps)), P.Premapped)
-        self._map_allocations(reply.allocations, P.recv_fds(self.sock, reply.n_fds, fds))
+        self._map_allocations(reply.allocations, reply.n_fds, fds)
         for st in reply.sets:
             names = tuple(a["name"] for a in st["allocations"])
             if all(n in self._maps for n in names):

@@ -319,21 +319,37 @@ def decode(data: bytes) -> object:
 # -- socket I/O ---------------------------------------------------------------------
 
 
-def send(sock: socket.socket, msg: object, fds: list[int] = ()) -> None:
-    """Send one message; more than FD_BATCH fds follow in FDS messages."""
+def send(sock: socket.socket, msg: object, fds: list = ()) -> None:
+    """Send one message; more than FD_BATCH fds follow in FDS messages. An fd may be
+    given as a zero-argument callable that opens it: it is called when its batch goes
+    out and closed right after, so a reply of 40,000 pages never holds more than one
+    batch open (the caller closes the plain fds it gave)."""
     data = encode(msg)
     fds = list(fds)
     first, rest = fds[:FD_BATCH], fds[FD_BATCH:]
     if not rest:
         if first:
-            socket.send_fds(sock, [data], first)
+            _send_batch(sock, data, first)
         else:
             sock.sendall(data)
         return
     sock.sendall(data)
     while fds:
         batch, fds = fds[:FD_BATCH], fds[FD_BATCH:]
-        socket.send_fds(sock, [encode(Fds(len(batch)))], batch)
+        _send_batch(sock, encode(Fds(len(batch))), batch)
+
+
+def _send_batch(sock: socket.socket, data: bytes, batch: list) -> None:
+    opened = []
+    try:
+        for f in batch:
+            if callable(f):
+                opened.append(f())
+        it = iter(opened)
+        socket.send_fds(sock, [data], [next(it) if callable(f) else f for f in batch])
+    finally:
+        for fd in opened:
+            _close(fd)
 
 
 def recv(sock: socket.socket) -> tuple[object, list[int]]:
@@ -356,8 +372,13 @@ def recv(sock: socket.socket) -> tuple[object, list[int]]:
         raise
 
 
-def recv_fds(sock: socket.socket, n_fds: int, first: list[int]) -> list[int]:
-    """Collect ``n_fds`` descriptors: those attached to the reply, then FDS batches."""
+def recv_fds(sock: socket.socket, n_fds: int, first: list[int], take=None) -> list:
+    """Collect ``n_fds`` descriptors: those attached to the reply, then FDS batches.
+    ``take(i, fd)``, if given, turns descriptor ``i`` into what is kept (and closes it,
+    e.g. a CUDA import) as each batch arrives: a reply of any size then needs room for
+    one batch only."""
+    if take is not None:
+        return _recv_taking(sock, n_fds, first, take)
     fds = list(first)
     if n_fds - len(fds) > fdlimit.room():
         # Refused before they arrive, and drained: the connection stays in step.
@@ -397,6 +418,29 @@ def recv_fds(sock: socket.socket, n_fds: int, first: list[int]) -> list[int]:
             _close(fd)
         raise PoolProtocolError(f"expected {n_fds} descriptors, got {len(fds)}")
     return fds
+
+
+def _recv_taking(sock: socket.socket, n_fds: int, first: list[int], take) -> list:
+    kept: list = []
+    batch = list(first)
+    try:
+        while True:
+            while batch:
+                kept.append(take(len(kept), batch.pop(0)))
+            if len(kept) >= n_fds:
+                break
+            msg, batch = recv(sock)
+            if not isinstance(msg, Fds) or msg.count != len(batch):
+                raise PoolProtocolError(
+                    f"expected an FDS batch, got {type(msg).__name__} with {len(batch)} fds"
+                )
+    except BaseException:
+        for fd in batch:
+            _close(fd)
+        raise
+    if len(kept) != n_fds:
+        raise PoolProtocolError(f"expected {n_fds} descriptors, got {len(kept)}")
+    return kept
 
 
 def request(sock: socket.socket, msg: object, expect: type) -> tuple[object, list[int]]:

@@ -63,6 +63,11 @@ class PageOwner(abc.ABC):
         """A new file descriptor for the page; the caller closes it after sending."""
 
     @abc.abstractmethod
+    def check_exportable(self, handle: object) -> None:
+        """Raise if ``export_fd(handle)`` would fail because the page is gone (checked
+        before a reply starts: fds are opened only as their batch is sent)."""
+
+    @abc.abstractmethod
     def release(self, handle: object) -> None:
         """Free the page (mappings elsewhere may keep the memory alive)."""
 
@@ -93,9 +98,15 @@ class PageImporter(abc.ABC):
     device: str
     page_bytes: int
 
+    def take(self, fd: int) -> object:
+        """What ``map`` needs of a page fd as it arrives (a CUDA import: the fd is closed
+        at once, so replies of any size fit the open-file limit); the fd itself here."""
+        return fd
+
     @abc.abstractmethod
-    def map(self, fds: list[int]) -> Mapping:
-        """Import and map the pages contiguously; closes every fd it is given."""
+    def map(self, fds: list) -> Mapping:
+        """Import and map the pages contiguously; closes every fd it is given (fds or
+        what ``take`` made of them)."""
 
     @abc.abstractmethod
     def unmap(self, mapping: Mapping) -> None: ...

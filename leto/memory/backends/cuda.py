@@ -217,6 +217,9 @@ class CudaPageOwner(_OnDevice, PageOwner):
         finally:
             _call("unmapping scratch", d.cuMemUnmap, s, pb)
 
+    def check_exportable(self, handle: CudaPage) -> None:
+        _live(handle)
+
     def export_fd(self, handle: CudaPage) -> int:
         # Exported once and dup'ed after: a recovering trainer attaches every page, and
         # 7,371 exports took ~0.4 s of a 1 B-parameter model's recovery on the H200.
@@ -271,23 +274,32 @@ class CudaPageOwner(_OnDevice, PageOwner):
 
 
 class CudaPageImporter(_OnDevice, PageImporter):
-    def map(self, fds: list[int]) -> Mapping:
+    def take(self, fd: int) -> object:
+        self._dev.make_current()
+        try:
+            what = f"importing a page (fd {fd})"
+            return _call(what, self._dev.d.cuMemImportFromShareableHandle, fd, self._dev.fd_type)
+        finally:
+            os.close(fd)  # the imported handle holds the memory; fds are scarce
+
+    def map(self, fds: list) -> Mapping:
+        """``fds``: page fds, or handles ``take`` imported already."""
         d = self._dev.d
         self._dev.make_current()
-        handles, closed = [], 0
+        handles, done = [], 0
         try:
-            for i, fd in enumerate(fds):
-                what = f"importing page {i} (fd {fd})"
-                handles.append(_call(what, d.cuMemImportFromShareableHandle, fd, self._dev.fd_type))
-                os.close(fd)  # the imported handle holds the memory; fds are scarce
-                closed += 1
+            for fd in fds:
+                handles.append(self.take(fd) if isinstance(fd, int) else fd)
+                done += 1
         except BaseException:
             for h in handles:
                 d.cuMemRelease(h)
+            for fd in fds[done + 1 :]:  # (take closed the one that failed)
+                if isinstance(fd, int):
+                    os.close(fd)
+                else:
+                    d.cuMemRelease(fd)
             raise
-        finally:
-            for fd in fds[closed:]:
-                os.close(fd)
         try:
             return self._dev.map_pages(handles, "importer map")
         finally:

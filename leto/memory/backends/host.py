@@ -52,6 +52,10 @@ class HostPageOwner(PageOwner):
     def create(self) -> HostPage:
         return HostPage(hp.new_page(self.page_bytes))
 
+    def check_exportable(self, handle: HostPage) -> None:
+        if handle.fd < 0:
+            raise ValueError("page was already released (or lost)")
+
     def export_fd(self, handle: HostPage) -> int:
         return os.dup(handle.fd)
 

@@ -215,33 +215,18 @@ class StateManager:
             if isinstance(msg, P.Alloc):
                 a, created = self.table.alloc(msg.name, msg.kind, msg.nbytes)
                 fds = self.table.export(a)
-                try:
-                    reply = P.Allocated(
-                        a.name,
-                        a.kind.value,
-                        a.nbytes,
-                        len(a.pages),
-                        a.owner.page_bytes,
-                        created,
-                        len(fds),
-                    )
-                    P.send(peer.sock, reply, fds)
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-                return None
+                reply = P.Allocated(
+                    a.name, a.kind.value, a.nbytes, len(a.pages), a.owner.page_bytes, created, len(fds)
+                )  # fmt: skip
+                return self._send_closing(peer, reply, fds)
             if isinstance(msg, P.AllocSet):
                 allocs, units, per_group, first = self.table.alloc_set(
                     msg.names, msg.nbytes, msg.unit_pages
                 )
                 fds = [fd for a in allocs for fd in self.table.export(a)]
                 infos = [self.table.info(a) for a in allocs]
-                try:
-                    P.send(peer.sock, P.AllocatedSet(infos, units, per_group, first, len(fds)), fds)
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-                return None
+                reply = P.AllocatedSet(infos, units, per_group, first, len(fds))
+                return self._send_closing(peer, reply, fds)
             if isinstance(msg, (P.Layout, P.Replaced)):
                 return self._read_only(peer, msg)
             if isinstance(msg, P.Localize):
@@ -258,12 +243,14 @@ class StateManager:
         reply = P.ReplacedReply(pages, len(self.table.replaced), len(fds))
         return self._send_closing(peer, reply, fds)
 
-    def _send_closing(self, peer: Peer, reply: object, fds: list[int]) -> None:
+    def _send_closing(self, peer: Peer, reply: object, fds: list) -> None:
+        """Send, then close the fds given open (``P.send`` closes those it opens)."""
         try:
             P.send(peer.sock, reply, fds)
         finally:
             for fd in fds:
-                os.close(fd)
+                if isinstance(fd, int):
+                    os.close(fd)
 
     def _need(self, peer: Peer, role: P.Role) -> None:
         if peer.role is not role:

@@ -16,6 +16,7 @@ trainer does it on the device where the pages live).
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from dataclasses import dataclass, field
@@ -241,8 +242,13 @@ class Table:
         self.sets[tuple(names)] = (units, per_group, first_group)
         return created, units, per_group, first_group
 
-    def export(self, a: Allocation) -> list[int]:
-        return [a.owner.export_fd(h) for h in a.pages]
+    def export(self, a: Allocation) -> list:
+        """An opener per page of ``a`` (``protocol.send`` opens each as its batch goes
+        out: a 5 B-parameter pool's ~40,000 fds at once would pass the open-file limit).
+        Every page is checked alive now, while the reply can still be an error."""
+        for h in a.pages:
+            a.owner.check_exportable(h)
+        return [functools.partial(a.owner.export_fd, h) for h in a.pages]
 
     def layout(self) -> tuple[list[dict], list[int]]:
         groups, fds = [], []
