@@ -26,8 +26,13 @@ from dataclasses import dataclass
 from leto.memory import fdlimit
 from leto.memory.errors import PoolFdLimit, PoolProtocolError, PoolTimeout, remote_error
 
-PROTOCOL_VERSION = 2  # 2: the shadow role (PREMAP, REPLACED, TAKEOVER)
-MAX_MESSAGE_BYTES = 256 * 1024
+PROTOCOL_VERSION = 3  # 2: the shadow role (PREMAP, REPLACED, TAKEOVER); 3: FRAMES
+MAX_MESSAGE_BYTES = 256 * 1024  # one datagram
+# A reply longer than one datagram goes out as a FRAMES header and raw frames (a 3 B-
+# parameter pool's layout is ~400 KB of JSON, a 5 B one's ~700 KB). Replies only: the
+# state manager reads requests of one datagram.
+FRAME_BYTES = 64 * 1024
+MAX_REPLY_BYTES = 64 << 20
 FD_BATCH = 250
 MAX_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
 
@@ -54,6 +59,7 @@ class Op(enum.Enum):
     TAKEOVER = "TAKEOVER"
     SHUTDOWN = "SHUTDOWN"
     FDS = "FDS"
+    FRAMES = "FRAMES"
     OK = "OK"
     ERROR = "ERROR"
 
@@ -218,6 +224,14 @@ class Fds:
 
 
 @dataclass(frozen=True)
+class Frames:
+    """The next ``count`` datagrams are raw frames of one message of ``nbytes``."""
+
+    nbytes: int
+    count: int
+
+
+@dataclass(frozen=True)
 class Ok:
     detail: str = ""
 
@@ -250,6 +264,7 @@ MESSAGES: dict[Op, type] = {
     Op.TAKEOVER: Takeover,
     Op.SHUTDOWN: Shutdown,
     Op.FDS: Fds,
+    Op.FRAMES: Frames,
     Op.OK: Ok,
     Op.ERROR: Error,
 }
@@ -261,9 +276,9 @@ def encode(msg: object) -> bytes:
     data = json.dumps(
         {"v": PROTOCOL_VERSION, "op": op.value, "body": dataclasses.asdict(msg)}
     ).encode()
-    if len(data) > MAX_MESSAGE_BYTES:
+    if len(data) > MAX_REPLY_BYTES:
         raise PoolProtocolError(
-            f"{op.value} message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}"
+            f"{op.value} message of {len(data)} bytes exceeds {MAX_REPLY_BYTES}"
         )
     return data
 
@@ -279,10 +294,10 @@ def _type_ok(value: object, tp: object) -> bool:
     return isinstance(value, origin)
 
 
-def decode(data: bytes) -> object:
+def decode(data: bytes, limit: int = MAX_MESSAGE_BYTES) -> object:
     """Parse and validate one message; ``PoolProtocolError`` says what was wrong."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise PoolProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if len(data) > limit:
+        raise PoolProtocolError(f"message of {len(data)} bytes exceeds {limit}")
     try:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -326,6 +341,16 @@ def send(sock: socket.socket, msg: object, fds: list = ()) -> None:
     batch open (the caller closes the plain fds it gave)."""
     data = encode(msg)
     fds = list(fds)
+    if len(data) > MAX_MESSAGE_BYTES:
+        # Framed: the header, the frames, then every fd in FDS batches.
+        parts = [data[i : i + FRAME_BYTES] for i in range(0, len(data), FRAME_BYTES)]
+        sock.sendall(encode(Frames(len(data), len(parts))))
+        for part in parts:
+            sock.sendall(part)
+        while fds:
+            batch, fds = fds[:FD_BATCH], fds[FD_BATCH:]
+            _send_batch(sock, encode(Fds(len(batch))), batch)
+        return
     first, rest = fds[:FD_BATCH], fds[FD_BATCH:]
     if not rest:
         if first:
@@ -352,8 +377,35 @@ def _send_batch(sock: socket.socket, data: bytes, batch: list) -> None:
             _close(fd)
 
 
-def recv(sock: socket.socket) -> tuple[object, list[int]]:
-    """Receive one message and the fds attached to it. Raises on oversize/truncation."""
+def recv(sock: socket.socket, frames: bool = False) -> tuple[object, list[int]]:
+    """Receive one message and the fds attached to it. Raises on oversize/truncation.
+    ``frames``: a reply may come framed (then its fds all follow in FDS batches)."""
+    msg, fds = _recv_one(sock)
+    if not isinstance(msg, Frames):
+        return msg, fds
+    for fd in fds:
+        _close(fd)
+    if not frames:
+        raise PoolProtocolError("a request must be one datagram, not FRAMES")
+    want = -(-msg.nbytes // FRAME_BYTES)
+    if not 0 < msg.nbytes <= MAX_REPLY_BYTES or msg.count != want:
+        raise PoolProtocolError(f"FRAMES of {msg.nbytes} bytes in {msg.count} frames is malformed")
+    parts = []
+    for _ in range(msg.count):
+        try:
+            part = sock.recv(FRAME_BYTES + 1)
+        except TimeoutError:
+            raise PoolTimeout(f"no frame from the peer within {sock.gettimeout()} s") from None
+        if not part or len(part) > FRAME_BYTES:
+            raise PoolProtocolError("a frame was empty, cut short or oversized")
+        parts.append(part)
+    data = b"".join(parts)
+    if len(data) != msg.nbytes:
+        raise PoolProtocolError(f"FRAMES announced {msg.nbytes} bytes, {len(data)} came")
+    return decode(data, MAX_REPLY_BYTES), []
+
+
+def _recv_one(sock: socket.socket) -> tuple[object, list[int]]:
     try:
         data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES + 1, MAX_FDS_PER_MESSAGE)
     except TimeoutError:
@@ -446,7 +498,7 @@ def _recv_taking(sock: socket.socket, n_fds: int, first: list[int], take) -> lis
 def request(sock: socket.socket, msg: object, expect: type) -> tuple[object, list[int]]:
     """Send ``msg`` and return the reply, raising ``RemoteError`` for an ERROR reply."""
     send(sock, msg)
-    reply, fds = recv(sock)
+    reply, fds = recv(sock, frames=True)
     if isinstance(reply, Error):
         for fd in fds:
             _close(fd)
