@@ -40,7 +40,8 @@ def load(paths: list[str]) -> list[dict]:
 
 def table(points: list[dict]) -> Table:
     t = Table(title="HOF recovery against state size (fp32 + AdamW: 16 B a parameter)")
-    for c in ("parameters", "variant", "regained", "vs baseline", *STEPS, "premapped", "exact"):
+    cols = ("parameters", "variant", "regained", "vs baseline", "to training", "iteration")
+    for c in (*cols, *STEPS, "premapped", "exact"):
         t.add_column(c)
     for q in points:
         base = q["variants"].get(BASELINE, {}).get("regained_s")
@@ -51,6 +52,8 @@ def table(points: list[dict]) -> Table:
                 name,
                 f"{r['regained_s']:.2f} s",
                 f"{base / r['regained_s']:.1f}×" if base and name != BASELINE else "—",
+                f"{r['to_training_s']:.2f} s" if r.get("to_training_s") else "-",
+                _interrupted(r, steps),
                 *(f"{steps[s]:.3f}" if s in steps else "-" for s in STEPS),
                 str(r.get("premapped")),
                 "EXACT" if r["exact"] else "NOT EXACT",
@@ -58,15 +61,35 @@ def table(points: list[dict]) -> Table:
     return t
 
 
+def _interrupted(r: dict, steps: dict) -> str:
+    """What became of the iteration the failure struck: its update finished from the
+    chunks already committed, or the whole iteration redone (the kill came before its
+    first chunk committed; forward and backward are lost work then) — or, for the
+    baseline, recomputed from its checkpoint."""
+    if "next_iteration" not in steps or "fail_at" not in r:
+        return "-"
+    if r["record"].get("level") == "checkpoint":
+        return f"from checkpoint @ {steps['next_iteration']}"
+    return "update finished" if steps["next_iteration"] > r["fail_at"] else "redone"
+
+
 def plot(points: list[dict], path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     names = [n for q in points for n in q["variants"]]
     for name in dict.fromkeys(names):  # first-seen order
-        xs = [q["parameters"] / 1e9 for q in points if name in q["variants"]]
-        ys = [q["variants"][name]["regained_s"] for q in points if name in q["variants"]]
+        rows = [
+            (q["parameters"] / 1e9, q["variants"][name]) for q in points if name in q["variants"]
+        ]
+        xs, ys = [x for x, _ in rows], [r["regained_s"] for _, r in rows]
         ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name == BASELINE else "-")
-        for x, y in zip(xs, ys, strict=True):
-            ax.annotate(f"{y:.2f} s", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        for x, r in rows:
+            steps = next(iter(r["record"].get("trainers", {}).values()), {})
+            why = _interrupted(r, steps)
+            note = " (iteration redone)" if why == "redone" else ""
+            y = r["regained_s"]
+            ax.annotate(
+                f"{y:.2f} s{note}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8
+            )
     ax.set_yscale("log")
     ax.set_xlabel("parameters (billions; 16 bytes each retained)")
     ax.set_ylabel("failure → progress regained (s)")
