@@ -99,3 +99,38 @@ def test_a_reply_of_any_size_holds_one_batch_of_descriptors_open_on_either_side(
     finally:
         a.close()
         b.close()
+
+
+def test_a_host_pool_at_its_open_file_limit_refuses_the_allocation_and_keeps_the_rest(
+    monkeypatch,
+):
+    # CPU pools keep a memfd per page open in the state manager: at the limit the
+    # allocation is refused by name, the pages it made are released, and what was
+    # allocated before is untouched.
+    from leto.memory import host_pages
+    from leto.memory.backends.host import HostPageOwner
+    from leto.memory.config import AllocationKind
+    from leto.memory.errors import remote_error
+    from leto.memory.state_manager.table import Table
+    from tests.pool_helpers import PAGE, small_config
+
+    owner = HostPageOwner(PAGE)
+    table = Table(small_config(), owner, owner, owner)
+    kept, _ = table.alloc("w", AllocationKind.PROTECTED.value, 3 * PAGE)
+    real, made = host_pages.new_page, []
+
+    def new_page(page_bytes, name="leto-page"):
+        if len(made) == 5:
+            raise OSError(24, "Too many open files")
+        made.append(real(page_bytes, name))
+        return made[-1]
+
+    monkeypatch.setattr(host_pages, "new_page", new_page)
+    with pytest.raises(PoolFdLimit, match=r"open-file limit .* not made .*--page-bytes"):
+        table.alloc("big", AllocationKind.PROTECTED.value, 9 * PAGE)
+    assert list(table.allocations) == ["w"] and table.allocations["w"] is kept
+    for fd in made:  # every page made for the refused allocation was closed
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    err = remote_error("fd-limit", "…")
+    assert isinstance(err, PoolFdLimit)

@@ -56,6 +56,7 @@ def remote_error(code: str, message: str) -> PoolError:
         "protocol": PoolProtocolError,
         "order": PoolProtocolError,
         "version": PoolProtocolError,
+        "fd-limit": PoolFdLimit,
     }.get(code)
     if cls is None:
         return RemoteError(code, message)

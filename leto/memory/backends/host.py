@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 
 from leto.memory import host_pages as hp
 from leto.memory.backends.api import Mapping, PageImporter, PageOwner
+from leto.memory.errors import PoolFdLimit
 from leto.memory.mechanisms import Mechanism, host_poison_mechanism
 
 # Regions scanned with one madvise call before bisecting a failed one.
@@ -50,7 +52,18 @@ class HostPageOwner(PageOwner):
         self.loss_mechanism, self.loss_mechanism_why = host_poison_mechanism()
 
     def create(self) -> HostPage:
-        return HostPage(hp.new_page(self.page_bytes))
+        try:
+            return HostPage(hp.new_page(self.page_bytes))
+        except OSError as e:
+            if e.errno != errno.EMFILE:
+                raise
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            raise PoolFdLimit(
+                f"a host page is a memfd the state manager keeps open, and its open-file "
+                f"limit ({soft}) is reached: this pool cannot hold more {self.page_bytes}-byte "
+                "pages. The allocation was not made and nothing retained changed; raise "
+                "`ulimit -n` (hard limit) or use larger pages (--page-bytes)"
+            ) from None
 
     def check_exportable(self, handle: HostPage) -> None:
         if handle.fd < 0:

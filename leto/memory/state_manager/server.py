@@ -35,7 +35,7 @@ from leto.memory import protocol as P
 from leto.memory.backends import owner_for
 from leto.memory.backends.host import HostPageOwner
 from leto.memory.config import SOCKET_NAME, AllocationKind, PoolConfig
-from leto.memory.errors import AllocationMismatch, PoolError, PoolProtocolError
+from leto.memory.errors import AllocationMismatch, PoolError, PoolFdLimit, PoolProtocolError
 from leto.memory.state_manager.table import Table
 from leto.proc import alive
 
@@ -158,6 +158,8 @@ class StateManager:
             self._reply_error(peer, e.code, e.message)
         except AllocationMismatch as e:
             self._reply_error(peer, "mismatch", str(e))
+        except PoolFdLimit as e:
+            self._reply_error(peer, "fd-limit", str(e))
         except PoolProtocolError as e:
             self._reply_error(peer, "protocol", str(e))
         except (ConnectionError, BrokenPipeError):

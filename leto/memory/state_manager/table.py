@@ -63,6 +63,20 @@ class Group:
         return runs
 
 
+def _create(owner: PageOwner, n: int) -> list:
+    """``n`` fresh pages, or none: those made before a failure are released (a pool of
+    memfd pages holds an open file per page, and the limit can end an allocation)."""
+    pages: list = []
+    try:
+        for _ in range(n):
+            pages.append(owner.create())
+    except BaseException:
+        for h in pages:
+            owner.release(h)
+        raise
+    return pages
+
+
 class Table:
     def __init__(
         self,
@@ -109,10 +123,8 @@ class Table:
             return existing, False
         owner = self.record_owner if kind is AllocationKind.RECORD else self.device_owner
         n_pages = -(-nbytes // owner.page_bytes)
-        pages = []
+        pages = _create(owner, n_pages)
         try:
-            for _ in range(n_pages):
-                pages.append(owner.create())
             mapping = owner.map(pages)
         except BaseException:
             for h in pages:
@@ -135,7 +147,7 @@ class Table:
         parity, maps = {}, {}
         for tier, count in (("tier1", h1), ("tier2", h2)):
             owner = self.parity_owner if kind != "record" else self.record_owner
-            handles = [owner.create() for _ in range(count)]
+            handles = _create(owner, count)
             parity[tier] = handles
             maps[tier] = owner.map(handles)
         g = Group(len(self.groups), kind, capacity, page_bytes, [], parity, maps)
@@ -210,7 +222,7 @@ class Table:
         created: list[Allocation] = []
         try:
             for n, b, u in zip(names, nbytes, unit_pages, strict=True):
-                pages = [self.device_owner.create() for _ in range(units * u)]
+                pages = _create(self.device_owner, units * u)
                 created.append(
                     Allocation(
                         n,
