@@ -242,19 +242,21 @@ class PoolClient:
 
     def _map_parity(self) -> list[dict]:
         """The state manager's groups, each group's parity mapped here (once)."""
-        reply, fds = P.request(self.sock, P.Layout(self.epoch), P.LayoutReply)
+        known = len(self._parity)  # groups are only ever appended
+        reply, fds = P.request(self.sock, P.Layout(self.epoch, known), P.LayoutReply)
         fds = P.recv_fds(self.sock, reply.n_fds, fds)
         pos = 0
         for g in reply.groups:
-            n = g["tier1"] + g["tier2"]
-            group_fds, pos = fds[pos : pos + n], pos + n
-            if g["gid"] < len(self._parity):
-                for fd in group_fds:
-                    os.close(fd)
-            else:
+            if g["gid"] >= known:
+                n = g["tier1"] + g["tier2"]
+                group_fds, pos = fds[pos : pos + n], pos + n
                 importer = HostPageImporter(g["page_bytes"])
                 self._parity.append((importer, importer.map(group_fds)))
             self._tier1[g["gid"]] = g["tier1"]
+        if pos != len(fds):
+            for fd in fds[pos:]:
+                os.close(fd)
+            raise PoolProtocolError(f"LAYOUT sent {len(fds)} parity fds, its groups name {pos}")
         return reply.groups
 
     def _code(self, g: GroupView) -> TwoTierCode:

@@ -43,8 +43,15 @@ class Mapping:
     def tensor(self) -> torch.Tensor:
         return self.make_tensor()
 
+    @cached_property
+    def pages(self) -> tuple[torch.Tensor, ...]:
+        """Every page as a view, made at once: C++'s unbind takes ~1 µs a page, a slice
+        from Python ~5 µs, and a 5 B-parameter pool has ~38,500 pages whose views the
+        updater's layout needs at every recovery."""
+        return self.tensor.view(self.n_pages, self.page_bytes).unbind(0)
+
     def page(self, i: int) -> torch.Tensor:
-        return self.tensor[i * self.page_bytes : (i + 1) * self.page_bytes]
+        return self.pages[i]
 
 
 class PageOwner(abc.ABC):

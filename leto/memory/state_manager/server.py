@@ -239,7 +239,7 @@ class StateManager:
 
     def _read_only(self, peer: Peer, msg: P.Layout | P.Replaced) -> None:
         if isinstance(msg, P.Layout):
-            groups, fds = self.table.layout()
+            groups, fds = self.table.layout(msg.known)
             return self._send_closing(peer, P.LayoutReply(groups, len(fds)), fds)
         pages, fds = self.table.replaced_since(msg.since)
         reply = P.ReplacedReply(pages, len(self.table.replaced), len(fds))

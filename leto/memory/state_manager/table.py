@@ -262,7 +262,8 @@ class Table:
             a.owner.check_exportable(h)
         return [functools.partial(a.owner.export_fd, h) for h in a.pages]
 
-    def layout(self) -> tuple[list[dict], list[int]]:
+    def layout(self, known: int = 0) -> tuple[list[dict], list]:
+        """Every group, with openers for the parity page fds of groups ``known`` on."""
         groups, fds = [], []
         for g in self.groups:
             groups.append(
@@ -275,8 +276,12 @@ class Table:
                     "page_bytes": g.page_bytes,
                 }
             )
+            if g.gid < known:
+                continue
             owner = self.parity_owner if g.kind != "record" else self.record_owner
-            fds += [owner.export_fd(h) for h in g.parity["tier1"] + g.parity["tier2"]]
+            for h in g.parity["tier1"] + g.parity["tier2"]:
+                owner.check_exportable(h)
+                fds.append(functools.partial(owner.export_fd, h))  # opened as sent
         return groups, fds
 
     # -- failures -------------------------------------------------------------------
