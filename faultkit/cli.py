@@ -325,9 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--losses",
         default="all",
-        choices=("all", "alternate"),
+        choices=("all", "pairs", "alternate"),
         help="kill/copy-corrupt/kernel-abort: every loss ({0, H1} pages x host parity page "
-        "or not) at every phase (all), or one per phase, the four taking turns (alternate)",
+        "or not) at every phase (all); two per phase, {none, both} or {host, device} taking "
+        "turns (pairs); or one per phase, the four taking turns (alternate)",
     )
     p.set_defaults(fn=cmd_matrix)
     register_plan(sub)

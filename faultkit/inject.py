@@ -320,11 +320,13 @@ def matrix(
     every corrupt mode still sees both counts — the CI's cut). The other modes run
     every loss combination (``losses="all"``: {0, H1} pages x host page or not) at each
     phase, or one per phase and mode (``"alternate"``: the four take turns, so each is
-    run at a quarter of the phases — the CI's cut for the parallel jobs)."""
+    run at a quarter of the phases — the CI's cut for the parallel jobs), or two
+    (``"pairs"``: none with H1 pages and a host page, or each alone, the pairs taking
+    turns, so each loss is run at half the phases — the CI's cut for the example job)."""
     if corrupt_pages not in ("both", "alternate"):
         raise ValueError(f"--corrupt-pages {corrupt_pages!r}: expected both or alternate")
-    if losses not in ("all", "alternate"):
-        raise ValueError(f"--losses {losses!r}: expected all or alternate")
+    if losses not in ("all", "pairs", "alternate"):
+        raise ValueError(f"--losses {losses!r}: expected all, pairs or alternate")
     combos = [(0, 0), (base.tier1_pages, 1), (0, 1), (base.tier1_pages, 0)]
     for mode in modes:
         if mode not in MODES:
@@ -347,7 +349,12 @@ def matrix(
                     cfg = replace(base, phase=phase, mode=mode, pages=pages, host_parity_pages=0)
                     rows.append(inject(cfg, work, reference=ref))
                 continue
-            for pages, host in combos if losses == "all" else [combos[(i + j) % 4]]:
+            chosen = {
+                "all": combos,
+                "pairs": combos[2 * ((i + j) % 2) : 2 * ((i + j) % 2) + 2],
+                "alternate": [combos[(i + j) % 4]],
+            }[losses]
+            for pages, host in chosen:
                 cfg = replace(base, phase=phase, mode=mode, pages=pages, host_parity_pages=host)
                 rows.append(inject(cfg, work, reference=ref))
     return rows

@@ -193,8 +193,9 @@ def test_the_ci_corrupt_cut_covers_every_phase_and_both_counts(monkeypatch, tmp_
         fi.matrix(base, tmp_path, modes=modes, corrupt_pages="some")
 
 
-def test_the_ci_loss_cut_runs_every_phase_and_every_loss(monkeypatch, tmp_path):
-    # Enumeration only, as above: the parallel jobs' CI cut (kill, --losses alternate).
+def test_the_ci_loss_cuts_run_every_phase_and_every_loss(monkeypatch, tmp_path):
+    # Enumeration only, as above: the parallel jobs' CI cut (kill, --losses alternate) and
+    # the example job's (--losses pairs).
     import faultkit.inject as fi
 
     monkeypatch.setattr(fi, "reference_run", lambda base, work: {})
@@ -209,5 +210,14 @@ def test_the_ci_loss_cut_runs_every_phase_and_every_loss(monkeypatch, tmp_path):
     losses = [(c.pages, c.host_parity_pages) for c in cut]
     assert {x: losses.count(x) for x in losses} == {(0, 0): 2, (4, 1): 2, (0, 1): 2, (4, 0): 2}
     assert all(c.parallel == "fsdp" for c in cut)
+    # The example job's cut (--losses pairs): two losses per phase, each at half of them.
+    pairs = fi.matrix(base, tmp_path, modes=("kill",), losses="pairs")
+    assert len(pairs) == 2 * len(fi.PHASES)
+    for phase in fi.PHASES:
+        got = {(c.pages, c.host_parity_pages) for c in pairs if c.phase == phase}
+        assert got in ({(0, 0), (4, 1)}, {(0, 1), (4, 0)}), (phase, got)
+    losses = [(c.pages, c.host_parity_pages) for c in pairs]
+    assert {x: losses.count(x) for x in losses} == {x: len(fi.PHASES) // 2 for x in set(losses)}
+    assert len(set(losses)) == 4
     with pytest.raises(ValueError, match="--losses 'half'"):
         fi.matrix(base, tmp_path, modes=("kill",), losses="half")
