@@ -79,6 +79,7 @@ class _Device:
         access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.access = [access]
         self.mapped_attr = d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MAPPED
+        self._scanner = None  # the native loss scan, built at its first use
         minimum = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
         self.granularity = int(
             _call("cuMemGetAllocationGranularity", d.cuMemGetAllocationGranularity, prop, minimum)
@@ -115,6 +116,20 @@ class _Device:
             raise
         return Mapping(base, n, pb, lambda: _tensor_at(base, n * pb, self.index))
 
+    def unmapped(self, mapping: Mapping) -> list[int]:
+        """Indices of ``mapping``'s pages with nothing mapped, by one native loop over
+        the driver (``scan.py``): never reads a page."""
+        from leto.memory.backends.scan import ScanError, driver_scanner
+
+        if self._scanner is None:
+            self._scanner = driver_scanner(int(self.mapped_attr))
+        self.make_current()
+        try:
+            return self._scanner.unmapped(mapping.address, mapping.page_bytes, mapping.n_pages)
+        except ScanError as e:
+            what = f"cuPointerGetAttribute(MAPPED) on page {e.page}"
+            raise CudaError(self.d.CUresult(e.result), what) from None
+
     def is_mapped(self, address: int) -> bool:
         """Asks the driver's page tables only: never reads the page, so a lost one is safe."""
         d = self.d
@@ -131,10 +146,10 @@ class _Device:
         self.make_current()
         # Work still queued on the range would fault once its pages are gone.
         _call("synchronizing before unmap", d.cuCtxSynchronize)
+        lost = set(self.unmapped(mapping))  # a lost page is already unmapped
         for i in range(mapping.n_pages):
-            addr = mapping.address + i * pb
-            if self.is_mapped(addr):  # a lost page is already unmapped
-                _call(f"unmapping page {i}", d.cuMemUnmap, addr, pb)
+            if i not in lost:
+                _call(f"unmapping page {i}", d.cuMemUnmap, mapping.address + i * pb, pb)
         _call("cuMemAddressFree", d.cuMemAddressFree, mapping.address, mapping.n_pages * pb)
         mapping.extra.clear()
 
@@ -260,9 +275,7 @@ class CudaPageOwner(_OnDevice, PageOwner):
         _call(f"cuMemSetAccess on page {index}", d.cuMemSetAccess, addr, pb, self._dev.access, 1)
 
     def failed_pages(self, mapping: Mapping) -> list[int]:
-        self._dev.make_current()
-        base, pb = mapping.address, mapping.page_bytes
-        return [i for i in range(mapping.n_pages) if not self._dev.is_mapped(base + i * pb)]
+        return self._dev.unmapped(mapping)
 
     def lose(self, mapping: Mapping, index: int, handle: CudaPage) -> None:
         d, pb = self._dev.d, self.page_bytes
