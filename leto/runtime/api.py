@@ -315,8 +315,16 @@ def init(prepare=None) -> Context:
         client = PoolClient.connect(
             env.pool_socket, env.pool_token, takeover=True, timeout_s=timeout_s
         )
+    t_localize = time.time()
     report = client.localize()  # a premapped client maps what it replaced again
     timings["attach_localize_s"] = time.time() - t_pool
+    # Its parts: attach (premapped: the last premap call and the takeover), then the
+    # state manager's scan of every page (of which data and parity) and the remap here.
+    timings["attach_s"] = t_localize - t_pool
+    timings["localize_s"] = time.time() - t_localize
+    timings.update(
+        {f"localize_{k}": report[k] for k in ("seconds", "data_s", "parity_s") if k in report}
+    )
     if premap:
         timings.update(premap.summary(), remapped_pages=client.remapped)
     return Context(

@@ -304,6 +304,7 @@ class Table:
             for i in failed:
                 gid, idx = a.slots[i]
                 self.groups[gid].pending["data"].add(idx)
+        data_s = time.perf_counter() - t0
         for g in self.groups:
             owner = self.parity_owner if g.kind != "record" else self.record_owner
             for tier in ("tier1", "tier2"):
@@ -319,6 +320,9 @@ class Table:
                 "host": self.parity_owner.loss_mechanism,
             },
             "seconds": seconds,
+            # scanning and replacing: data pages (the device), then parity (the host)
+            "data_s": data_s,
+            "parity_s": seconds - data_s,
             "pages_scanned": scanned,
             "allocations": allocations,
             "groups": {
