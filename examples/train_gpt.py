@@ -5,9 +5,9 @@
 The script keeps its own model, ``torch.optim.AdamW`` (two parameter groups: no weight
 decay for biases and LayerNorm weights), ``LambdaLR`` schedule, gradient accumulation,
 clipping and autocast; Leto's part is ``leto.init()`` (a shadow parks inside it until
-promoted, with the model already built on the meta device) and ``leto.Run`` (retains
-the model and the optimizer's state, resumes where the job left off, makes
-``optimizer.step()`` crash-consistent). Fault points, heartbeats and verification are
+promoted, with the model already built on the meta device and its step's kernels warmed
+on one block) and ``leto.Run`` (retains the model and the optimizer's state, resumes
+where the job left off, makes ``optimizer.step()`` crash-consistent). Fault points, heartbeats and verification are
 the runtime's. The model (``leto.workload.gpt``) is ordinary PyTorch. Flags:
 ``leto.workload.train.TrainConfig`` plus ``--out``.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 
 import torch
@@ -45,7 +46,20 @@ def main() -> int:
         with torch.device("meta"):
             return GPT(cfg.gpt()).to(getattr(torch, cfg.dtype))
 
-    ctx = leto.init(prepare=build)
+    def warmup(device):  # runs in a parked shadow (L2 and up): no pool access here
+        # One block at the real widths, batch and sequence length: the same kernels as
+        # the model's forward, backward and clipping, loaded before a promotion needs
+        # them. Its memory is the shadow's own and freed before it parks.
+        with torch.device(device):
+            small = GPT(dataclasses.replace(cfg.gpt(), n_layer=1)).to(getattr(torch, cfg.dtype))
+        x, y = (v.to(device) for v in batch(cfg.seed, 0, 0, cfg.batch_size, cfg.seq_len))
+        with cfg.autocast_context(device):
+            loss = small(x, y)
+        loss.backward()
+        params = list(small.parameters())
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=cfg.optimizer != "single")
+
+    ctx = leto.init(prepare=build, warmup=warmup)
     model = ctx.prepared if ctx.prepared is not None else build()
     named = list(model.named_parameters())
     muon = []

@@ -9,12 +9,12 @@ monitor), ``leto.sim`` (ETTR model and simulator).
 __version__ = "0.1.0"
 
 
-def init(prepare=None):
+def init(prepare=None, warmup=None):
     """Start (or, for a shadow, park until promoted) this rank under ``leto run``; see
     ``leto.runtime.api.init``. Imported lazily: the state manager never imports torch."""
     from leto.runtime.api import init as _init
 
-    return _init(prepare)
+    return _init(prepare, warmup)
 
 
 def __getattr__(name):

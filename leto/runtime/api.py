@@ -4,8 +4,9 @@ Runs in a trainer process. An active trainer initializes at once; a shadow train
 initializes up to its level and parks here until its agent promotes it:
 
 * L1 — process started, torch imported, the script loaded up to this call;
-* L2 — + the device runtime (CUDA context and cuBLAS handles on a GPU) and the user's
-  ``prepare()`` (e.g. the model skeleton on the meta device);
+* L2 — + the device runtime (CUDA context and cuBLAS handles on a GPU), the user's
+  ``prepare()`` (e.g. the model skeleton on the meta device) and ``warmup(device)``
+  (the script's step on a small stand-in: ``leto.runtime.warmup``);
 * L3 — + its process group, formed with the other ranks' shadows of its generation.
 
 On promotion it completes what its level deferred, connects to its rank's pool (taking
@@ -36,6 +37,7 @@ from leto.runtime.config import (
     TrainerEnv,
 )
 from leto.runtime.premap import Premap
+from leto.runtime.warmup import warm_up
 
 
 @dataclass
@@ -231,7 +233,7 @@ def _park(fd: int, tick=None, every_s: float = 0.5) -> dict:
     return json.loads(line)
 
 
-def init(prepare=None) -> Context:
+def init(prepare=None, warmup=None) -> Context:
     try:
         env = TrainerEnv.from_environ()
     except ValueError as e:
@@ -288,6 +290,8 @@ def init(prepare=None) -> Context:
         ahead = {"L1": 0, "L2": 2, "L3": 3}[level]
         for name in order[:ahead]:
             step(name)
+        if warmup is not None and ahead >= 2:  # with the device runtime up
+            timings.update(warm_up(warmup, device, rank))
         timings["parked_after_s"] = time.time() - t0
         # Tells the active trainer's preinitialization guard whom to reclaim, and when
         # this shadow's memory is all there.

@@ -1,0 +1,58 @@
+"""A parked shadow's warm-up: the script's own step, run once on throwaway data.
+
+Runs in an L2/L3 shadow while it parks (``leto.init(warmup=...)``), after the device
+runtime is up. A process's first forward and backward on a GPU pays for what later ones
+reuse — lazily loaded kernels, cuBLAS/cuBLASLt handles and their heuristics, attention
+kernels — ≈ 0.8–1.3 s for the example GPT on the H200 (docs/benchmarks.md, thirteenth
+session): without a warm-up a promoted shadow pays it on the recovery's critical path.
+The script knows its step; Leto cannot run the user's model (its parameters are the
+live trainer's), so the script passes a function that runs a small stand-in with the
+same shapes — e.g. one block of the model — on data of the real batch's shape.
+
+What the warm-up leaves behind is bounded: the RNG states are restored (the promoted
+trainer draws what a fresh process would), and the caching allocator's blocks are
+released before parking, so the shadow holds only what its kernels and library handles
+keep (reported as ``warmup_reserved_bytes``). A warm-up that raises costs only the head
+start: the shadow says so in its log and parks without it.
+
+Not covered: warming collectives (a world-1 process group has nothing to connect), and
+the allocator's growth to the real model's peak (released here: holding it would double
+the activation memory on the device while the trainer runs).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import torch
+
+
+def warm_up(fn, device: torch.device, rank: int) -> dict:
+    """Run ``fn(device)``; returns the shadow's timings of it."""
+    t0 = time.time()
+    failed = None
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        try:
+            fn(device)
+            if cuda:
+                torch.cuda.synchronize(device)  # its kernels ran, not only were queued
+        except Exception as e:  # the user's code: any error only costs the head start
+            failed = f"{type(e).__name__}: {e}"
+            print(
+                f"rank {rank}: shadow: warm-up failed ({failed}); parks without it",
+                file=sys.stderr,
+                flush=True,
+            )
+    gc.collect()  # the stand-in's tensors, if a reference cycle held them
+    if cuda:
+        torch.cuda.empty_cache()
+    out = {
+        "warmup_s": time.time() - t0,
+        "warmup_reserved_bytes": torch.cuda.memory_reserved(device) if cuda else 0,
+    }
+    if failed:
+        out["warmup_failed"] = failed
+    return out

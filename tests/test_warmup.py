@@ -1,0 +1,39 @@
+"""A parked shadow's warm-up (``leto.runtime.warmup``): the script's function runs on
+the shadow's device, leaves the RNG as it found it, and a failing one only costs the
+head start. (End to end, in real shadows: tests/test_runtime_integ.py.)"""
+
+from __future__ import annotations
+
+import torch
+
+from leto.runtime.warmup import warm_up
+
+CPU = torch.device("cpu")
+
+
+def test_the_warm_up_runs_on_the_device_and_leaves_the_rng_as_it_found_it():
+    ran = []
+
+    def step(device):
+        ran.append(device)
+        w = torch.randn(16, 16, requires_grad=True, device=device)  # draws from the RNG
+        (w @ w).sum().backward()
+
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    out = warm_up(step, CPU, rank=0)
+    assert ran == [CPU]
+    assert torch.equal(torch.rand(4), expected), "the warm-up's draws leaked into the RNG"
+    assert out["warmup_s"] >= 0 and "warmup_failed" not in out, out
+
+
+def test_a_warm_up_that_raises_is_reported_and_not_raised(capsys):
+    def step(device):
+        raise RuntimeError("CUDA out of memory (stand-in)")
+
+    out = warm_up(step, CPU, rank=3)
+    assert out["warmup_failed"] == "RuntimeError: CUDA out of memory (stand-in)", out
+    err = capsys.readouterr().err
+    assert "rank 3: shadow: warm-up failed (RuntimeError: CUDA out of memory" in err, err
+    assert "parks without it" in err, err
