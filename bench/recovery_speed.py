@@ -97,6 +97,38 @@ def run_variant(
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def reference_out(root: Path, args, only_baseline: bool) -> Path:
+    """The fault-free run's verifiers output: run now, or reused from
+    ``--reference-dir`` when it was kept there for the same job flags."""
+    key = {
+        "device": args.device,
+        "nproc_per_node": args.nproc_per_node,
+        "iterations": args.iterations,
+        "checkpoints": args.checkpoints,
+        "pool_flags": args.pool_flags,
+        "model": args.model,
+    }
+    kept = Path(args.reference_dir) / "reference.json" if args.reference_dir else None
+    if kept is not None and kept.exists():
+        had = json.loads(kept.read_text())
+        if had != key:
+            diff = {k: (had.get(k), v) for k, v in key.items() if had.get(k) != v}
+            raise SystemExit(
+                f"--reference-dir {args.reference_dir}: kept for other job flags "
+                f"(kept, now): {diff}; use another folder or remove it. Nothing was run."
+            )
+        return kept.parent / "out"
+    interval = None if only_baseline else args.iterations
+    run_variant(root / "reference", "off", "in-place", args, [], interval)
+    out = root / "reference" / "out"
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(out, kept.parent / "out", dirs_exist_ok=True)
+        kept.write_text(json.dumps(key))  # last: a folder without it is not a reference
+        return kept.parent / "out"
+    return out
+
+
 def parameters(model_flags: list[str]) -> int:
     """The example GPT's parameter count for these flags (built on the meta device)."""
     import torch
@@ -167,6 +199,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rank", type=int, default=0, help="the rank that fails")
     ap.add_argument("--checkpoint-interval", type=int, default=4, help="iterations")
     ap.add_argument(
+        "--fault-mode",
+        choices=("kill", "kill-synced"),
+        default="kill",
+        help="kill: SIGKILL as the host reaches the point (the GPU may still be before the "
+        "update's first chunk: the iteration is then redone); kill-synced: once the device "
+        "has finished the work queued before it (the failure lands in the update)",
+    )
+    ap.add_argument(
         "--checkpoints",
         choices=("all", "baseline"),
         default="all",
@@ -183,6 +223,13 @@ def main(argv: list[str] | None = None) -> dict:
         "storage a user could have",
     )
     ap.add_argument("--json-out", default=None, help="write results as JSON here")
+    ap.add_argument(
+        "--reference-dir",
+        default=None,
+        help="keep the fault-free run's verifiers output here, or reuse it if an earlier "
+        "run with the same job flags kept it (at 5 B parameters the reference is ~4 of a "
+        "device call's 10 minutes); a folder kept for other flags is refused",
+    )
     ap.add_argument(
         "--model",
         nargs=argparse.REMAINDER,
@@ -211,7 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     def faults(at: int) -> list[dict]:
-        return [{"generation": 0, "rank": args.rank, "at": f"update.optimizer@{at}#1"}]
+        at = f"update.optimizer@{at}#1"
+        return [{"generation": 0, "rank": args.rank, "at": at, "mode": args.fault_mode}]
 
     root = Path(tempfile.mkdtemp(prefix="leto-recovery-speed-"))
     t0 = time.monotonic()
@@ -222,11 +270,10 @@ def main(argv: list[str] | None = None) -> dict:
         "date": datetime.date.today().isoformat(),
         "command": "python -m bench.recovery_speed " + " ".join(argv or sys.argv[1:]),
         "parameters": parameters(args.model),
+        "fault_mode": args.fault_mode,
     }
     only_baseline = args.checkpoints == "baseline"
-    run_variant(
-        root / "reference", "off", "in-place", args, [], None if only_baseline else args.iterations
-    )
+    reference = reference_out(root, args, only_baseline)
     print(f"reference run: {time.monotonic() - t0:.0f} s", flush=True)
     rows = {}
     for name in chosen:
@@ -245,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
             interval, fail_at = args.iterations, 1
         summary = run_variant(work, level, recovery, args, faults(fail_at), interval, extra)
         rec = summary["recoveries"][0]
-        verdict = compare(root / "reference" / "out", work / "out")
+        verdict = compare(reference, work / "out")
         rows[name] = {
             "regained_s": regained_s(work / "out", args.rank, rec["detected_at"], fail_at),
             "fail_at": fail_at,

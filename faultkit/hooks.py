@@ -10,6 +10,10 @@ Mode ``kill`` (the default from the environment) is SIGKILL of this process, the
 faithful crash: nothing runs after it. Mode ``raise`` throws ``InjectedCrash`` (for
 in-process state-machine tests that then discard every non-retained object).
 
+Mode ``kill-synced`` waits for the device to finish the work queued before the point,
+then SIGKILLs: the failure lands where the point is on the GPU too (plain ``kill`` comes
+as the host reaches the point, and the GPU may be an update chunk or more behind).
+
 Mode ``copy-corrupt`` (``LETO_FAULT_MODE``) fills the destination of the copy in
 progress at the point with random bytes, then SIGKILLs: only points that pass ``dest``
 (the parity copies) support it.
@@ -36,8 +40,8 @@ from leto import plugins
 from leto.plugins import ONCE_PER_ITERATION, POINTS
 
 ENV_FAULT_AT = "LETO_FAULT_AT"
-ENV_FAULT_MODE = "LETO_FAULT_MODE"  # kill (default), copy-corrupt, kernel-abort, hang
-MODES = ("raise", "kill", "copy-corrupt", "kernel-abort", "hang", "corrupt")
+ENV_FAULT_MODE = "LETO_FAULT_MODE"  # kill (default), kill-synced, copy-corrupt, ...
+MODES = ("raise", "kill", "kill-synced", "copy-corrupt", "kernel-abort", "hang", "corrupt")
 CORRUPT_TARGETS = ("data", "tier1", "tier2")
 
 __all__ = ["ONCE_PER_ITERATION", "POINTS", "arm", "disarm", "parse", "point", "record"]
@@ -108,6 +112,12 @@ def point(name: str, iteration: int, dest=None) -> None:
         _corrupt(dest)
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "kill-synced":
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "kernel-abort":
         from nvbit_tools import tripwire

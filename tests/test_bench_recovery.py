@@ -1,12 +1,16 @@
-"""bench.recovery_speed's reading of a run's traces: the first iteration after a
-recovery against the steady ones before it (issue 17, item 2)."""
+"""bench.recovery_speed's reading of a run's traces (the first iteration after a
+recovery against the steady ones before it: issue 17, item 2) and its reuse of a kept
+fault-free reference."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from bench.recovery_speed import first_iteration, regained_s
+import bench.recovery_speed as rs
+from bench.recovery_speed import first_iteration, reference_out, regained_s
 from verifiers.recorder import Recorder
 
 
@@ -52,3 +56,31 @@ def test_without_checkpoints_every_iteration_is_of_one_kind(tmp_path):
     assert got["checkpoint_iteration"] is False
     # The median of 1.0, 1.2, 3.0 and 5.0: iteration 4 counts (with saves it would not).
     assert (got["first_s"], got["steady_s"]) == pytest.approx((1.5, 2.1))
+
+
+def _args(keep, **over):
+    flags = dict(device="cpu", nproc_per_node=1, iterations=5, checkpoints="baseline",
+                 pool_flags=["--page-bytes", "16384"], model=["--n-layer", "2"])  # fmt: skip
+    return SimpleNamespace(**{**flags, **over}, reference_dir=str(keep))
+
+
+def test_a_kept_reference_is_reused_for_the_same_flags_and_refused_for_others(
+    tmp_path, monkeypatch
+):
+    runs = []
+
+    def fake_run(work, *a):  # the reference run: a verifiers output with one file
+        runs.append(work)
+        (work / "out").mkdir(parents=True)
+        (work / "out" / "rank0.trace.jsonl").write_text("{}\n")
+
+    monkeypatch.setattr(rs, "run_variant", fake_run)
+    keep = tmp_path / "kept"
+    first = reference_out(tmp_path / "a", _args(keep), True)
+    assert len(runs) == 1 and (first / "rank0.trace.jsonl").read_text() == "{}\n"
+    assert first == keep / "out"
+    again = reference_out(tmp_path / "b", _args(keep), True)
+    assert again == first and len(runs) == 1, "the kept reference was run again"
+    with pytest.raises(SystemExit, match=r"kept for other job flags.*'iterations': \(5, 6\)"):
+        reference_out(tmp_path / "c", _args(keep, iterations=6), True)
+    assert len(runs) == 1, "a refused reference ran anyway"

@@ -221,3 +221,23 @@ def test_the_ci_loss_cuts_run_every_phase_and_every_loss(monkeypatch, tmp_path):
     assert len(set(losses)) == 4
     with pytest.raises(ValueError, match="--losses 'half'"):
         fi.matrix(base, tmp_path, modes=("kill",), losses="half")
+
+
+@pytest.mark.parametrize("mode", ["kill", "kill-synced"])
+def test_a_kill_mode_ends_the_process_at_the_armed_point_and_nowhere_else(mode):
+    import signal
+    import subprocess
+    import sys
+
+    src = (
+        "from faultkit import hooks\n"
+        f"hooks.arm('update.optimizer', 4, 2, mode={mode!r})\n"
+        "hooks.point('update.optimizer', 4)\n"  # the first hit: not the armed one
+        "hooks.point('update.optimizer', 3)\n"
+        "print('reached', flush=True)\n"
+        "hooks.point('update.optimizer', 4)\n"
+        "print('survived', flush=True)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr)
+    assert p.stdout == "reached\n", p.stdout
