@@ -155,17 +155,23 @@ fi
 if [[ $what == scale ]]; then
   # Issue 17 items 3 and 5: HOF recovery time against state size on one H200 (fp32 +
   # AdamW: 16 bytes a parameter retained), in-place variants side by side with torchrun +
-  # DCP. LETO_SCALE: "size|variants|seconds" entries separated by ';', run in order, each
-  # under its own time limit, or "rest" (results are written after every variant). The baseline's
+  # DCP. LETO_SCALE: "size|variants|seconds[|fault mode]" entries separated by ';', run in
+  # order, each under its own time limit, or "rest" (results are written after every
+  # variant); the fault mode is kill (default) or kill-synced (bench.recovery_speed
+  # --fault-mode). LETO_SCALE_REF=DIR keeps each size's fault-free reference in DIR/<size>
+  # (return it under $OUT, carry it into a later call: the 5 B one is ~4 minutes). The baseline's
   # one checkpoint goes to RAM (/dev/shm) when it fits there: the fastest storage a user
   # could give it; else to the disk.
   if [[ ${LETO_SCALE_TESTS:-1} == 1 ]]; then
     timeout 120 python3 -m pytest -p no:cacheprovider -q tests/test_pool_gpu.py -k premap 2>&1 | tail -3 | tee "$OUT/premap_gpu_tests.txt" || rc=1
+    # The native loss scan over the driver, and the shadow warm-up on the GPU.
+    timeout 120 python3 -m pytest -p no:cacheprovider -q tests/test_backend_cuda.py tests/test_scan.py tests/test_warmup.py 2>&1 | tail -3 | tee -a "$OUT/premap_gpu_tests.txt" || rc=1
   fi
   { df -BG /tmp /dev/shm; free -g; echo "nofile soft $(ulimit -Sn) hard $(ulimit -Hn) nr_open $(cat /proc/sys/fs/nr_open)"; } 2>&1 | tee "$OUT/scale_machine.txt"
   IFS=';' read -ra entries <<< "${LETO_SCALE:-1b|L3,torchrun + checkpoint,L2,L1|300}"
   for entry in "${entries[@]}"; do
-    IFS='|' read -r size variants secs <<< "$entry"
+    IFS='|' read -r size variants secs mode <<< "$entry"
+    mode=${mode:-kill}
     # "rest": what is left of the device call (LETO_SCALE_END seconds after the start).
     [[ $secs == rest ]] && secs=$(( ${LETO_SCALE_END:-585} - SECONDS ))
     case $size in  # (iterations, the in-place variants' failure, model)
@@ -177,10 +183,12 @@ if [[ $what == scale ]]; then
     ck=/dev/shm/leto-ckpt
     # tmpfs needs room for the files and DCP's staging copy in the same RAM.
     if (( $(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9) < ckpt_gb * 5 / 2 )); then ck=/tmp/leto-ckpt; fi
-    echo "== $size: $variants (limit $secs s, checkpoints in $ck)" | tee -a "$OUT/scale_machine.txt"
+    name=scale_$size${mode/#kill/}  # scale_5b, scale_5b-synced
+    echo "== $size: $variants, $mode (limit $secs s, checkpoints in $ck)" | tee -a "$OUT/scale_machine.txt"
     timeout "$secs" python3 -m bench.recovery_speed --device cuda --nproc-per-node 1 --iterations $its \
-      --fail-at $at --checkpoints baseline --checkpoint-dir $ck --variants "$variants" \
-      --json-out "$OUT/scale_$size.json" --model $M --chunk-units 64 2>&1 | tee "$OUT/scale_$size.txt" || rc=1
+      --fail-at $at --fault-mode $mode --checkpoints baseline --checkpoint-dir $ck --variants "$variants" \
+      ${LETO_SCALE_REF:+--reference-dir "$LETO_SCALE_REF/$size"} \
+      --json-out "$OUT/$name.json" --model $M --chunk-units 64 2>&1 | tee "$OUT/$name.txt" || rc=1
     # A time limit stops the bench, not the leto run it started: stop that job (SIGTERM
     # ends its trainers, shadows and state managers) before the next size needs the GPU.
     pkill -TERM -f "leto.cli run" && sleep 8
