@@ -159,7 +159,9 @@ if [[ $what == scale ]]; then
   # order, each under its own time limit, or "rest" (results are written after every
   # variant); the fault mode is kill (default) or kill-synced (bench.recovery_speed
   # --fault-mode). LETO_SCALE_REF=DIR keeps each size's fault-free reference in DIR/<size>
-  # (return it under $OUT, carry it into a later call: the 5 B one is ~4 minutes). The baseline's
+  # (return it under $OUT, carry it into a later call: the 5 B one is ~4 minutes);
+  # LETO_SCALE_PROFILE=1 profiles recoveries and first iterations (leto.runtime.profiling:
+  # the overhead is in those figures). The baseline's
   # one checkpoint goes to RAM (/dev/shm) when it fits there: the fastest storage a user
   # could give it; else to the disk.
   if [[ ${LETO_SCALE_TESTS:-1} == 1 ]]; then
@@ -188,6 +190,7 @@ if [[ $what == scale ]]; then
     timeout "$secs" python3 -m bench.recovery_speed --device cuda --nproc-per-node 1 --iterations $its \
       --fail-at $at --fault-mode $mode --checkpoints baseline --checkpoint-dir $ck --variants "$variants" \
       ${LETO_SCALE_REF:+--reference-dir "$LETO_SCALE_REF/$size"} \
+      ${LETO_SCALE_PROFILE:+--profile-recovery "$OUT/profiles_$name"} \
       --json-out "$OUT/$name.json" --model $M --chunk-units 64 2>&1 | tee "$OUT/$name.txt" || rc=1
     # A time limit stops the bench, not the leto run it started: stop that job (SIGTERM
     # ends its trainers, shadows and state managers) before the next size needs the GPU.

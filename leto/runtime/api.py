@@ -54,7 +54,7 @@ class Context:
     prepared: object = None
     timings: dict = field(default_factory=dict)
     store: dist.Store | None = None
-    profiler: object = None  # cProfile.Profile of this recovery (LETO_PROFILE_RECOVERY)
+    profiles: object = None  # leto.runtime.profiling.Profiles (LETO_PROFILE_RECOVERY)
     guard: object = None  # preinit.guard.Guard under --shadow-level auto (made at first beat)
     env: TrainerEnv | None = None  # what leto run told this process
     # The generation whose warming counter this process raised at its first beat (None:
@@ -89,6 +89,8 @@ class Context:
         the preinitialization guard reports first (memory, reclamations)."""
         if iteration != "done" and self.env.preinit:
             self._guard().beat()
+        if self.profiles is not None:
+            self.profiles.beat()  # ("done" ends a window open over the last iteration)
         # The first iteration of a process (torch.compile, cuDNN autotuning, lazy
         # allocations) may take far longer than a steady one: while any trainer is in
         # its first, the agent holds every rank to the general timeout, since its peers
@@ -147,23 +149,8 @@ class Context:
         rec["role"] = self.role
         key = keys.resumed(self.generation, self.rank)
         self.store.set(key, json.dumps(rec))
-        if self.profiler is not None:
-            self._write_profile()
-
-    def _write_profile(self) -> None:
-        import io
-        import pstats
-        from pathlib import Path
-
-        self.profiler.disable()
-        buf = io.StringIO()
-        stats = pstats.Stats(self.profiler, stream=buf)
-        stats.sort_stats("cumulative").print_stats(60)
-        stats.sort_stats("tottime").print_stats(40)
-        d = Path(self.env.profile_recovery)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"rank{self.rank}.gen{self.generation}.profile.txt").write_text(buf.getvalue())
-        self.profiler = None
+        if self.profiles is not None:
+            self.profiles.recovery_done()
 
 
 def _warm_device(device: torch.device) -> None:
@@ -254,15 +241,15 @@ def init(prepare=None, warmup=None) -> Context:
     store = job_store.connect(env.master_addr, env.master_port, False, timeout_s)
     done: set[str] = set()
     prepared = None
-    profiler = None
+    profiles = None
+    if env.profile_recovery:
+        from leto.runtime.profiling import Profiles
+
+        profiles = Profiles(env.profile_recovery, rank, generation, device)
 
     def profile_recovery() -> None:
-        nonlocal profiler
-        if env.profile_recovery:
-            import cProfile
-
-            profiler = cProfile.Profile()
-            profiler.enable()
+        if profiles is not None:
+            profiles.start_recovery()
 
     def step(name: str) -> None:
         nonlocal prepared
@@ -344,6 +331,6 @@ def init(prepare=None, warmup=None) -> Context:
         prepared=prepared,
         timings=timings,
         store=store,
-        profiler=profiler,
+        profiles=profiles,
         env=env,
     )

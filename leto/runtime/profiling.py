@@ -1,0 +1,83 @@
+"""Where a recovery and the first iteration after it spend their time
+(``LETO_PROFILE_RECOVERY=DIR``, ``bench.recovery_speed --profile-recovery``).
+
+Runs in a trainer. Two profiles per process, written under DIR:
+
+* ``rank<r>.gen<g>.profile.txt`` — cProfile from promotion (or a cold restart) until
+  the trainer resumes training;
+* ``rank<r>.gen<g>.iteration.txt`` — one whole iteration (beat to beat: compute,
+  update, the verifiers' record), by cProfile and by torch.profiler with CUDA activity
+  (the CUDA runtime calls — allocations, module loads, synchronizations — and kernels):
+  a recovered trainer's first iteration in its process, or, in a first-generation
+  trainer, its third (a steady one, to compare with).
+
+Not covered: other ranks' time in the collectives they wait in (each rank profiles only
+itself); the profilers' own overhead is in the figures.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+from pathlib import Path
+
+import torch
+
+
+def _stats(p: cProfile.Profile, n_cumulative: int = 60, n_own: int = 40) -> str:
+    buf = io.StringIO()
+    stats = pstats.Stats(p, stream=buf)
+    stats.sort_stats("cumulative").print_stats(n_cumulative)
+    stats.sort_stats("tottime").print_stats(n_own)
+    return buf.getvalue()
+
+
+class Profiles:
+    def __init__(self, folder: str, rank: int, generation: int, device: torch.device):
+        self.dir = Path(folder)
+        self.stem = f"rank{rank}.gen{generation}"
+        self.device = device
+        # Beats (iteration starts) of this process between which one iteration is profiled.
+        self.window = (1, 2) if generation > 0 else (3, 4)
+        self.beats = 0
+        self.recovery: cProfile.Profile | None = None
+        self.iteration: tuple[cProfile.Profile, object] | None = None
+
+    def start_recovery(self) -> None:
+        self.recovery = cProfile.Profile()
+        self.recovery.enable()
+
+    def recovery_done(self) -> None:
+        if self.recovery is None:
+            return
+        self.recovery.disable()
+        self._write("profile", _stats(self.recovery))
+        self.recovery = None
+
+    def beat(self) -> None:
+        """Called as each iteration starts, and once after the last."""
+        self.beats += 1
+        if self.beats == self.window[0]:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            tp = torch.profiler.profile(activities=activities)
+            tp.start()
+            cp = cProfile.Profile()
+            cp.enable()
+            self.iteration = (cp, tp)
+        elif self.beats == self.window[1] and self.iteration is not None:
+            cp, tp = self.iteration
+            cp.disable()
+            tp.stop()
+            table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
+            if self.device.type == "cuda":
+                by_gpu = tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+                table += "\n" + by_gpu
+            self._write("iteration", table + "\n" + _stats(cp, 50, 40))
+            self.iteration = None
+
+    def _write(self, what: str, text: str) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / f"{self.stem}.{what}.txt").write_text(text)
