@@ -160,8 +160,9 @@ if [[ $what == scale ]]; then
   # variant); the fault mode is kill (default) or kill-synced (bench.recovery_speed
   # --fault-mode). LETO_SCALE_REF=DIR keeps each size's fault-free reference in DIR/<size>
   # (return it under $OUT, carry it into a later call: the 5 B one is ~4 minutes);
-  # LETO_SCALE_PROFILE=1 profiles recoveries and first iterations (leto.runtime.profiling:
-  # the overhead is in those figures). The baseline's
+  # LETO_SCALE_PROFILE=1 (or a fault mode ending in +profile, for one entry) profiles
+  # recoveries and first iterations (leto.runtime.profiling: the overhead is in those
+  # figures). The baseline's
   # one checkpoint goes to RAM (/dev/shm) when it fits there: the fastest storage a user
   # could give it; else to the disk.
   if [[ ${LETO_SCALE_TESTS:-1} == 1 ]]; then
@@ -173,7 +174,8 @@ if [[ $what == scale ]]; then
   IFS=';' read -ra entries <<< "${LETO_SCALE:-1b|L3,torchrun + checkpoint,L2,L1|300}"
   for entry in "${entries[@]}"; do
     IFS='|' read -r size variants secs mode <<< "$entry"
-    mode=${mode:-kill}
+    mode=${mode:-kill} profile=${LETO_SCALE_PROFILE:-}
+    [[ $mode == *+profile ]] && { profile=1; mode=${mode%+profile}; }
     # "rest": what is left of the device call (LETO_SCALE_END seconds after the start).
     [[ $secs == rest ]] && secs=$(( ${LETO_SCALE_END:-585} - SECONDS ))
     case $size in  # (iterations, the in-place variants' failure, model)
@@ -185,17 +187,23 @@ if [[ $what == scale ]]; then
     ck=/dev/shm/leto-ckpt
     # tmpfs needs room for the files and DCP's staging copy in the same RAM.
     if (( $(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9) < ckpt_gb * 5 / 2 )); then ck=/tmp/leto-ckpt; fi
-    name=scale_$size${mode/#kill/}  # scale_5b, scale_5b-synced
+    name=scale_$size${mode/#kill/}${profile:+-profiled}  # scale_5b, scale_5b-synced
     echo "== $size: $variants, $mode (limit $secs s, checkpoints in $ck)" | tee -a "$OUT/scale_machine.txt"
     timeout "$secs" python3 -m bench.recovery_speed --device cuda --nproc-per-node 1 --iterations $its \
       --fail-at $at --fault-mode $mode --checkpoints baseline --checkpoint-dir $ck --variants "$variants" \
       ${LETO_SCALE_REF:+--reference-dir "$LETO_SCALE_REF/$size"} \
-      ${LETO_SCALE_PROFILE:+--profile-recovery "$OUT/profiles_$name"} \
+      ${profile:+--profile-recovery "$OUT/profiles_$name"} \
       --json-out "$OUT/$name.json" --model $M --chunk-units 64 2>&1 | tee "$OUT/$name.txt" || rc=1
     # A time limit stops the bench, not the leto run it started: stop that job (SIGTERM
     # ends its trainers, shadows and state managers) before the next size needs the GPU.
     pkill -TERM -f "leto.cli run" && sleep 8
     pkill -KILL -f "leto.memory.state_manager|examples/train_gpt.py"
+    # The jobs' logs (agent, trainers, state managers), the last 200 KB of each.
+    for f in /tmp/leto-recovery-speed-*/*/logs/*.log; do
+      [[ -f $f ]] || continue
+      d="$OUT/logs_$name/$(basename "$(dirname "$(dirname "$f")")")"; mkdir -p "$d"
+      tail -c 200000 "$f" > "$d/$(basename "$f")"
+    done
     rm -rf "$ck" /tmp/leto-recovery-speed-*
   done
 fi
