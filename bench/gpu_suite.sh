@@ -198,12 +198,18 @@ if [[ $what == scale ]]; then
     # ends its trainers, shadows and state managers) before the next size needs the GPU.
     pkill -TERM -f "leto.cli run" && sleep 8
     pkill -KILL -f "leto.memory.state_manager|examples/train_gpt.py"
-    # The jobs' logs (agent, trainers, state managers), the last 200 KB of each.
+    # The jobs' logs (agent, trainers, state managers; the last 200 KB of each) and the
+    # profiles, one archive each: the device tool returns only a few files per call.
+    logs=$(mktemp -d)
     for f in /tmp/leto-recovery-speed-*/*/logs/*.log; do
       [[ -f $f ]] || continue
-      d="$OUT/logs_$name/$(basename "$(dirname "$(dirname "$f")")")"; mkdir -p "$d"
+      d="$logs/$(basename "$(dirname "$(dirname "$f")")")"; mkdir -p "$d"
       tail -c 200000 "$f" > "$d/$(basename "$f")"
     done
+    tar czf "$OUT/logs_$name.tgz" -C "$logs" . && rm -rf "$logs"
+    if [[ -d $OUT/profiles_$name ]]; then
+      tar czf "$OUT/profiles_$name.tgz" -C "$OUT/profiles_$name" . && rm -rf "$OUT/profiles_$name"
+    fi
     rm -rf "$ck" /tmp/leto-recovery-speed-*
   done
 fi
