@@ -89,8 +89,9 @@ class Context:
         the preinitialization guard reports first (memory, reclamations)."""
         if iteration != "done" and self.env.preinit:
             self._guard().beat()
-        if self.profiles is not None:
-            self.profiles.beat()  # ("done" ends a window open over the last iteration)
+        if self.profiles is not None:  # ("done" ends a window open over the last iteration)
+            if change := self.profiles.beat():
+                self.store.add(keys.warming(self.generation), change)
         # The first iteration of a process (torch.compile, cuDNN autotuning, lazy
         # allocations) may take far longer than a steady one: while any trainer is in
         # its first, the agent holds every rank to the general timeout, since its peers

@@ -55,8 +55,12 @@ class Profiles:
         self._write("profile", _stats(self.recovery))
         self.recovery = None
 
-    def beat(self) -> None:
-        """Called as each iteration starts, and once after the last."""
+    def beat(self) -> int:
+        """Called as each iteration starts, and once after the last. Returns +1 when the
+        profiled iteration starts, -1 when it has ended and its profile is written, else
+        0: the caller holds the agent's hang detection to the general timeout in between
+        (a profiled iteration is slower; at 5 B parameters on the H200 a profiled job's
+        trainers kept failing, cause unknown — docs/benchmarks.md)."""
         self.beats += 1
         if self.beats == self.window[0]:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -67,6 +71,7 @@ class Profiles:
             cp = cProfile.Profile()
             cp.enable()
             self.iteration = (cp, tp)
+            return 1
         elif self.beats == self.window[1] and self.iteration is not None:
             cp, tp = self.iteration
             cp.disable()
@@ -77,6 +82,8 @@ class Profiles:
                 table += "\n" + by_gpu
             self._write("iteration", table + "\n" + _stats(cp, 50, 40))
             self.iteration = None
+            return -1
+        return 0
 
     def _write(self, what: str, text: str) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
