@@ -15,9 +15,12 @@ released before parking, so the shadow holds only what its kernels and library h
 keep (reported as ``warmup_reserved_bytes``). A warm-up that raises costs only the head
 start: the shadow says so in its log and parks without it.
 
-Not covered: warming collectives (a world-1 process group has nothing to connect), and
-the allocator's growth to the real model's peak (released here: holding it would double
-the activation memory on the device while the trainer runs).
+Not covered: warming collectives (a world-1 process group has nothing to connect); the
+allocator's growth to the real model's peak (released here: holding it would double the
+activation memory on the device while the trainer runs); the warm-up's transient peak in
+the preinitialization controller's footprints (it runs before the shadow reports itself
+parked; the trainer's own peak is reached by then — shadows start after its first
+iteration — so it allocates little while a shadow warms up).
 """
 
 from __future__ import annotations
