@@ -314,3 +314,26 @@ def test_the_loop_record_keeps_two_iterations_and_refuses_what_does_not_fit(pool
         raw = rec.records[0]
         raw[40:48] = raw[40:48] ^ 0xFF
         assert rec.read(6) is None
+
+
+def test_a_bound_loop_record_writes_through_the_given_layout_without_fetching_one(pool):
+    with PoolClient.connect(pool.socket_path, pool.token) as client:
+        client.localize()
+        rec = LoopRecord(client)
+        views = client.layout()
+        rec.bind(views)
+        fetched = LoopRecord(client).mirrors  # the unbound way: its own layout
+        assert [[t.data_ptr() for t in m] for m in rec.mirrors] == [
+            [t.data_ptr() for t in m] for m in fetched
+        ], "bound and fetched mirrors differ"
+
+        def no_layout():
+            raise AssertionError("the bound record fetched a layout")
+
+        client.layout = no_layout
+        rec.write(3, {"lr": 0.5})
+        assert rec.read(3) == {"lr": 0.5}
+        # The parity copy holds the same bytes as the record (what a lost page rebuilds).
+        raw = rec.records[1]
+        n = 64
+        assert all(torch.equal(m[:n], raw[:n]) for m in rec.mirrors[1][:1])

@@ -42,17 +42,22 @@ class LoopRecord:
         self._mirrors: list[list[torch.Tensor]] | None = None
         self.capacity = nbytes - _HEAD.size
 
+    def bind(self, views: list) -> None:
+        """Take the records' parity pages from a layout the caller has already built
+        (the updater's): fetching one here at the first write cost a promoted trainer a
+        LAYOUT request and a view of every page in its first iteration."""
+        out = []
+        for n in NAMES:
+            (g,) = [g for g in views if any(m[0] == n for m in g.members)]
+            if len(g.tier1) != 1:
+                raise ValueError("the loop record needs record_parity_pages=1 (XOR parity)")
+            out.append([*g.tier1, *g.tier2])
+        self._mirrors = out
+
     @property
     def mirrors(self) -> list[list[torch.Tensor]]:
-        if self._mirrors is None:
-            views = self.client.layout()
-            out = []
-            for n in NAMES:
-                (g,) = [g for g in views if any(m[0] == n for m in g.members)]
-                if len(g.tier1) != 1:
-                    raise ValueError("the loop record needs record_parity_pages=1 (XOR parity)")
-                out.append([*g.tier1, *g.tier2])
-            self._mirrors = out
+        if self._mirrors is None:  # not bound: this record's own layout
+            self.bind(self.client.layout())
         return self._mirrors
 
     def write(self, iteration: int, payload: dict) -> None:

@@ -148,6 +148,8 @@ class Updater:
         # allocation so group numbers stay those of a job without it.
         self.loop = LoopRecord(client) if user is not None else None
         self.views = client.layout()
+        if self.loop is not None:
+            self.loop.bind(self.views)
         self.groups = self.state.set_groups(self.views)
         plugins.expose_retained(lambda: self.groups)  # fault tools' view of the state
         self.grad_groups = RetainedModel.groups_of(self.views, "grad")
