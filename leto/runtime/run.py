@@ -58,8 +58,9 @@ import torch
 import torch.distributed as dist
 
 from leto import plugins
-from leto.errors import FatalFailure, InvalidInput
+from leto.errors import InvalidInput
 from leto.plugins import point
+from leto.runtime.loop_state import LoopState
 from leto.runtime.retained import RetainedTraining
 from leto.update.rmu import UpdaterConfig
 from leto.update.scrub import REQUEST_FILE as SCRUB_REQUEST
@@ -171,27 +172,28 @@ class Run:
         self._watch_grads()
         model.register_forward_pre_hook(lambda *_: self._point("compute.forward"))
         model.register_forward_hook(lambda *_: self._point("compute.backward"))
-        self.state: dict = {}  # the script's small state, retained per iteration
         self._t: int | None = None  # the iteration in progress
         self._stepped = False
         self._called: set[int] = set()  # optimizers whose step() this iteration called
         self._inf: set[int] = set()  # ... whose step the GradScaler skips
         self._seen: set[int] = set()  # ... whose scaler.step() began
         self._reported = False
-        self._updates = [0] * len(self.optimizers)  # steps committed so far, per optimizer
+        self._loop = LoopState(
+            self.loop, self.user, self.schedulers, self.scaler, len(self.optimizers)
+        )
         self._loss = float("nan")
         self._epochs: list[int] = []  # the schedulers' last_epoch when the iteration began
         t_resume = time.time()
         self.next_iteration = self.job.resume(
             ctx.report,
             checkpoints=ctx.checkpoint_dir,
-            before_finish=self._hparams_of,
+            before_finish=lambda t: self._set_update(self._loop.step_record(t)),
             checkpoint_skip=ctx.env.checkpoint_skip if ctx.env is not None else 0,
             generation=ctx.generation,
             start_iteration=start_iteration,
         )
         self.job.init_fn = None  # the original parameters it holds are garbage now
-        self._restore_loop(self.next_iteration)
+        self._loop.restore(self.next_iteration)
         self._epochs = [sc.last_epoch for sc in self.schedulers]  # at the start of an iteration
         if self.job.fresh and ctx.world_size > 1 and self.job.replicated:
             self._check_identical()  # (shards and pipeline stages differ by design)
@@ -225,7 +227,7 @@ class Run:
                         f"iteration {t} ended without the step() of every optimizer given "
                         f"to leto.Run"
                     )
-                self._skipped(t)
+                self._loop.write_end(t)
             self._t = None
             self._check_schedulers(t)
             if self.checkpointer is not None:
@@ -243,6 +245,16 @@ class Run:
             self.checkpointer.close()
             self.checkpointer = None
         dist.barrier()
+
+    @property
+    def state(self) -> dict:
+        """The script's small state (e.g. the best validation loss), retained per
+        iteration with the loop: keep it small, tensors belong in the model."""
+        return self._loop.state
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        self._loop.state = value
 
     def no_sync(self):
         """Context for the backward of every micro-batch but the last (DDP's
@@ -332,14 +344,11 @@ class Run:
         if len(skip) == n:
             return  # every step skipped: the iteration's end records it
         self._check_got_grads(skip)
-        h = self.user.hparams()
         skip = sorted(skip)
-        rec = {"hparams": h, "updates": list(self._updates), "skip": skip}
-        self.loop.write(t, {**rec, **self._loop_state()})
-        self._set_update(rec)
+        self._set_update(self._loop.write_step(t, skip))
         self.job.step(t, self._loss)
         self._stepped = True
-        self._updates = committed(self._updates, skip)
+        self._loop.committed(skip)
 
     def _watch_grads(self) -> None:
         """Note which trainable parameters receive a gradient in an iteration. torch's
@@ -419,21 +428,6 @@ class Run:
         self.job.up.user_step = [n + 1 for n in rec["updates"]]
         self.job.up.user_skip = frozenset(rec["skip"])
 
-    def _loop_state(self) -> dict:
-        return {
-            "scheduler": [sc.state_dict() for sc in self.schedulers],
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "state": dict(self.state),
-        }
-
-    def _skipped(self, t: int) -> None:
-        """The GradScaler found inf/NaN gradients and skipped the step: iteration ``t``
-        commits nothing (the retained state is untouched; its gradients are recomputed
-        next iteration). Its end — the scheduler stepped, the scale backed off — is
-        recorded as the start of ``t + 1``, so a recovery resumes from there."""
-        rec = {"end": True, "hparams": self.user.hparams(), "updates": list(self._updates)}
-        self.loop.write(t, {**rec, **self._loop_state()})
-
     def _zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the retained gradients in place (never None: they must stay retained)."""
         self.job.up.state.grad.zero_()
@@ -445,8 +439,8 @@ class Run:
             "before leto.Run (with start_iteration=) — nothing was changed"
         )
 
-    def _steps_done(self) -> int:
-        return self._updates
+    def _steps_done(self) -> list[int]:
+        return self._loop.updates
 
     def _views(self, name: str, state: str) -> torch.Tensor:
         st = self.job.up.state
@@ -476,49 +470,6 @@ class Run:
             for k, v in st.items():
                 if v is not None:
                     self._views(name, "exp_avg" if k == "momentum_buffer" else k).copy_(v)
-
-    def _hparams_of(self, t: int) -> None:
-        rec = self.loop.read(t)
-        if rec is None:
-            raise FatalFailure(
-                f"the update of iteration {t} was interrupted and its hyperparameters are "
-                f"not in the loop record: it cannot be finished exactly"
-            )
-        self._set_update(rec)
-
-    def _restore_loop(self, n: int) -> None:
-        """The loop's state at the start of iteration ``n``. A step record of t holds it
-        as of ``optimizer.step()`` of t, i.e. the start of t (the scheduler and the
-        scaler change after the step); an end record of t (a step the GradScaler
-        skipped) holds the start of t + 1. From t = n - 1's step record the rest of that
-        iteration is replayed: one ``scheduler.step()`` each, and the scaler's update
-        after a step it did not skip."""
-        rec = self.loop.read(n)
-        replay = False
-        if rec is None or rec.get("end"):
-            rec = self.loop.read(n - 1)
-            replay = rec is not None and not rec.get("end")
-        if rec is None:
-            # A fresh start (its optimizers' loaded step counts, else one update per
-            # iteration so far), or a checkpoint restore without a loop record.
-            self._updates = [n if k is None else k for k in self.user.loaded_steps]
-            return
-        self._updates = (
-            committed(rec["updates"], rec.get("skip", ())) if replay else list(rec["updates"])
-        )
-        for (_, group), h in zip(self.user.groups, rec["hparams"], strict=True):
-            group.update(h)
-        self.state = dict(rec["state"])
-        if self.scaler is not None and rec.get("scaler") is not None:
-            sd = dict(rec["scaler"])
-            if replay:
-                sd = scaler_grown(sd)
-            self.scaler.load_state_dict(sd)
-        for sc, st in zip(self.schedulers, rec["scheduler"], strict=True):
-            sc.load_state_dict(st)
-            if replay:
-                sc.optimizer._opt_called = True
-                sc.step()
 
     def _check_identical(self) -> None:
         """Every data-parallel rank starts from the same parameters (DDP broadcasts rank
@@ -551,24 +502,3 @@ class Run:
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def scaler_grown(sd: dict) -> dict:
-    """A GradScaler's state after ``update()`` of a step with no inf/NaN: the growth
-    tracker counts it, and every ``growth_interval`` of them multiply the scale by the
-    growth factor — as torch's kernel does: the float32 scale times the double factor,
-    in double, rounded to float32."""
-    import numpy as np
-
-    sd = dict(sd)
-    tracker = sd["_growth_tracker"] + 1
-    if tracker >= sd["growth_interval"]:
-        sd["scale"] = float(np.float32(float(np.float32(sd["scale"])) * sd["growth_factor"]))
-        tracker = 0
-    sd["_growth_tracker"] = tracker
-    return sd
-
-
-def committed(updates: list[int], skip) -> list[int]:
-    """Each optimizer's step count after an update that skipped the optimizers ``skip``."""
-    return [n if oi in skip else n + 1 for oi, n in enumerate(updates)]
