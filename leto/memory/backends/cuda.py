@@ -116,16 +116,23 @@ class _Device:
             raise
         return Mapping(base, n, pb, lambda: _tensor_at(base, n * pb, self.index))
 
-    def unmapped(self, mapping: Mapping) -> list[int]:
-        """Indices of ``mapping``'s pages with nothing mapped, by one native loop over
-        the driver (``scan.py``): never reads a page."""
-        from leto.memory.backends.scan import ScanError, driver_scanner
+    def scanner(self):
+        """The native loss scan (``scan.py``), built on first use."""
+        from leto.memory.backends.scan import driver_scanner
 
         if self._scanner is None:
             self._scanner = driver_scanner(int(self.mapped_attr))
+        return self._scanner
+
+    def unmapped(self, mapping: Mapping) -> list[int]:
+        """Indices of ``mapping``'s pages with nothing mapped, by one native loop over
+        the driver (``scan.py``): never reads a page."""
+        from leto.memory.backends.scan import ScanError
+
+        scanner = self.scanner()
         self.make_current()
         try:
-            return self._scanner.unmapped(mapping.address, mapping.page_bytes, mapping.n_pages)
+            return scanner.unmapped(mapping.address, mapping.page_bytes, mapping.n_pages)
         except ScanError as e:
             what = f"cuPointerGetAttribute(MAPPED) on page {e.page}"
             raise CudaError(self.d.CUresult(e.result), what) from None
@@ -204,6 +211,9 @@ class CudaPageOwner(_OnDevice, PageOwner):
 
     def __init__(self, page_bytes: int, device_index: int = 0):
         super().__init__(page_bytes, device_index)
+        # Built now: a state manager without a C compiler fails as it starts, not in
+        # the middle of a recovery's localization.
+        self._dev.scanner()
         self._scratch: int | None = None  # one page of address space for zeroing new pages
         self._cached = 0  # exported fds kept open (export_fd)
 
