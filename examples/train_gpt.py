@@ -7,9 +7,9 @@ decay for biases and LayerNorm weights), ``LambdaLR`` schedule, gradient accumul
 clipping and autocast; Leto's part is ``leto.init()`` (a shadow parks inside it until
 promoted, with the model already built on the meta device and its step's kernels warmed
 on one block) and ``leto.Run`` (retains the model and the optimizer's state, resumes
-where the job left off, makes ``optimizer.step()`` crash-consistent). Fault points, heartbeats and verification are
-the runtime's. The model (``leto.workload.gpt``) is ordinary PyTorch. Flags:
-``leto.workload.train.TrainConfig`` plus ``--out``.
+where the job left off, makes ``optimizer.step()`` crash-consistent). Fault points,
+heartbeats and verification are the runtime's. The model (``leto.workload.gpt``) is
+ordinary PyTorch. Flags: ``leto.workload.train.TrainConfig`` plus ``--out``.
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ def main() -> int:
         with cfg.autocast_context(device):
             loss = small(x, y)
         loss.backward()
-        params = list(small.parameters())
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=cfg.optimizer != "single")
+        torch.nn.utils.clip_grad_norm_(small.parameters(), 1.0, foreach=cfg.optimizer != "single")
 
     ctx = leto.init(prepare=build, warmup=warmup)
     model = ctx.prepared if ctx.prepared is not None else build()
