@@ -170,7 +170,10 @@ if [[ $what == scale ]]; then
     # The native loss scan over the driver, and the shadow warm-up on the GPU.
     timeout 120 python3 -m pytest -p no:cacheprovider -q tests/test_backend_cuda.py tests/test_scan.py tests/test_warmup.py 2>&1 | tail -3 | tee -a "$OUT/premap_gpu_tests.txt" || rc=1
   fi
-  { df -BG /tmp /dev/shm; free -g; echo "nofile soft $(ulimit -Sn) hard $(ulimit -Hn) nr_open $(cat /proc/sys/fs/nr_open)"; } 2>&1 | tee "$OUT/scale_machine.txt"
+  { df -BG /tmp /dev/shm; free -g; echo "nofile soft $(ulimit -Sn) hard $(ulimit -Hn) nr_open $(cat /proc/sys/fs/nr_open)"
+    # Huge shmem pages would cut the host parity scan's page-table walk (localization).
+    echo "THP shmem_enabled: $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled) enabled: $(cat /sys/kernel/mm/transparent_hugepage/enabled)"
+  } 2>&1 | tee "$OUT/scale_machine.txt"
   IFS=';' read -ra entries <<< "${LETO_SCALE:-1b|L3,torchrun + checkpoint,L2,L1|300}"
   for entry in "${entries[@]}"; do
     IFS='|' read -r size variants secs mode <<< "$entry"
