@@ -9,7 +9,9 @@ Plugins are modules named in ``LETO_PLUGINS`` (comma-separated), imported by
 ``faultkit.job`` names ``faultkit.hooks`` for the jobs it starts, and ``leto run``
 names it when given a fault plan. A plugin module registers at import with
 ``install_point_handler``, ``install_arm``, ``install_page_loss`` and
-``install_iteration_observer`` (the verifiers, under ``leto run --verify``).
+``install_iteration_observer`` (the verifiers, under ``leto run --verify``) and
+``install_shadow_warmup`` (what a tool sets up once per process — e.g. the verifiers'
+pinned staging buffers — done by a parked shadow instead of a promoted trainer).
 
 The names of the points a trainer passes are here too (``POINTS``), so the updater and
 the tools agree on them without importing each other.
@@ -66,6 +68,7 @@ PHASES = {
 
 _retained: Callable | None = None  # () -> the trainer's state groups (GroupView list)
 _observer_factory: Callable | None = None
+_shadow_warmups: list[Callable] = []
 _point_handler: Callable | None = None
 _arm: Callable | None = None
 _page_loss: Callable | None = None
@@ -94,6 +97,26 @@ def install_iteration_observer(factory: Callable | None) -> None:
 def iteration_observer(rank: int, out_dir) -> Callable | None:
     """The registered observer for this rank, or None (verification off)."""
     return _observer_factory(rank, out_dir) if _observer_factory is not None else None
+
+
+def install_shadow_warmup(fn: Callable) -> None:
+    """``fn(device)``: set-up a tool would otherwise do in a trainer's first iteration
+    (buffers, threads), run by an L2/L3 shadow while it parks, with the device runtime
+    up — so a promotion does not pay it. Must be idempotent and cheap to call again."""
+    if fn not in _shadow_warmups:
+        _shadow_warmups.append(fn)
+
+
+def warm_shadow(device) -> list[str]:
+    """Run every installed shadow warm-up; returns the failures (``"fn: error"``), each
+    of which costs only the head start (the tool sets up lazily as without it)."""
+    failed = []
+    for fn in _shadow_warmups:
+        try:
+            fn(device)
+        except Exception as e:  # a tool's set-up: never worth losing the shadow over
+            failed.append(f"{getattr(fn, '__qualname__', fn)}: {type(e).__name__}: {e}")
+    return failed
 
 
 def expose_retained(fn: Callable | None) -> None:

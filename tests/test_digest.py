@@ -84,3 +84,37 @@ def test_cuda_digest_stages_and_overlaps_without_changing_the_result(n):
     torch.cuda._sleep(100_000_000)  # keeps the current stream busy, so the write below
     gpu.copy_(src)  # is still queued when the digest's side-stream copies are issued
     assert D.digest(gpu) == D.digest(cpu) == oracle(as_bytes(cpu))
+
+
+def test_prepare_starts_every_hashing_thread_ahead_and_changes_no_digest():
+    # What a parked shadow runs (verifiers.plugin installs it as a shadow warm-up): after
+    # it the first digest starts no thread.
+    import threading
+
+    D.prepare(torch.device("cpu"))
+    names = [t.name for t in threading.enumerate() if t.name.startswith("leto-digest")]
+    assert len(names) == D._pool_size, names
+    D.prepare(torch.device("cpu"))  # idempotent: no second set of threads
+    again = [t.name for t in threading.enumerate() if t.name.startswith("leto-digest")]
+    assert sorted(again) == sorted(names)
+    data = random_bytes(3 * D.BLOCK + 5, 11)
+    assert D.digest(data) == oracle(as_bytes(data))
+
+
+def test_the_verifiers_plugin_installs_the_digest_warm_up_for_shadows():
+    import verifiers.plugin  # noqa: F401 - registers at import
+    from leto import plugins
+
+    assert D.prepare in plugins._shadow_warmups
+
+
+@pytest.mark.gpu
+def test_prepare_allocates_the_devices_pinned_staging_buffers_once():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    D.prepare(torch.device("cuda"))  # no index: the current device's buffers
+    bufs = D._staging[dev]
+    assert len(bufs) == D.N_STAGES and all(b.is_pinned() for b in bufs)
+    D.prepare(dev)
+    assert all(a is b for a, b in zip(D._staging[dev], bufs, strict=True)), "reallocated"
+    src = random_bytes(D.STAGE + 7, 3)
+    assert D.digest(src.cuda()) == oracle(as_bytes(src))

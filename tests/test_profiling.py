@@ -39,8 +39,13 @@ def test_a_first_generation_trainer_profiles_its_third_iteration_only(tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["rank0.gen0.iteration.txt"]
 
 
-def test_the_beat_after_the_last_iteration_closes_an_open_window(tmp_path):
+def test_the_loop_end_closes_an_open_window_before_the_end_of_training_work(tmp_path):
+    # A recovered trainer whose first iteration is the job's last: the end-of-training
+    # scrub and the final state's copy come after the loop and are not an iteration's.
     p = Profiles(str(tmp_path), rank=0, generation=1, device=CPU)
     assert _iterations(p, 1) == [1]
-    assert p.beat() == -1  # "done"
-    assert (tmp_path / "rank0.gen1.iteration.txt").exists()
+    assert p.loop_ended() == -1
+    torch.linalg.qr(torch.ones(16, 16))  # end-of-training work
+    assert p.loop_ended() == 0  # nothing open any more
+    text = (tmp_path / "rank0.gen1.iteration.txt").read_text()
+    assert "aten::mm" in text and "linalg_qr" not in text, text

@@ -85,8 +85,14 @@ def test_two_failures_recover_exactly_at_each_shadow_level(reference, tmp_path, 
         assert roles == ({"active"} if level == "off" else {"promoted"}), roles
         # The script's warm-up (one block's step) ran in each L2/L3 shadow while it
         # parked, and cleanly; an L1 shadow parks before the device is up: none.
-        warmed = [("warmup_s" in t, t.get("warmup_failed")) for t in rec["trainers"].values()]
-        assert warmed == [(level in ("L2", "L3"), None)] * 2, rec["trainers"]
+        # So did the tools' (the verifiers' digest: hashing threads, staging buffers).
+        warmed = [
+            ("warmup_s" in t, "tools_warmup_s" in t, t.get("warmup_failed"),
+             t.get("tools_warmup_failed"))
+            for t in rec["trainers"].values()
+        ]  # fmt: skip
+        on = level in ("L2", "L3")
+        assert warmed == [(on, on, None, None)] * 2, rec["trainers"]
         if level == "L3":
             # Each shadow mapped the pool while parked, and remapped exactly the pages
             # the fault plan lost (on every rank's pool) before anything read them.

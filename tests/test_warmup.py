@@ -37,3 +37,31 @@ def test_a_warm_up_that_raises_is_reported_and_not_raised(capsys):
     err = capsys.readouterr().err
     assert "rank 3: shadow: warm-up failed (RuntimeError: CUDA out of memory" in err, err
     assert "parks without it" in err, err
+
+
+def test_tools_warm_up_in_the_shadow_and_a_failing_one_is_reported_not_raised(capsys):
+    from leto import plugins
+    from leto.runtime.warmup import warm_tools
+
+    seen = []
+
+    def good(device):
+        seen.append(device)
+
+    def bad(device):
+        raise OSError("pinned memory exhausted (stand-in)")
+
+    saved = list(plugins._shadow_warmups)
+    try:
+        plugins.install_shadow_warmup(good)
+        plugins.install_shadow_warmup(good)  # installed once
+        plugins.install_shadow_warmup(bad)
+        out = warm_tools(CPU, rank=2)
+    finally:
+        plugins._shadow_warmups[:] = saved
+    assert seen == [CPU], "a tool's warm-up ran other than once"
+    assert out["tools_warmup_s"] >= 0
+    (failed,) = out["tools_warmup_failed"]
+    assert "bad" in failed and "OSError: pinned memory exhausted" in failed, failed
+    err = capsys.readouterr().err
+    assert "rank 2: shadow: a tool's warm-up failed" in err, err

@@ -31,15 +31,16 @@ N_STAGES = 4  # pinned buffers per device: copies run ahead of hashing by up to 
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 _staging: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _workers() -> ThreadPoolExecutor:
-    global _pool
+    global _pool, _pool_size
     with _lock:
         if _pool is None:
-            n = max(1, min(32, len(os.sched_getaffinity(0))))
-            _pool = ThreadPoolExecutor(n, thread_name_prefix="leto-digest")
+            _pool_size = max(1, min(32, len(os.sched_getaffinity(0))))
+            _pool = ThreadPoolExecutor(_pool_size, thread_name_prefix="leto-digest")
         return _pool
 
 
@@ -51,6 +52,30 @@ def _buffers(device: torch.device) -> list[torch.Tensor]:
                 torch.empty(STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(N_STAGES)
             ]
         return _staging[device]
+
+
+def prepare(device: torch.device) -> None:
+    """Allocate ``device``'s staging buffers and start the hashing threads now, not in
+    the first digest (a parked shadow calls this: ``verifiers.plugin``). Idempotent."""
+    pool = _workers()
+    n = _pool_size
+    # Threads start on demand, one per submit while none is idle: n tasks that wait for
+    # each other start all n (a broken barrier — a thread slow to start — only means
+    # fewer were started ahead).
+    meet = threading.Barrier(n)
+
+    def wait() -> None:
+        try:
+            meet.wait(timeout=10)
+        except threading.BrokenBarrierError:
+            pass
+
+    for f in [pool.submit(wait) for _ in range(n)]:
+        f.result(timeout=30)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        _buffers(device)
 
 
 def _leaf(view: memoryview) -> bytes:

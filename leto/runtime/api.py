@@ -37,7 +37,7 @@ from leto.runtime.config import (
     TrainerEnv,
 )
 from leto.runtime.premap import Premap
-from leto.runtime.warmup import warm_up
+from leto.runtime.warmup import warm_tools, warm_up
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Context:
         the preinitialization guard reports first (memory, reclamations)."""
         if iteration != "done" and self.env.preinit:
             self._guard().beat()
-        if self.profiles is not None:  # ("done" ends a window open over the last iteration)
+        if self.profiles is not None and iteration != "done":
             if change := self.profiles.beat():
                 self.store.add(keys.warming(self.generation), change)
         # The first iteration of a process (torch.compile, cuDNN autotuning, lazy
@@ -104,6 +104,13 @@ class Context:
             self.store.add(keys.warming(self.warming_gen), -1)
             self.warming_gen = -1
         self.store.set(keys.beat(self.generation, self.rank), str(iteration))
+
+    def loop_ended(self) -> None:
+        """The training loop is over (before its end-of-training checks): a profile
+        window open over the last iteration closes here."""
+        if self.profiles is not None:
+            if change := self.profiles.loop_ended():
+                self.store.add(keys.warming(self.generation), change)
 
     def _guard(self):
         if self.guard is None:
@@ -278,8 +285,10 @@ def init(prepare=None, warmup=None) -> Context:
         ahead = {"L1": 0, "L2": 2, "L3": 3}[level]
         for name in order[:ahead]:
             step(name)
-        if warmup is not None and ahead >= 2:  # with the device runtime up
-            timings.update(warm_up(warmup, device, rank))
+        if ahead >= 2:  # with the device runtime up
+            if warmup is not None:
+                timings.update(warm_up(warmup, device, rank))
+            timings.update(warm_tools(device, rank))
         timings["parked_after_s"] = time.time() - t0
         # Tells the active trainer's preinitialization guard whom to reclaim, and when
         # this shadow's memory is all there.

@@ -56,11 +56,11 @@ class Profiles:
         self.recovery = None
 
     def beat(self) -> int:
-        """Called as each iteration starts, and once after the last. Returns +1 when the
-        profiled iteration starts, -1 when it has ended and its profile is written, else
-        0: the caller holds the agent's hang detection to the general timeout in between
-        (a profiled iteration is slower; at 5 B parameters on the H200 a profiled job's
-        trainers kept failing, cause unknown — docs/benchmarks.md)."""
+        """Called as each iteration starts. Returns +1 when the profiled iteration
+        starts, -1 when it has ended and its profile is written, else 0: the caller
+        holds the agent's hang detection to the general timeout in between (a profiled
+        iteration is slower; at 5 B parameters on the H200 a profiled job's trainers kept
+        failing, cause unknown — docs/benchmarks.md)."""
         self.beats += 1
         if self.beats == self.window[0]:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -72,18 +72,26 @@ class Profiles:
             cp.enable()
             self.iteration = (cp, tp)
             return 1
-        elif self.beats == self.window[1] and self.iteration is not None:
-            cp, tp = self.iteration
-            cp.disable()
-            tp.stop()
-            table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
-            if self.device.type == "cuda":
-                by_gpu = tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
-                table += "\n" + by_gpu
-            self._write("iteration", table + "\n" + _stats(cp, 50, 40))
-            self.iteration = None
-            return -1
+        if self.beats == self.window[1]:
+            return self.loop_ended()
         return 0
+
+    def loop_ended(self) -> int:
+        """The loop is over: a window open over its last iteration closes here, before
+        the end-of-training scrub and the final state's copy (not an iteration's work).
+        Returns -1 when it closed one, else 0."""
+        if self.iteration is None:
+            return 0
+        cp, tp = self.iteration
+        cp.disable()
+        tp.stop()
+        table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
+        if self.device.type == "cuda":
+            by_gpu = tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+            table += "\n" + by_gpu
+        self._write("iteration", table + "\n" + _stats(cp, 50, 40))
+        self.iteration = None
+        return -1
 
     def _write(self, what: str, text: str) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -234,6 +234,7 @@ class Run:
                 self.checkpointer.after_iteration(t, self.job)
             t += 1
             self.next_iteration = t
+        self.ctx.loop_ended()
         # Nothing leaves the loop unverified: a corruption the background pass has not
         # reached yet is found here (the fallback then redoes the iterations after it).
         self.job.scrub.full(when="at the end of training")

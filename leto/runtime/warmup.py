@@ -15,6 +15,11 @@ released before parking, so the shadow holds only what its kernels and library h
 keep (reported as ``warmup_reserved_bytes``). A warm-up that raises costs only the head
 start: the shadow says so in its log and parks without it.
 
+Tools plugged into Leto warm up here too (``leto.plugins.install_shadow_warmup``): under
+``--verify`` the verifiers' digest allocates its pinned staging buffers (512 MiB, ~0.1 s
+a GB) and starts its hashing threads, which a promoted trainer would otherwise do in
+its first record — the measurement's cost, not the job's, and not on its recovery path.
+
 Not covered: warming collectives (a world-1 process group has nothing to connect); the
 allocator's growth to the real model's peak (released here: holding it would double the
 activation memory on the device while the trainer runs); the warm-up's transient peak in
@@ -30,6 +35,8 @@ import sys
 import time
 
 import torch
+
+from leto import plugins
 
 
 def warm_up(fn, device: torch.device, rank: int) -> dict:
@@ -58,4 +65,16 @@ def warm_up(fn, device: torch.device, rank: int) -> dict:
     }
     if failed:
         out["warmup_failed"] = failed
+    return out
+
+
+def warm_tools(device: torch.device, rank: int) -> dict:
+    """The loaded plugins' shadow warm-ups; returns their time (and failures)."""
+    t0 = time.time()
+    failed = plugins.warm_shadow(device)
+    for f in failed:
+        print(f"rank {rank}: shadow: a tool's warm-up failed ({f})", file=sys.stderr, flush=True)
+    out = {"tools_warmup_s": time.time() - t0}
+    if failed:
+        out["tools_warmup_failed"] = failed
     return out
