@@ -84,3 +84,20 @@ def test_a_kept_reference_is_reused_for_the_same_flags_and_refused_for_others(
     with pytest.raises(SystemExit, match=r"kept for other job flags.*'iterations': \(5, 6\)"):
         reference_out(tmp_path / "c", _args(keep, iterations=6), True)
     assert len(runs) == 1, "a refused reference ran anyway"
+
+
+def test_to_training_leaves_out_each_ranks_verifier_record_and_takes_the_slowest():
+    from bench.recovery_speed import to_training_s
+
+    rec = {
+        "detected_at": 100.0,
+        "recovery_s": 3.0,  # rank 1 at 103.0, 1.5 s of it hashing its record
+        "trainers": {
+            "0": {"time": 102.4, "observer_s": 0.2},  # 2.2 s without its record
+            "1": {"time": 103.0, "observer_s": 1.5},  # 1.5 s without
+        },
+    }
+    assert to_training_s(rec) == pytest.approx(2.2)
+    # A record without the observer's time (a restarted baseline) is taken as measured.
+    assert to_training_s({**rec, "trainers": {"0": {"time": 103.0}}}) == pytest.approx(3.0)
+    assert to_training_s({"detected_at": 1.0, "recovery_s": None, "trainers": {}}) is None
