@@ -236,3 +236,35 @@ def test_non_contiguous_pages_are_refused():
     rs = ReedSolomon(2, 1)
     with pytest.raises(PageDTypeError, match="not contiguous"):
         rs.encode([torch.zeros(4, 4).t(), torch.zeros(4, 4)])
+
+
+def test_slices_takes_and_joins_of_checked_page_lists_are_the_same_views_and_encode_the_same():
+    # What the updater builds its per-chunk lists from (no per-page checks): the views
+    # must be the very page tensors, in order, so parity computed from them is the
+    # parity of the pages.
+    from leto.erasure.pages import PageList, as_pages
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 256, (5, 64), dtype=torch.uint8, generator=g)
+    b = torch.randint(0, 256, (3, 64), dtype=torch.uint8, generator=g)
+    pa, pb = as_pages(a, None, "data", 0), as_pages(b, None, "data", 0)
+    joined = PageList.join([pa[1:4], pb])
+    assert [t.data_ptr() for t in joined.pages] == [
+        *(a[i].data_ptr() for i in (1, 2, 3)),
+        *(b[i].data_ptr() for i in range(3)),
+    ]
+    taken = joined.take([5, 0, 3])
+    assert [t.data_ptr() for t in taken.pages] == [
+        b[2].data_ptr(),
+        a[1].data_ptr(),
+        b[0].data_ptr(),
+    ]
+    rs = ReedSolomon(6, 2)
+    checked = as_pages(list(joined.pages), 6, "data", 0)  # the same pages, checked one by one
+    assert torch.equal(rs.encode(joined), rs.encode(checked))
+    assert torch.equal(rs.encode(joined), rs.encode(torch.cat([a[1:4], b])))
+    with pytest.raises(TypeError, match="a PageList is sliced"):
+        joined[0]
+    other = as_pages(torch.zeros(2, 32, dtype=torch.uint8), None, "data", 0)
+    with pytest.raises(PageShapeError, match="group 7: data part 1 has 32-byte"):
+        PageList.join([pa, other], "data", 7)

@@ -190,3 +190,29 @@ def test_an_iteration_reaches_every_updater_injection_point(pool):
     finally:
         hooks.record(False)
         client.close()
+
+
+def test_a_chunks_page_lists_are_the_groups_own_pages_taken_without_rechecking(pool):
+    # The first update after a promotion builds every chunk's page lists: they are
+    # slices of the layout's checked group list (the same page tensors, in order) and
+    # one undo list per chunk length, not lists checked page by page.
+    client, up, model, t = h.start(pool, UpdaterConfig(chunk_units=1))
+    try:
+        h.one_iteration(up, model, t)
+        for gi, g in enumerate(up.groups):
+            assert g.data_pages is not None and list(g.data_pages.pages) == g.data
+            for j, units in enumerate(up.state.chunks(gi)):
+                first, count = up.state.chunk_pages(gi, units)
+                got = up._page_lists[("chunk", gi, j)].pages
+                assert len(got) == count
+                assert all(a is b for a, b in zip(got, g.data[first : first + count], strict=True))
+        undo = {
+            k: v for k, v in up._page_lists.items() if isinstance(k, tuple) and k[0] == "undo order"
+        }
+        assert undo and all(len(v) == k[1] * up.state.unit for k, v in undo.items()), undo
+        order = up._undo_page_order_for(1)
+        assert [p.data_ptr() for p in undo[("undo order", 1)].pages] == [
+            up.undo[i].data_ptr() for i in order
+        ]
+    finally:
+        client.close()

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from leto.erasure import TwoTierCode
+from leto.erasure.pages import PageList
 from leto.memory import fdlimit
 from leto.memory import protocol as P
 from leto.memory.backends import Mapping, importer_for
@@ -42,6 +43,10 @@ class GroupView:
     data: list[torch.Tensor]  # on the pool's device (host for records)
     tier1: list[torch.Tensor]  # host memory
     tier2: list[torch.Tensor]  # host memory
+    # ``data`` as the codec's checked page list, made from its allocations' mappings at
+    # once (rows of one uint8 tensor each: nothing per page to check). None: made by
+    # someone else, the codec checks ``data`` itself.
+    data_pages: PageList | None = None
 
 
 class PoolClient:
@@ -219,7 +224,7 @@ class PoolClient:
         for g in self._map_parity():
             mapping = self._parity[g["gid"]][1]
             pages = [mapping.page(i) for i in range(g["tier1"] + g["tier2"])]
-            data: list[torch.Tensor] = []
+            runs: list[PageList] = []
             for name, first, count in g["members"]:
                 if name not in self._maps:
                     raise PoolError(
@@ -227,7 +232,12 @@ class PoolClient:
                         "attach every protected allocation first"
                     )
                 m = self._maps[name][0]
-                data += [m.page(i) for i in range(first, first + count)]
+                rows = m.tensor.view(m.n_pages, m.page_bytes)  # (Mapping.pages are its rows)
+                runs.append(
+                    PageList(m.pages[first : first + count], m.page_bytes, rows.dtype, rows.device)
+                )
+            data_pages = PageList.join(runs, "data", g["gid"])
+            data = list(data_pages.pages)
             views.append(
                 GroupView(
                     g["gid"],
@@ -236,6 +246,7 @@ class PoolClient:
                     data,
                     pages[: g["tier1"]],
                     pages[g["tier1"] :],
+                    data_pages,
                 )
             )
         return views

@@ -134,6 +134,7 @@ class Updater:
         reusable = AllocationKind.REUSABLE
         undo = client.attach("rmu.undo", max_chunk_pages * pb, kind=reusable)
         self.undo = [undo[i * pb : (i + 1) * pb] for i in range(max_chunk_pages)]
+        self._undo_pages = as_pages(undo.view(max_chunk_pages, pb), None, "undo", None)
         self._undo_flat = undo
         self._alloc_pages = {n: client.pages_of(n) for n in self.state.set_names}
         par = client.attach("rmu.parity", len(BUFFERS) * h1 * pb, kind=reusable)
@@ -243,9 +244,15 @@ class Updater:
     ) -> tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]]:
         units = self.state.chunks(gi)[j]
         first, count = self.state.chunk_pages(gi, units)
-        pages = self.groups[gi].data[first : first + count]
+        g = self.groups[gi]
+        # Slices of checked page lists (the group's, the undo buffer's): no per-page
+        # checks when a chunk's lists are first built (a promoted trainer's first update).
+        pages = (g.data_pages if g.data_pages is not None else g.data)[first : first + count]
         n_units = units[1] - units[0]
-        undo = [self.undo[i] for i in self._undo_page_order_for(n_units)]
+        undo = self._page_lists.get(("undo order", n_units))
+        if undo is None:  # the same for every chunk of n_units
+            undo = self._undo_pages.take(self._undo_page_order_for(n_units))
+            self._page_lists[("undo order", n_units)] = undo
         return units, pages, undo
 
     def _runs_copy(self, units: tuple[int, int], to_undo: bool, hook_it: int | None = None) -> None:
@@ -324,7 +331,9 @@ class Updater:
             t2 = self.gradparity[self.h1 :]
             with self._span("grad parity encode"):
                 code.tier1.encode(
-                    self._pages(("grad", g.gid), g.data), out=self._pages("gp1", t1), group=g.gid
+                    self._pages(("grad", g.gid), g.data_pages or g.data),
+                    out=self._pages("gp1", t1),
+                    group=g.gid,
                 )
                 code.tier2.encode(self._pages("gp1", t1), out=self._pages("gp2", t2), group=g.gid)
             with self._span("grad parity to host"):
