@@ -159,7 +159,8 @@ if [[ $what == scale ]]; then
   # order, each under its own time limit, or "rest" (results are written after every
   # variant); the fault mode is kill (default) or kill-synced (bench.recovery_speed
   # --fault-mode). LETO_SCALE_REF=DIR keeps each size's fault-free reference in DIR/<size>
-  # (return it under $OUT, carry it into a later call: the 5 B one is ~4 minutes);
+  # (returned as $OUT/scale_ref.tgz, to carry into a later call, see below: the 5 B one
+  # is ~4 minutes);
   # LETO_SCALE_PROFILE=1 (or a fault mode ending in +profile, for one entry) profiles
   # recoveries and first iterations (leto.runtime.profiling: the overhead is in those
   # figures). The baseline's
@@ -215,6 +216,13 @@ if [[ $what == scale ]]; then
     fi
     rm -rf "$ck" /tmp/leto-recovery-speed-*
   done
+  # The kept references (verifiers' traces: digests, a few KB) come back in one archive;
+  # unpacked into .gpu-results/scale-ref (ignored by git) they are carried into a later
+  # call (run's carry=[".gpu-results/scale-ref"], LETO_SCALE_REF=.gpu-results/scale-ref):
+  # a 5 B baseline (~470 s) then fits a call without its ~4-minute reference run.
+  if [[ -n ${LETO_SCALE_REF:-} && -d $LETO_SCALE_REF ]]; then
+    tar czf "$OUT/scale_ref.tgz" -C "$LETO_SCALE_REF" . || rc=1
+  fi
 fi
 if [[ $what == preinit || $what == all ]]; then
   # Issue 8: footprints per level and reclamation latency, the allocation-path hook on real
