@@ -142,3 +142,37 @@ def test_forward_activations_live_in_lent_pool_memory_and_are_checked():
     assert lo <= act.data_ptr() < lo + 128 * MiB
     del act
     second.reclaim()
+
+
+@pytest.mark.gpu
+def test_workspaces_are_warmed_once_per_device_outside_any_pool_then_lending_finds_none():
+    # What a parked shadow runs: afterwards a lend's matmuls (forward and autograd's
+    # backward thread) allocate no library workspace inside the lent pool.
+    import cupy
+
+    from leto.memory import lending
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    lending.load_library()
+    lending.warm_workspaces(torch.device("cuda"))  # no index: the current device
+    assert dev.index in lending._WARMED
+    before = torch.cuda.memory_allocated(dev)
+    lending.warm_workspaces(dev)  # once per device: nothing runs again
+    assert torch.cuda.memory_allocated(dev) == before
+    raw = cupy.cuda.Memory(64 * MiB)
+    region = torch.from_dlpack(
+        cupy.ndarray((64 * MiB,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(raw, 0))
+    )
+    lender = lending.Lender([region])
+    with lender.lend():
+        w = torch.ones(256, 256, device=dev, requires_grad=True)
+        (w @ w).sum().backward()
+    del w
+    lender.reclaim()  # raises if a workspace had been created inside the pool
+
+
+def test_the_lending_library_loads_ahead_of_any_lender():
+    from leto.memory import lending
+
+    lending.load_library()  # builds (cached per source version) and loads the C allocator
+    assert lending.build_library().exists()

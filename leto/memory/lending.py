@@ -60,6 +60,33 @@ def build_library() -> Path:
     )
 
 
+_WARMED: set[int] = set()  # devices whose library workspaces this process created
+
+
+def warm_workspaces(device: torch.device) -> None:
+    """Create, outside any lent pool, what a first forward and backward on ``device``
+    allocate and keep: cuBLAS allocates its workspace (32 MiB with
+    CUBLAS_WORKSPACE_CONFIG=:4096:8) at the first matmul on a stream and keeps it, per
+    thread — backward's (autograd's device thread) too. Inside a pool those would be
+    live bytes at ``reclaim``. Once per process and device: the first ``lend()`` runs it,
+    or earlier a parked shadow (``leto.runtime.api``), so a promotion does not."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx in _WARMED:
+        return
+    dev = torch.device("cuda", idx)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.ones(8, 8, dtype=dtype, device=dev, requires_grad=True)
+        (a @ a).sum().backward()
+        a.grad.sum().item()
+    _WARMED.add(idx)
+
+
+def load_library() -> None:
+    """Build (once per source version) and load the C allocator now, not at a
+    promoted trainer's first ``Lender`` (a parked shadow calls this)."""
+    RegionAllocator()
+
+
 class RegionAllocator:
     """ctypes view of the C allocator (one per process: its state is global)."""
 
@@ -147,21 +174,12 @@ class Lender:
         )
         self.pool = torch.cuda.MemPool(pluggable.allocator())
         self.lent_bytes = sum(n for _, n in self.regions)
-        self._warmed = False
 
     @contextlib.contextmanager
     def lend(self):
         if self.pool is None:
             raise InvalidInput("this lender was retired: a newer updater lends its own memory")
-        if not self._warmed:
-            # cuBLAS allocates its workspace (32 MiB with CUBLAS_WORKSPACE_CONFIG=:4096:8)
-            # at the first matmul on a stream and keeps it: create it outside the pool.
-            # Handles are per thread: backward's (autograd's device thread) too.
-            for dtype in (torch.float32, torch.bfloat16):
-                a = torch.ones(8, 8, dtype=dtype, device=self.device, requires_grad=True)
-                (a @ a).sum().backward()
-                a.grad.sum().item()
-            self._warmed = True
+        warm_workspaces(self.device)  # before the pool: library workspaces stay out of it
         begin = getattr(torch._C, "_cuda_beginAllocateToPool", None)
         if begin is None:  # older PyTorch: this thread only (forward activations)
             with torch.cuda.use_mem_pool(self.pool, device=self.device):

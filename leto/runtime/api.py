@@ -175,6 +175,16 @@ def _warm_device(device: torch.device) -> None:
         from leto.update.chunk_pass import self_check
 
         self_check(device)
+        # The lending allocator (its C library loaded) and the library workspaces its
+        # first lend creates outside the pool (0.1 s of a promoted trainer's first
+        # iteration on the H200, fifteenth session's profile).
+        from leto.memory import lending
+
+        try:
+            lending.load_library()
+        except Exception as e:  # no C compiler: the first Lender says so, by name
+            print(f"lending allocator not preloaded ({e})", file=sys.stderr, flush=True)
+        lending.warm_workspaces(device)
 
 
 def _record_uncaught(path: str | None) -> None:
