@@ -168,8 +168,9 @@ if [[ $what == scale ]]; then
   # could give it; else to the disk.
   if [[ ${LETO_SCALE_TESTS:-1} == 1 ]]; then
     timeout 120 python3 -m pytest -p no:cacheprovider -q tests/test_pool_gpu.py -k premap 2>&1 | tail -3 | tee "$OUT/premap_gpu_tests.txt" || rc=1
-    # The native loss scan over the driver, and the shadow warm-up on the GPU.
-    timeout 120 python3 -m pytest -p no:cacheprovider -q tests/test_backend_cuda.py tests/test_scan.py tests/test_warmup.py tests/test_digest.py 2>&1 | tail -3 | tee -a "$OUT/premap_gpu_tests.txt" || rc=1
+    # The native loss scan over the driver, the shadow warm-ups (script, verifiers,
+    # lending workspaces) on the GPU.
+    timeout 120 python3 -m pytest -p no:cacheprovider -q tests/test_backend_cuda.py tests/test_scan.py tests/test_warmup.py tests/test_digest.py tests/test_lending.py 2>&1 | tail -3 | tee -a "$OUT/premap_gpu_tests.txt" || rc=1
   fi
   { df -BG /tmp /dev/shm; free -g; echo "nofile soft $(ulimit -Sn) hard $(ulimit -Hn) nr_open $(cat /proc/sys/fs/nr_open)"
     # Huge shmem pages would cut the host parity scan's page-table walk (localization).
