@@ -56,6 +56,11 @@ def test_a_premapped_shadow_attaches_without_importing_and_sees_the_trainers_byt
     late = t.attach("late", 3 * PAGE, kind=AllocationKind.REUSABLE)  # after the premap
     assert s.premap() == 1 and "late" in s.mapped  # the next tick maps it
     assert s.premap() == 0  # nothing new: nothing mapped twice
+    # Every mapping's page views were made while parked (cached: the layout at
+    # promotion reuses them instead of making ~one view a page).
+    made = {n: m.__dict__.get("pages") for n, (m, _, _) in s._maps.items()}
+    assert all(v is not None for v in made.values()), made
+    assert all("pages" in m.__dict__ for _, m in s._parity)
     s.takeover()
     assert s.localize()["allocations"] == {} and s.remapped == 0
     # The set and every allocation come from the premapped view: same pages, no Alloc.
@@ -67,6 +72,8 @@ def test_a_premapped_shadow_attaches_without_importing_and_sees_the_trainers_byt
     assert torch.equal(s.attach("late", 3 * PAGE, kind=AllocationKind.REUSABLE), late)
     views = s.layout()
     assert all(len(g.tier1) == 4 for g in views if g.kind == "set")
+    name, first, _ = views[0].members[0]
+    assert views[0].data[0] is made[name][first]  # the views made while parked
     s.close()
     t.close()
 
@@ -118,6 +125,9 @@ def test_pages_lost_before_the_promotion_are_mapped_again_then_rebuilt_exactly(p
     assert int(t1_group0.count_nonzero()) == 0
     s.reconstruct(report)
     assert torch.equal(param, want["param"])
+    # The page views made while parked (before the loss) read the rebuilt pages too.
+    page3 = s._maps["param"][0].pages[3]
+    assert torch.equal(page3, want["param"].view(torch.uint8)[3 * PAGE : 4 * PAGE])
     assert torch.equal(s.attach("exp_avg", SET[1][1]), want["exp_avg"])
     t1 = s.layout()[0].tier1[1]
     s.encode_parity()  # tier 1 page 1 of group 0 was rebuilt too: encoding agrees

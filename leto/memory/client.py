@@ -335,6 +335,11 @@ class PoolClient:
                 for name, (_, _, meta) in self._maps.items():
                     if meta.kind == AllocationKind.RECORD.value:
                         self.register_host(self.pages_of(name))
+            # Every mapping's page views (one unbind each, cached; a remap in place
+            # keeps them valid): made here, not by the layout at promotion (≈ 0.1 s
+            # for ≈ 600 mappings at 5 B parameters on the H200).
+            for m in [m for m, _, _ in self._maps.values()] + [m for _, m in self._parity]:
+                m.pages  # noqa: B018 - a cached property, computed for its cache
         return len(reply.allocations)
 
     def takeover(self) -> None:
