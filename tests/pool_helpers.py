@@ -1,4 +1,5 @@
-"""Shared pieces of the memory-pool tests: a small pool config and child trainers.
+"""Shared pieces of the memory-pool tests: a small pool config, child trainers, and a
+socket pair with page descriptors for the protocol's tests.
 
 Child processes are module-level functions started with the spawn context, taking
 picklable arguments only (they are real, separate trainers).
@@ -6,6 +7,9 @@ picklable arguments only (they are real, separate trainers).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import time
 
 import torch
@@ -14,6 +18,23 @@ from leto.memory.client import PoolClient
 from leto.memory.config import PoolConfig
 
 PAGE = 8192
+
+
+@contextlib.contextmanager
+def seqpacket_pair(n_pages: int = 0, timeout_s: float | None = 10):
+    """The pool protocol's transport (an AF_UNIX SOCK_SEQPACKET pair, the reading end
+    with a timeout) and ``n_pages`` memfds standing for pages; all closed afterwards."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    b.settimeout(timeout_s)
+    pages: list[int] = []
+    try:
+        pages += [os.memfd_create(f"page{i}") for i in range(n_pages)]
+        yield a, b, pages
+    finally:
+        for fd in pages:
+            os.close(fd)
+        a.close()
+        b.close()
 
 
 def small_config(**kw) -> PoolConfig:

@@ -6,7 +6,6 @@ half-way through an attach."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,16 +14,12 @@ import pytest
 from leto.memory import fdlimit
 from leto.memory import protocol as P
 from leto.memory.errors import PoolFdLimit
-
-
-def _memfds(n: int) -> list[int]:
-    return [os.memfd_create(f"page{i}") for i in range(n)]
+from tests.pool_helpers import seqpacket_pair
 
 
 def test_a_reply_whose_descriptors_do_not_fit_is_refused_and_drained(monkeypatch):
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pages = _memfds(600)  # the first FD_BATCH ride on the reply, the rest in FDS batches
-    try:
+    # The first FD_BATCH ride on the reply, the rest in FDS batches.
+    with seqpacket_pair(600) as (a, b, pages):
         before = len(os.listdir("/proc/self/fd"))
         P.send(a, P.Fds(len(pages)), pages)
         P.send(a, P.Fds(0))  # the next message must still be read in step
@@ -35,28 +30,16 @@ def test_a_reply_whose_descriptors_do_not_fit_is_refused_and_drained(monkeypatch
         assert len(os.listdir("/proc/self/fd")) == before, "received descriptors leaked"
         msg, fds = P.recv(b)
         assert isinstance(msg, P.Fds) and msg.count == 0 and fds == []
-    finally:
-        for fd in pages:
-            os.close(fd)
-        a.close()
-        b.close()
 
 
 def test_a_reply_that_fits_is_received_whole():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pages = _memfds(300)
-    try:
+    with seqpacket_pair(300) as (a, b, pages):
         P.send(a, P.Fds(len(pages)), pages)
         _, first = P.recv(b)
         got = P.recv_fds(b, len(pages), first)
         assert len(got) == 300
         for fd in got:
             os.close(fd)
-    finally:
-        for fd in pages:
-            os.close(fd)
-        a.close()
-        b.close()
 
 
 def test_the_limit_is_raised_to_the_hard_one_at_least():
@@ -77,9 +60,8 @@ def test_a_reply_of_any_size_holds_one_batch_of_descriptors_open_on_either_side(
     # The state manager gives openers (protocol.send opens each as its batch goes out,
     # closes it after); the client imports each fd as it arrives (recv_fds' take). A
     # 5 B-parameter pool's ~40,000 pages then pass a hard limit of 20,000.
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     n = 3 * P.FD_BATCH + 7
-    try:
+    with seqpacket_pair() as (a, b, _):
         before = len(os.listdir("/proc/self/fd"))
         P.send(a, P.Fds(n), [lambda i=i: os.memfd_create(f"page{i}") for i in range(n)])
         assert len(os.listdir("/proc/self/fd")) == before, "the sender kept what it opened"
@@ -96,9 +78,6 @@ def test_a_reply_of_any_size_holds_one_batch_of_descriptors_open_on_either_side(
         assert got == list(range(n))
         assert max(peak) <= before + P.FD_BATCH + 1, max(peak) - before
         assert len(os.listdir("/proc/self/fd")) == before
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_host_pool_at_its_open_file_limit_refuses_the_allocation_and_keeps_the_rest(

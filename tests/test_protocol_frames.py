@@ -6,19 +6,13 @@ requests are refused by name."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 
 import pytest
 
 from leto.memory import protocol as P
 from leto.memory.errors import PoolProtocolError
-
-
-def _pair():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    b.settimeout(10)
-    return a, b
+from tests.pool_helpers import seqpacket_pair
 
 
 def _sending(target, *args) -> threading.Thread:
@@ -45,11 +39,9 @@ def _big_layout(n_groups: int) -> P.LayoutReply:
 
 
 def test_a_reply_past_one_datagram_arrives_whole_with_its_descriptors():
-    a, b = _pair()
     reply = _big_layout(400)
     assert len(P.encode(reply)) > P.MAX_MESSAGE_BYTES
-    pages = [os.memfd_create(f"p{i}") for i in range(reply.n_fds)]
-    try:
+    with seqpacket_pair(reply.n_fds) as (a, b, pages):
         t = _sending(P.send, a, reply, pages)
         got, first = P.recv(b, frames=True)
         assert got == reply and first == []
@@ -58,22 +50,13 @@ def test_a_reply_past_one_datagram_arrives_whole_with_its_descriptors():
         t.join(10)
         for fd in fds:
             os.close(fd)
-    finally:
-        for fd in pages:
-            os.close(fd)
-        a.close()
-        b.close()
 
 
 def test_a_request_may_not_be_framed():
-    a, b = _pair()
-    try:
+    with seqpacket_pair() as (a, b, _):
         _sending(P.send, a, _big_layout(400))
         with pytest.raises(PoolProtocolError, match="a request must be one datagram"):
             P.recv(b)
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize(
@@ -85,13 +68,9 @@ def test_a_request_may_not_be_framed():
     ],
 )
 def test_malformed_frames_are_refused(nbytes, count, says):
-    a, b = _pair()
-    try:
+    with seqpacket_pair() as (a, b, _):
         a.sendall(P.encode(P.Frames(nbytes, count)))
         for _ in range(count if count < 10 else 0):
             a.sendall(b"x" * 1000)
         with pytest.raises(PoolProtocolError, match=says):
             P.recv(b, frames=True)
-    finally:
-        a.close()
-        b.close()
