@@ -356,3 +356,23 @@ def test_reader_survives_sigkill_mid_recording(tmp_path):
     for it, rec in recs.items():
         saved, why = load_tensors(tmp_path, rec)
         assert saved is not None, f"iteration {it}: {why}"
+
+
+def test_the_plugin_asks_for_the_final_state_only_when_it_saves_it(tmp_path, monkeypatch):
+    # Leto builds the final state (a CPU copy of every retained byte) only for an
+    # observer with `final`: without LETO_VERIFY_SAVE_STATE=1 there is none to build.
+    import torch
+
+    import verifiers.plugin  # noqa: F401 - installs the observer
+    from leto import plugins
+    from verifiers.recorder import ENV_SAVE_STATE
+
+    monkeypatch.delenv(ENV_SAVE_STATE, raising=False)
+    obs = plugins.iteration_observer(0, tmp_path)
+    assert getattr(obs, "final", None) is None
+    monkeypatch.setenv(ENV_SAVE_STATE, "1")
+    obs = plugins.iteration_observer(1, tmp_path)
+    state = {"param": torch.arange(6, dtype=torch.float32)}
+    obs.final(state)
+    got = torch.load(tmp_path / "rank1.state.pt")
+    assert torch.equal(got["param"], state["param"])
