@@ -155,12 +155,10 @@ def regained_s(out: Path, rank: int, detected_at: float, fail_at: int) -> float:
 def to_training_s(rec: dict) -> float | None:
     """Detection until the slowest rank trains again, less each rank's time in the
     verifiers' record during its recovery (``observer_s``)."""
-    trainers = rec.get("trainers") or {}
-    if rec.get("recovery_s") is None or not all("time" in t for t in trainers.values()):
+    trainers = list((rec.get("trainers") or {}).values())
+    if rec.get("recovery_s") is None or not trainers or any("time" not in t for t in trainers):
         return rec.get("recovery_s")
-    if not trainers:
-        return rec["recovery_s"]
-    return max(t["time"] - t.get("observer_s", 0.0) for t in trainers.values()) - rec["detected_at"]
+    return max(t["time"] - t.get("observer_s", 0.0) for t in trainers) - rec["detected_at"]
 
 
 def first_iteration(

@@ -231,10 +231,10 @@ class PoolClient:
                         f"group {g['gid']} holds pages of {name!r}, which is not attached here; "
                         "attach every protected allocation first"
                     )
-                m = self._maps[name][0]
-                rows = m.tensor.view(m.n_pages, m.page_bytes)  # (Mapping.pages are its rows)
+                m = self._maps[name][0]  # its pages: rows of its one uint8 tensor
+                t = m.tensor
                 runs.append(
-                    PageList(m.pages[first : first + count], m.page_bytes, rows.dtype, rows.device)
+                    PageList(m.pages[first : first + count], m.page_bytes, t.dtype, t.device)
                 )
             data_pages = PageList.join(runs, "data", g["gid"])
             data = list(data_pages.pages)

@@ -89,7 +89,9 @@ class Context:
         the preinitialization guard reports first (memory, reclamations)."""
         if iteration != "done" and self.env.preinit:
             self._guard().beat()
-        if self.profiles is not None and iteration != "done":
+        if iteration == "done":
+            self.loop_ended()  # (leto.Run has closed it already, before its end checks)
+        elif self.profiles is not None:
             if change := self.profiles.beat():
                 self.store.add(keys.warming(self.generation), change)
         # The first iteration of a process (torch.compile, cuDNN autotuning, lazy
