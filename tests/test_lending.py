@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ def alloc(regions):
     a.set_regions(regions[1])
     yield a
     a.set_regions([])  # refuses (and fails the test) if a piece was left handed out
+    a.use_driver_fallback()  # process-wide: a later GPU test's Lender must get device memory
 
 
 def inside(ptr: int, size: int, regions) -> bool:
@@ -176,3 +178,24 @@ def test_the_lending_library_loads_ahead_of_any_lender():
 
     lending.load_library()  # builds (cached per source version) and loads the C allocator
     assert lending.build_library().exists()
+
+
+def test_the_host_fallback_of_cpu_tests_is_undone_for_device_lenders(regions):
+    # The C allocator's state is process-wide: a malloc fallback left behind would give a
+    # GPU lender's kernels host pointers. Without a CUDA driver the restored fallback
+    # (cuMemAlloc) fails the request instead of handing out host memory.
+    if ctypes.util.find_library("cuda"):
+        # There cuMemAlloc succeeds; the GPU test of warmed workspaces lends with matmuls
+        # after this file's CPU tests, which is where the host pointers crashed.
+        pytest.skip("a CUDA driver is present: the driver fallback would succeed")
+    a = RegionAllocator()
+    a.use_libc_fallback()
+    a.set_regions(regions[1])
+    small = a.alloc(1 << 20)
+    assert small and not inside(small, 1 << 20, regions[1])  # malloc'd
+    a.free(small, 1 << 20)
+    a.use_driver_fallback()
+    failed = a.stats().failed_segments
+    assert a.alloc(1 << 20) == 0
+    assert a.stats().failed_segments == failed + 1
+    a.set_regions([])

@@ -120,11 +120,16 @@ class RegionAllocator:
             raise InvalidInput(f"{n} lent regions overlap or are too many (at most 8)")
 
     def use_libc_fallback(self) -> None:
-        """CPU tests: small/non-fitting requests from malloc instead of cuMemAlloc."""
+        """CPU tests: small/non-fitting requests from malloc instead of cuMemAlloc
+        (process-wide, as the allocator's state: ``use_driver_fallback`` undoes it)."""
         libc = ctypes.CDLL(None)
         self.lib.leto_lend_set_fallback(
             ctypes.cast(libc.malloc, ctypes.c_void_p), ctypes.cast(libc.free, ctypes.c_void_p)
         )
+
+    def use_driver_fallback(self) -> None:
+        """Small/non-fitting requests from cuMemAlloc (the default)."""
+        self.lib.leto_lend_set_fallback(None, None)
 
     def alloc(self, size: int) -> int:
         return self.lib.leto_lend_alloc(size, 0, None) or 0
@@ -167,6 +172,9 @@ class Lender:
         if _current is not None:
             _current.retire()  # the C allocator is one per process: one lender at a time
         self.allocator = RegionAllocator()
+        # Device memory only: a host fallback left by a CPU test in this process would
+        # hand kernels host pointers (found on the H200: an illegal address in sgemm).
+        self.allocator.use_driver_fallback()
         self.allocator.set_regions(self.regions)
         _current = self
         pluggable = torch.cuda.memory.CUDAPluggableAllocator(
