@@ -116,14 +116,23 @@ def test_a_premapped_shadow_remaps_lost_vmm_pages_then_rebuilds_them_bit_exact(g
     print(f"premap device memory cost: {cost} bytes for {n} bytes of device pages mapped")
     assert cost <= 4 * MiB
     view = s.attach("state", n)
+    tier1 = s.layout()[0].tier1[0]  # host parity, page-locked for the GPU while parked
     with PoolClient.connect(gpu_pool.socket_path, gpu_pool.token, role="faultkit") as f:
         f.inject_loss("data", "state", [0, 9])
+        f.inject_loss("tier1", "0", [0])
     t.close()
     s.takeover()
-    report = s.localize()
+    # As a promoted trainer: the host parity scan is left running, then settled.
+    report = s.localize(defer_parity=True)
     assert s.remapped == 2 and report["allocations"]["state"]["failed_pages"] == [0, 9]
     assert view.data_ptr() == s.pages_of("state").data_ptr()
     assert int(view[: 2 * MiB].count_nonzero()) == 0  # the fresh page, not the lost one
+    s.settle_localize()
+    assert s.remapped == 3 and report["groups"]["0"]["tier1"] == [0]
+    assert int(tier1.count_nonzero()) == 0  # remapped in place, registered again
     s.reconstruct(report)
     assert torch.equal(view, want)
+    rebuilt = tier1.clone()
+    s.encode_parity()
+    assert torch.equal(tier1, rebuilt)  # the rebuilt parity page agrees with encoding
     s.close()

@@ -45,8 +45,27 @@ def _shadow(pool) -> PoolClient:
     return PoolClient.connect(pool.socket_path, pool.token, role="shadow")
 
 
+def _parked(pool) -> tuple[PoolClient, dict[str, torch.Tensor], PoolClient]:
+    """The trainer with its state written, and a shadow that premapped it."""
+    t, want = _trainer(pool)
+    s = _shadow(pool)
+    s.premap()
+    return t, want, s
+
+
 def _faultkit(pool) -> PoolClient:
     return PoolClient.connect(pool.socket_path, pool.token, role="faultkit")
+
+
+def _lose(pool, *losses: tuple[str, str, list[int]]) -> None:
+    with _faultkit(pool) as f:
+        for target, name, pages in losses:
+            f.inject_loss(target, name, pages)
+
+
+def _promote(s: PoolClient, t: PoolClient) -> None:
+    t.close()  # the trainer is gone (a real one died)
+    s.takeover()
 
 
 def test_a_premapped_shadow_attaches_without_importing_and_sees_the_trainers_bytes(pool):
@@ -106,16 +125,11 @@ def test_an_allocation_made_between_the_premap_reply_and_its_layout_is_mapped_ne
 
 
 def test_pages_lost_before_the_promotion_are_mapped_again_then_rebuilt_exactly(pool):
-    t, want = _trainer(pool)
-    s = _shadow(pool)
-    s.premap()
+    t, want, s = _parked(pool)
     param = s.attach("param", SET[1][0])  # a view the promoted trainer keeps
     t1_group0 = s.layout()[0].tier1[1]
-    with _faultkit(pool) as f:
-        f.inject_loss("data", "param", [3, 17])
-        f.inject_loss("tier1", "0", [1])
-    t.close()  # the trainer is gone (a real one died)
-    s.takeover()
+    _lose(pool, ("data", "param", [3, 17]), ("tier1", "0", [1]))
+    _promote(s, t)
     report = s.localize()
     assert report["allocations"]["param"]["failed_pages"] == [3, 17]
     assert s.remapped == 3  # two data pages, one tier-1 page
@@ -138,11 +152,8 @@ def test_pages_lost_before_the_promotion_are_mapped_again_then_rebuilt_exactly(p
 def test_pages_replaced_while_the_shadow_was_parked_are_remapped_on_its_next_tick(pool):
     # A shadow that premapped before another trainer's recovery replaced pages (the
     # successor of a failed trainer localizes while the next shadow is parked).
-    t, want = _trainer(pool)
-    s = _shadow(pool)
-    s.premap()
-    with _faultkit(pool) as f:
-        f.inject_loss("data", "exp_avg", [0])
+    t, want, s = _parked(pool)
+    _lose(pool, ("data", "exp_avg", [0]))
     t.close()
     successor = PoolClient.connect(pool.socket_path, pool.token, takeover=True)
     report = successor.localize()
@@ -176,4 +187,136 @@ def test_a_shadow_may_only_map_and_the_trainer_may_not_premap(pool):
     with pytest.raises(FencedError, match="stale"):
         t.attach("new", PAGE)  # the old trainer is fenced by the new epoch
     s.close()
+    t.close()
+
+
+def test_a_deferred_parity_scan_completes_the_report_before_parity_is_used(pool):
+    # A premapped trainer localizes the data pages, binds its state while the host
+    # parity scan runs, then settles: the lost parity page is remapped and pending, and
+    # the rebuild is bit-exact.
+    t, want, s = _parked(pool)
+    t1_group0 = s.layout()[0].tier1[1]
+    _lose(pool, ("data", "param", [3]), ("tier1", "0", [1]))
+    _promote(s, t)
+    report = s.localize(defer_parity=True)
+    assert report["parity"] == "deferred" and s.localizing
+    assert report["allocations"]["param"]["failed_pages"] == [3]
+    (slot,) = report["groups"]["0"]["data"]  # param's page 3, in the group's order
+    assert report["groups"] == {"0": {"data": [slot], "tier1": [], "tier2": []}}
+    assert s.remapped == 1  # the data page only, so far
+    s.attach_set(*SET)  # binding: served from the premapped views, parity untouched
+    s.layout()  # every group known: served while the scan runs
+    done = s.settle_localize()
+    assert done is report and "parity" not in report and not s.localizing
+    assert report["groups"] == {"0": {"data": [slot], "tier1": [1], "tier2": []}}
+    assert report["parity_s"] > 0 and report["parity_wait_s"] >= 0
+    assert report["parity_landed_by"] == "LOCALIZE_PARITY"  # binding did not land it
+    assert report["seconds"] == pytest.approx(report["data_s"] + report["parity_s"])
+    assert s.remapped == 2 and int(t1_group0.count_nonzero()) == 0  # fresh page, same view
+    s.reconstruct(report)
+    assert torch.equal(s.attach("param", SET[1][0]), want["param"])
+    t1 = t1_group0.clone()
+    s.encode_parity()  # the rebuilt tier-1 page agrees with a fresh encoding
+    assert torch.equal(t1, t1_group0)
+    with pytest.raises(PoolError, match="no deferred localization"):
+        s.settle_localize()
+    s.close()
+
+
+def test_a_request_that_could_see_parity_lands_a_deferred_scan_first(pool):
+    # An allocation made before the trainer settles (the server settles the scan first:
+    # the new group's layout would hand out parity pages), then a trainer that dies
+    # before settling: its successor's localization reports the lost parity page.
+    t, want, s = _parked(pool)
+    _lose(pool, ("tier2", "0", [0]))
+    _promote(s, t)
+    assert s.localize(defer_parity=True)["groups"] == {}
+    s.attach("grad", 20 * PAGE).copy_(pattern(20 * PAGE, 9))  # ALLOC: the scan lands
+    report = s.settle_localize()  # what it found is kept for the trainer's settle
+    assert report["groups"] == {"0": {"data": [], "tier1": [], "tier2": [0]}}
+    assert report["parity_landed_by"] == "ALLOC"
+    assert s.remapped == 1
+    s.close()
+    s2 = _shadow(pool)
+    s2.premap()
+    _lose(pool, ("tier1", "0", [2]))
+    s2.takeover()
+    s2.localize(defer_parity=True)
+    with PoolClient.connect(pool.socket_path, pool.token, role="observer") as o:
+        # STATUS lands the scan: its counts include the lost parity page.
+        assert o.status()["groups"][0]["pending"]["tier1"] == [2]
+    s2.close()  # dies with the scan unsettled
+    cold = PoolClient.connect(pool.socket_path, pool.token, takeover=True)
+    with pytest.raises(PoolError, match="only a premapped client"):
+        cold.localize(defer_parity=True)
+    report = cold.localize()
+    assert report["groups"]["0"] == {"data": [], "tier1": [2], "tier2": [0]}
+    assert "parity" not in report and report["parity_s"] > 0
+    cold.attach_set(*SET)
+    cold.attach("grad", 20 * PAGE)
+    cold.attach("marker", 128, kind=AllocationKind.RECORD)
+    cold.reconstruct(report)
+    for name, n in zip(SET[0], SET[1], strict=True):
+        assert torch.equal(cold.attach(name, n), want[name])
+    cold.close()
+
+
+def test_a_parity_scan_past_its_timeout_stays_pending_and_a_failed_one_is_dropped():
+    # The state manager's table: settling waits at most the given time (the pool's I/O
+    # timeout by default), replaces nothing until the scan is done, and a scan that
+    # failed is raised once (the next localization scans everything again).
+    import threading
+
+    from leto.memory.backends.host import HostPageOwner
+    from leto.memory.errors import PoolTimeout
+    from leto.memory.state_manager.table import Table
+    from tests.pool_helpers import small_config
+
+    owner = HostPageOwner(PAGE)
+    table = Table(small_config(), owner, HostPageOwner(PAGE), HostPageOwner(PAGE))
+    try:
+        table.alloc("w", AllocationKind.PROTECTED.value, 3 * PAGE)
+        gate = threading.Event()
+        real = table.parity_owner.failed_pages
+
+        def slow(mapping):
+            assert gate.wait(10)
+            return real(mapping)
+
+        table.parity_owner.failed_pages = slow
+        assert table.localize(defer_parity=True)["parity"] == "deferred"
+        with pytest.raises(PoolTimeout, match="did not finish within 0.05 s"):
+            table.settle_parity(0.05)
+        assert table.parity_scan_pending
+        gate.set()
+        assert table.settle_parity()["groups"] == {} and not table.parity_scan_pending
+        assert table.settle_parity() is None  # nothing running
+
+        def broken(mapping):
+            raise OSError(5, "scanning: I/O error")
+
+        table.parity_owner.failed_pages = broken
+        table.localize(defer_parity=True)
+        with pytest.raises(OSError, match="I/O error"):
+            table.settle_parity(by="ALLOC")  # another request landed it
+        assert not table.parity_scan_pending
+        # Kept for the trainer's LOCALIZE_PARITY, which is refused with it (the server).
+        assert table.parity_result == {
+            "error": "the host parity scan failed: [Errno 5] scanning: I/O error"
+        }
+        table.localize(defer_parity=True)  # a new scan forgets it, and fails again
+        assert table.parity_result is None
+        table.parity_owner.failed_pages = real
+        assert table.localize()["groups"] == {}  # lands the failed one quietly, scans anew
+    finally:
+        table.close()
+
+
+def test_settling_without_a_deferred_localization_is_refused_by_the_state_manager(pool):
+    from leto.memory import protocol as P
+
+    t = PoolClient.connect(pool.socket_path, pool.token, takeover=True)
+    t.localize()
+    with pytest.raises(PoolError, match="no deferred localization to settle; LOCALIZE first"):
+        P.request(t.sock, P.LocalizeParity(t.epoch), P.Localized)
     t.close()

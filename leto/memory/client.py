@@ -68,6 +68,7 @@ class PoolClient:
         self._cursor: int | None = None
         self._tier1: dict[int, int] = {}
         self.remapped = 0  # pages mapped again because localization replaced them
+        self._deferred: dict | None = None  # a localization report awaiting its parity scan
 
     @classmethod
     def connect(
@@ -284,16 +285,56 @@ class PoolClient:
             for dst, src in zip(g.tier1 + g.tier2, list(t1) + list(t2), strict=True):
                 dst.copy_(src if device.type == "cpu" else src.cpu())
 
-    def localize(self) -> dict:
+    def localize(self, defer_parity: bool = False) -> dict:
         """Ask the state manager to find and replace lost pages; returns its report.
         Premapped pages that it replaced (now or since they were mapped) are mapped
-        again here first, so no view ever reaches a lost page."""
+        again here first, so no view ever reaches a lost page.
+
+        ``defer_parity`` (premapped clients): the report covers the data pages, and the
+        host parity scan goes on in the state manager while this process binds its
+        retained state; ``settle_localize`` completes the report before anything reads
+        or writes parity (reconstruction, the update)."""
         if self._maps and self._cursor is None:
             raise PoolError("localize before attaching: pages mapped here may be the lost ones")
-        reply, _ = P.request(self.sock, P.Localize(self.epoch), P.Localized)
+        if defer_parity and self._cursor is None:
+            raise PoolError(
+                "only a premapped client defers the parity scan: a cold one maps parity "
+                "after localizing, and would map pages the scan may still replace"
+            )
+        reply, _ = P.request(self.sock, P.Localize(self.epoch, defer_parity), P.Localized)
         if self._cursor is not None:
             self._refresh()
+        self._deferred = reply.report if reply.report.get("parity") == "deferred" else None
         return reply.report
+
+    @property
+    def localizing(self) -> bool:
+        """A deferred localization's parity scan is not settled yet."""
+        return self._deferred is not None
+
+    def settle_localize(self) -> dict:
+        """Wait for a deferred localization's host parity scan, map again the parity
+        pages it replaced, and complete its report in place (every group's pending
+        pages; ``parity_s``: the scan; ``parity_landed_by``: the request it landed for,
+        and ``parity_wait_s``: how long that request waited for it); returns it. A scan
+        that failed or ran past the pool's I/O timeout raises (PoolError, PoolTimeout)."""
+        report = self._deferred
+        if report is None:
+            raise PoolError("no deferred localization to settle")
+        reply, _ = P.request(self.sock, P.LocalizeParity(self.epoch), P.Localized)
+        self._refresh()  # (views over replaced parity pages stay valid: remapped in place)
+        part = reply.report
+        del report["parity"]
+        report.update(
+            groups=part["groups"],
+            parity_s=part["parity_s"],
+            parity_wait_s=part["wait_s"],
+            parity_landed_by=part["landed_by"],
+            seconds=report["seconds"] + part["parity_s"],
+            pages_scanned=report["pages_scanned"] + part["pages_scanned"],
+        )
+        self._deferred = None
+        return report
 
     # -- premapping (a parked shadow) -----------------------------------------------
 

@@ -57,6 +57,7 @@ def remote_error(code: str, message: str) -> PoolError:
         "order": PoolProtocolError,
         "version": PoolProtocolError,
         "fd-limit": PoolFdLimit,
+        "timeout": PoolTimeout,
     }.get(code)
     if cls is None:
         return RemoteError(code, message)

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from leto.memory import fdlimit
 from leto.memory.errors import PoolFdLimit, PoolProtocolError, PoolTimeout, remote_error
 
-PROTOCOL_VERSION = 3  # 2: the shadow role (PREMAP, REPLACED, TAKEOVER); 3: FRAMES
+# 2: the shadow role (PREMAP, REPLACED, TAKEOVER); 3: FRAMES; 4: deferred parity scans
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 256 * 1024  # one datagram
 # A reply longer than one datagram goes out as a FRAMES header and raw frames (a 3 B-
 # parameter pool's layout is ~400 KB of JSON, a 5 B one's ~700 KB). Replies only: the
@@ -48,6 +49,7 @@ class Op(enum.Enum):
     LAYOUT_REPLY = "LAYOUT_REPLY"
     LOCALIZE = "LOCALIZE"
     LOCALIZED = "LOCALIZED"
+    LOCALIZE_PARITY = "LOCALIZE_PARITY"
     MARK_REBUILT = "MARK_REBUILT"
     STATUS = "STATUS"
     STATUS_REPLY = "STATUS_REPLY"
@@ -148,6 +150,17 @@ class LayoutReply:
 
 @dataclass(frozen=True)
 class Localize:
+    epoch: int
+    # Report the data pages now and leave the host parity scan running; LOCALIZE_PARITY
+    # waits for it (a premapped trainer binds its retained state meanwhile).
+    defer_parity: bool = False
+
+
+@dataclass(frozen=True)
+class LocalizeParity:
+    """Wait for a deferred localization's parity scan; answered by LOCALIZED with the
+    scan's part: parity_s, wait_s, pages_scanned and every group's pending pages."""
+
     epoch: int
 
 
@@ -256,6 +269,7 @@ MESSAGES: dict[Op, type] = {
     Op.LAYOUT_REPLY: LayoutReply,
     Op.LOCALIZE: Localize,
     Op.LOCALIZED: Localized,
+    Op.LOCALIZE_PARITY: LocalizeParity,
     Op.MARK_REBUILT: MarkRebuilt,
     Op.STATUS: Status,
     Op.STATUS_REPLY: StatusReply,

@@ -35,7 +35,13 @@ from leto.memory import protocol as P
 from leto.memory.backends import owner_for
 from leto.memory.backends.host import HostPageOwner
 from leto.memory.config import SOCKET_NAME, AllocationKind, PoolConfig
-from leto.memory.errors import AllocationMismatch, PoolError, PoolFdLimit, PoolProtocolError
+from leto.memory.errors import (
+    AllocationMismatch,
+    PoolError,
+    PoolFdLimit,
+    PoolProtocolError,
+    PoolTimeout,
+)
 from leto.memory.state_manager.table import Table
 from leto.proc import alive
 
@@ -160,6 +166,8 @@ class StateManager:
             self._reply_error(peer, "mismatch", str(e))
         except PoolFdLimit as e:
             self._reply_error(peer, "fd-limit", str(e))
+        except PoolTimeout as e:  # a parity scan past the I/O timeout (it goes on)
+            self._reply_error(peer, "timeout", str(e))
         except PoolProtocolError as e:
             self._reply_error(peer, "protocol", str(e))
         except (ConnectionError, BrokenPipeError):
@@ -182,6 +190,7 @@ class StateManager:
         if peer.role is None:
             raise Refused("order", f"{type(msg).__name__} before HELLO; say HELLO first")
         if isinstance(msg, P.Status):
+            self._land(msg)  # its counts include what the scan finds
             return P.send(peer.sock, P.StatusReply(self.status()))
         if isinstance(msg, P.Shutdown):
             self._need(peer, P.Role.ADMIN)
@@ -192,12 +201,14 @@ class StateManager:
             self._need(peer, P.Role.FAULTKIT)
             if not self.config.allow_fault_injection:
                 raise Refused("forbidden", "this pool was started without allow_fault_injection")
+            self._land(msg)
             self.table.inject(msg.target, msg.name, msg.pages)
             return P.send(
                 peer.sock, P.Ok(f"lost {len(msg.pages)} {msg.target} pages of {msg.name}")
             )
         if isinstance(msg, P.Premap):
             self._need(peer, P.Role.SHADOW)
+            self._land(msg)
             infos, sets, cursor, fds = self.table.premap(list(msg.known))
             return self._send_closing(peer, P.Premapped(infos, sets, cursor, len(fds)), fds)
         if isinstance(msg, P.Takeover):
@@ -206,14 +217,32 @@ class StateManager:
             return P.send(peer.sock, P.Welcome(self.epoch, os.getpid(), self.config.as_dict()))
         if peer.role is P.Role.SHADOW and isinstance(msg, (P.Layout, P.Replaced)):
             # Read-only for a parked shadow: it maps what the trainer's pages are.
+            self._land(msg)
             return self._read_only(peer, msg)
-        if isinstance(msg, (P.Alloc, P.AllocSet, P.Layout, P.Localize, P.MarkRebuilt, P.Replaced)):
+        trainer_requests = (
+            P.Alloc, P.AllocSet, P.Layout, P.Localize, P.LocalizeParity, P.MarkRebuilt, P.Replaced,
+        )  # fmt: skip
+        if isinstance(msg, trainer_requests):
             self._need(peer, P.Role.TRAINER)
             if msg.epoch != self.epoch or peer.epoch != self.epoch:
                 raise Refused(
                     "fenced",
                     f"epoch {msg.epoch} is stale; the pool is owned under epoch {self.epoch}",
                 )
+            if isinstance(msg, P.LocalizeParity):
+                try:
+                    self.table.settle_parity(by=P.Op.LOCALIZE_PARITY.value)
+                except PoolTimeout:
+                    raise
+                except Exception:
+                    pass  # a failed scan: kept in parity_result, refused below by name
+                found, self.table.parity_result = self.table.parity_result, None
+                if found is None:
+                    raise Refused("order", "no deferred localization to settle; LOCALIZE first")
+                if "error" in found:
+                    raise Refused("scan", found["error"])
+                return P.send(peer.sock, P.Localized(found))
+            self._land(msg)
             if isinstance(msg, P.Alloc):
                 a, created = self.table.alloc(msg.name, msg.kind, msg.nbytes)
                 fds = self.table.export(a)
@@ -232,10 +261,22 @@ class StateManager:
             if isinstance(msg, (P.Layout, P.Replaced)):
                 return self._read_only(peer, msg)
             if isinstance(msg, P.Localize):
-                return P.send(peer.sock, P.Localized(self.table.localize()))
+                return P.send(peer.sock, P.Localized(self.table.localize(msg.defer_parity)))
             self.table.mark_rebuilt(msg.groups)
             return P.send(peer.sock, P.Ok(f"groups {msg.groups} rebuilt"))
         raise Refused("protocol", f"{type(msg).__name__} is a reply, not a request")
+
+    def _land(self, msg: object) -> None:
+        """Land a deferred localization's parity scan before serving ``msg`` (checked
+        already: a refused request waits for nothing) — unless it can neither hand out
+        nor replace parity pages: REPLACED, or a LAYOUT whose groups the asker knows (a
+        premapped trainer's, while it binds). HELLO, TAKEOVER and SHUTDOWN never call
+        this (SHUTDOWN's close waits for the scan's threads)."""
+        if not self.table.parity_scan_pending or isinstance(msg, P.Replaced):
+            return
+        if isinstance(msg, P.Layout) and msg.known >= len(self.table.groups):
+            return
+        self.table.settle_parity(by=P.OPS[type(msg)].value)  # PoolTimeout: code "timeout"
 
     def _read_only(self, peer: Peer, msg: P.Layout | P.Replaced) -> None:
         if isinstance(msg, P.Layout):

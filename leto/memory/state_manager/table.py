@@ -20,12 +20,12 @@ import functools
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from leto.memory.backends import Mapping, PageOwner
 from leto.memory.config import AllocationKind, PoolConfig
-from leto.memory.errors import AllocationMismatch, PoolProtocolError
+from leto.memory.errors import AllocationMismatch, PoolProtocolError, PoolTimeout
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-/\[\]]{1,200}$")
 TIERS = ("data", "tier1", "tier2")
@@ -79,6 +79,10 @@ def _create(owner: PageOwner, n: int) -> list:
     return pages
 
 
+def _timed(fn, *args):
+    return fn(*args), time.perf_counter()
+
+
 class Table:
     def __init__(
         self,
@@ -94,6 +98,10 @@ class Table:
         self.allocations: dict[str, Allocation] = {}
         self.groups: list[Group] = []
         self._scan_pool: ThreadPoolExecutor | None = None  # localization's parity scans
+        # A running parity scan (started, [(group, tier, owner)], futures) and what the
+        # last one found (for a deferred localization's LOCALIZE_PARITY).
+        self._parity_scan: tuple | None = None
+        self.parity_result: dict | None = None
         self.failed_total = 0
         self.reusable_replaced = 0
         # Every page localization replaced, in order: ("data", name, page) or
@@ -289,8 +297,20 @@ class Table:
 
     # -- failures -------------------------------------------------------------------
 
-    def localize(self) -> dict:
-        """Find lost pages, replace them by fresh zeroed pages, report them by group."""
+    def localize(self, defer_parity: bool = False) -> dict:
+        """Find lost pages, replace them by fresh zeroed pages, report them by group.
+
+        ``defer_parity``: report the data pages now and leave the host parity scan
+        running (a premapped trainer maps and binds its retained state meanwhile);
+        ``settle_parity`` finishes it. Until then nothing that could hand out or count
+        parity pages is served (the server settles first), and the report says
+        ``"parity": "deferred"``."""
+        try:  # a scan an earlier localization left running lands first
+            self.settle_parity()
+        except PoolTimeout:
+            raise
+        except Exception:
+            pass  # it failed: this localization scans every page again
         t0 = time.perf_counter()
         scanned = 0
         allocations: dict[str, dict] = {}
@@ -308,38 +328,103 @@ class Table:
                 gid, idx = a.slots[i]
                 self.groups[gid].pending["data"].add(idx)
         data_s = time.perf_counter() - t0
+        self._start_parity_scan()
+        report = {
+            "mechanism": {
+                "device": self.device_owner.loss_mechanism,
+                "host": self.parity_owner.loss_mechanism,
+            },
+            "data_s": data_s,
+            "pages_scanned": scanned,
+            "allocations": allocations,
+        }
+        if defer_parity:
+            return {**report, "seconds": data_s, "groups": self._pending(), "parity": "deferred"}
+        parity = self.settle_parity()
+        self.parity_result = None  # reported here
+        return {
+            **report,
+            # scanning and replacing: data pages (the device), then parity (the host)
+            "seconds": data_s + parity["parity_s"],
+            "parity_s": parity["parity_s"],
+            "pages_scanned": scanned + parity["pages_scanned"],
+            "groups": parity["groups"],
+        }
+
+    def _start_parity_scan(self) -> None:
+        # Host parity is scanned on several threads: the host backend's scan
+        # (MADV_POPULATE_READ) walks every 4 KiB page-table entry of the parity — ~7 GB
+        # at 5 B parameters, 0.43 s on one thread on the H200's host — and releases the
+        # GIL. Replacements stay on this thread, in group order (``settle_parity``).
         scans = [
             (g, tier, self.parity_owner if g.kind != "record" else self.record_owner)
             for g in self.groups
             for tier in ("tier1", "tier2")
         ]
-        # Host parity is scanned on several threads: the host backend's scan
-        # (MADV_POPULATE_READ) walks every 4 KiB page-table entry of the parity — ~7 GB
-        # at 5 B parameters, 0.43 s on one thread on the H200's host — and releases the
-        # GIL. Replacements stay on this thread, in group order.
-        found = self._scanner().map(lambda s: s[2].failed_pages(s[0].parity_maps[s[1]]), scans)
-        for (g, tier, owner), failed in zip(scans, found, strict=True):
+        pool = self._scanner()
+        started = time.perf_counter()
+        self.parity_result = None  # what an earlier scan found was reported (or is moot)
+        futures = [
+            pool.submit(_timed, owner.failed_pages, g.parity_maps[tier]) for g, tier, owner in scans
+        ]
+        self._parity_scan = (started, scans, futures)
+
+    @property
+    def parity_scan_pending(self) -> bool:
+        return self._parity_scan is not None
+
+    def settle_parity(self, timeout_s: float | None = None, by: str = "LOCALIZE") -> dict | None:
+        """Wait for a running host parity scan, replace the lost pages it found (marked
+        pending in their groups) and return (and keep, as ``parity_result``) what it
+        found and which request ``by`` it landed for; None if no scan is running. A scan
+        not done within ``timeout_s`` (the pool's I/O timeout by default) raises
+        ``PoolTimeout`` and stays pending; a scan that failed is dropped after raising,
+        its error kept as ``parity_result`` (the next localization scans everything
+        again: lost pages stay lost)."""
+        if self._parity_scan is None:
+            return None
+        timeout_s = self.config.io_timeout_s if timeout_s is None else timeout_s
+        started, scans, futures = self._parity_scan
+        t0 = time.perf_counter()
+        wait(futures, timeout=timeout_s)
+        if not all(f.done() for f in futures):
+            raise PoolTimeout(
+                f"the host parity scan of {len(scans)} parity mappings did not finish within "
+                f"{timeout_s} s; it goes on, nothing was replaced yet"
+            )
+        self._parity_scan = None
+        try:
+            found = [f.result() for f in futures]
+        except Exception as e:
+            # Kept, so the trainer's LOCALIZE_PARITY is refused with it even when
+            # another request landed the scan (and never answered with older results).
+            self.parity_result = {"error": f"the host parity scan failed: {e}"}
+            raise
+        scanned, t_replace = 0, time.perf_counter()
+        done = max((at for _, at in found), default=started)
+        for (g, tier, owner), (failed, _) in zip(scans, found, strict=True):
             scanned += len(g.parity[tier])
             if failed:
                 self._replace(owner, g.parity[tier], g.parity_maps[tier], failed, (tier, g.gid))
                 g.pending[tier].update(failed)
-        seconds = time.perf_counter() - t0
-        return {
-            "mechanism": {
-                "device": self.device_owner.loss_mechanism,
-                "host": self.parity_owner.loss_mechanism,
-            },
-            "seconds": seconds,
-            # scanning and replacing: data pages (the device), then parity (the host)
-            "data_s": data_s,
-            "parity_s": seconds - data_s,
+        now = time.perf_counter()
+        self.parity_result = {
+            # the scan (from its start to its last thread's end) and the replacements
+            "parity_s": done - started + (now - t_replace),
+            "wait_s": now - t0,  # how long this call waited (and replaced)
+            # The request it landed for: LOCALIZE_PARITY when the trainer's binding
+            # overlapped the whole scan, another one when that request could not wait.
+            "landed_by": by,
             "pages_scanned": scanned,
-            "allocations": allocations,
-            "groups": {
-                str(g.gid): {t: sorted(g.pending[t]) for t in TIERS}
-                for g in self.groups
-                if any(g.pending[t] for t in TIERS)
-            },
+            "groups": self._pending(),
+        }
+        return self.parity_result
+
+    def _pending(self) -> dict:
+        return {
+            str(g.gid): {t: sorted(g.pending[t]) for t in TIERS}
+            for g in self.groups
+            if any(g.pending[t] for t in TIERS)
         }
 
     def _scanner(self) -> ThreadPoolExecutor:
@@ -485,6 +570,9 @@ class Table:
         }
 
     def close(self) -> None:
+        if self._scan_pool is not None:  # no scan may read a mapping unmapped below
+            self._scan_pool.shutdown(wait=True)
+            self._scan_pool, self._parity_scan = None, None
         for a in self.allocations.values():
             a.owner.unmap(a.mapping)
             for h in a.pages:
