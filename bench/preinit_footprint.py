@@ -2,10 +2,11 @@
 allocation-path hook takes to reclaim it (paper §6, Fig. 7; issue 8's figures).
 
 For each level a stand-in shadow is started in its own process and parks after:
-L1 — torch imported (no GPU state); L2 — + CUDA context and a cuBLAS matmul (what
-``leto.init`` does for L2); L3 — + a single-rank NCCL process group with one
-all-reduce (its communicator buffers). The footprint is the device's used memory while
-it is parked minus before (``cudaMemGetInfo`` seen from this process, whose own context
+L1 — torch imported (no GPU state); L2 — + the device step a real L2 shadow runs
+(``leto.runtime.api.warm_device``: CUDA context, cuBLAS with leto.init's workspace
+setting, Leto's codec and chunk-pass kernels, the lending allocator's workspaces);
+L3 — also a single-rank NCCL process group with one all-reduce (its communicator
+buffers). The footprint is the device's used memory while it is parked minus before (``cudaMemGetInfo`` seen from this process, whose own context
 exists before the baseline). Then the hook is armed on it with a gate above the device's
 capacity, a fresh allocation misses the cache, and the hook kills the shadow and waits
 for the memory: the event's latency is the reclamation latency.
@@ -14,7 +15,9 @@ for the memory: the event's latency is the reclamation latency.
 
 The measured footprints feed ``policy.Footprints`` (``--json-out`` has them as
 ``footprints``). Not covered: multi-rank NCCL groups (their buffers grow with the
-world size) and the CPU (no device memory).
+world size), the script's own warm-up (``leto.init(warmup=...)``: what it keeps is each
+shadow's ``warmup_reserved_bytes`` in the recovery record) and the CPU (no device
+memory).
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ import time
 SHADOW_SRC = r"""
 import os, sys, time
 level = sys.argv[1]
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as leto.init sets it
 import torch
 if level in ("L2", "L3"):
-    torch.cuda.set_device(0)
-    a = torch.ones(64, 64, device="cuda"); (a @ a).sum().item()
+    from leto.runtime.api import warm_device
+    warm_device(torch.device("cuda", 0))
 if level == "L3":
     import torch.distributed as dist
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:%s" % sys.argv[2],
