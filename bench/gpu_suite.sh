@@ -155,22 +155,32 @@ fi
 if [[ $what == scale ]]; then
   # Issue 17 items 3 and 5: HOF recovery time against state size on one H200 (fp32 +
   # AdamW: 16 bytes a parameter retained), in-place variants side by side with torchrun +
-  # DCP. LETO_SCALE: "size|variants|seconds[|fault mode]" entries separated by ';', run in
-  # order, each under its own time limit, or "rest" (results are written after every
-  # variant); the fault mode is kill (default) or kill-synced (bench.recovery_speed
-  # --fault-mode). LETO_SCALE_REF=DIR keeps each size's fault-free reference in DIR/<size>
-  # (returned as $OUT/scale_ref.tgz, to carry into a later call, see below: the 5 B one
-  # is ~4 minutes);
+  # DCP. LETO_SCALE: "size|variants|seconds[|fault mode[|failing ranks]]" entries separated
+  # by ';', run in order, each under its own time limit, or "rest" (results are written
+  # after every variant); the fault mode is kill (default) or kill-synced
+  # (bench.recovery_speed --fault-mode), the failing ranks 0 (default) or e.g. 0,1.
+  # LETO_SCALE_NPROC=2 (nvidia-h200-x2: item 4) runs every entry at world 2, one GPU a
+  # rank, each holding the whole size's state (data parallel: same state per GPU).
+  # LETO_SCALE_REF=DIR keeps each size's fault-free reference in DIR/<size> (returned as
+  # $OUT/scale_ref.tgz, to carry into a later call, see below: the 5 B one is ~2-4
+  # minutes);
   # LETO_SCALE_PROFILE=1 (or a fault mode ending in +profile, for one entry) profiles
   # recoveries and first iterations (leto.runtime.profiling: the overhead is in those
   # figures). The baseline's
   # one checkpoint goes to RAM (/dev/shm) when it fits there: the fastest storage a user
   # could give it; else to the disk.
   if [[ ${LETO_SCALE_TESTS:-1} == 1 ]]; then
-    timeout 120 python3 -m pytest -p no:cacheprovider -q tests/test_pool_gpu.py -k premap 2>&1 | tail -3 | tee "$OUT/premap_gpu_tests.txt" || rc=1
-    # The native loss scan over the driver, the shadow warm-ups (script, verifiers,
-    # lending workspaces) on the GPU.
-    timeout 120 python3 -m pytest -p no:cacheprovider -q tests/test_backend_cuda.py tests/test_scan.py tests/test_warmup.py tests/test_digest.py tests/test_lending.py 2>&1 | tail -3 | tee -a "$OUT/premap_gpu_tests.txt" || rc=1
+    # Premapping; the native loss scan over the driver; the shadow warm-ups (script,
+    # verifiers, lending workspaces) on the GPU. One pytest per file, so a crash names its
+    # file; the full output is in scale_art.tgz, each file's last line in scale_tests.txt.
+    for t in "tests/test_pool_gpu.py -k premap" tests/test_backend_cuda.py tests/test_scan.py \
+        tests/test_warmup.py tests/test_digest.py tests/test_lending.py; do
+      timeout 120 python3 -m pytest -p no:cacheprovider -q -rfE $t > "$OUT/test_out.txt" 2>&1
+      trc=$?; (( trc )) && rc=1
+      { echo "== $t (rc $trc)"; cat "$OUT/test_out.txt"; } >> "$OUT/scale_tests_full.txt"
+      echo "$t: rc $trc: $(grep -E '(passed|failed|error)' "$OUT/test_out.txt" | tail -1)" | tee -a "$OUT/scale_tests.txt"
+    done
+    rm -f "$OUT/test_out.txt"
   fi
   { df -BG /tmp /dev/shm; free -g; echo "nofile soft $(ulimit -Sn) hard $(ulimit -Hn) nr_open $(cat /proc/sys/fs/nr_open)"
     # Huge shmem pages would cut the host parity scan's page-table walk (localization).
@@ -178,8 +188,8 @@ if [[ $what == scale ]]; then
   } 2>&1 | tee "$OUT/scale_machine.txt"
   IFS=';' read -ra entries <<< "${LETO_SCALE:-1b|L3,torchrun + checkpoint,L2,L1|300}"
   for entry in "${entries[@]}"; do
-    IFS='|' read -r size variants secs mode <<< "$entry"
-    mode=${mode:-kill} profile=${LETO_SCALE_PROFILE:-}
+    IFS='|' read -r size variants secs mode ranks <<< "$entry"
+    mode=${mode:-kill} ranks=${ranks:-0} nproc=${LETO_SCALE_NPROC:-1} profile=${LETO_SCALE_PROFILE:-}
     [[ $mode == *+profile ]] && { profile=1; mode=${mode%+profile}; }
     # "rest": what is left of the device call (LETO_SCALE_END seconds after the start).
     [[ $secs == rest ]] && secs=$(( ${LETO_SCALE_END:-585} - SECONDS ))
@@ -192,11 +202,14 @@ if [[ $what == scale ]]; then
     ck=/dev/shm/leto-ckpt
     # tmpfs needs room for the files and DCP's staging copy in the same RAM.
     if (( $(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9) < ckpt_gb * 5 / 2 )); then ck=/tmp/leto-ckpt; fi
-    name=scale_$size${mode/#kill/}${profile:+-profiled}  # scale_5b, scale_5b-synced
-    echo "== $size: $variants, $mode (limit $secs s, checkpoints in $ck)" | tee -a "$OUT/scale_machine.txt"
-    timeout "$secs" python3 -m bench.recovery_speed --device cuda --nproc-per-node 1 --iterations $its \
-      --fail-at $at --fault-mode $mode --checkpoints baseline --checkpoint-dir $ck --variants "$variants" \
-      ${LETO_SCALE_REF:+--reference-dir "$LETO_SCALE_REF/$size"} \
+    # scale_5b, scale_5b-synced, scale_1b-w2-r0_1
+    name=scale_$size${mode/#kill/}${profile:+-profiled}
+    ref=$size  # a kept reference is for one world size (bench.recovery_speed refuses others)
+    (( nproc > 1 )) && { name+=-w$nproc-r${ranks//,/_}; ref+=-w$nproc; }
+    echo "== $size: $variants, $mode, world $nproc, ranks $ranks failing (limit $secs s, checkpoints in $ck)" | tee -a "$OUT/scale_machine.txt"
+    timeout "$secs" python3 -m bench.recovery_speed --device cuda --nproc-per-node $nproc --iterations $its \
+      --fail-at $at --ranks $ranks --fault-mode $mode --checkpoints baseline --checkpoint-dir $ck --variants "$variants" \
+      ${LETO_SCALE_REF:+--reference-dir "$LETO_SCALE_REF/$ref"} \
       ${profile:+--profile-recovery "$OUT/profiles_$name"} \
       --json-out "$OUT/$name.json" --model $M --chunk-units 64 2>&1 | tee "$OUT/$name.txt" || rc=1
     # A time limit stops the bench, not the leto run it started: stop that job (SIGTERM
@@ -224,6 +237,11 @@ if [[ $what == scale ]]; then
   if [[ -n ${LETO_SCALE_REF:-} && -d $LETO_SCALE_REF ]]; then
     tar czf "$OUT/scale_ref.tgz" -C "$LETO_SCALE_REF" . || rc=1
   fi
+  # At most 8 files come back from a call: the figures (JSON), the tests' summary and
+  # the reference stay loose; the rest (bench output, full test output, jobs' logs,
+  # profiles) is one archive.
+  (cd "$OUT" && shopt -s nullglob && art=(scale_*.txt logs_*.tgz profiles_*.tgz) &&
+    tar czf scale_art.tgz "${art[@]}" && for f in "${art[@]}"; do [[ $f == scale_tests.txt ]] || rm -f "$f"; done) || rc=1
 fi
 if [[ $what == preinit || $what == all ]]; then
   # Issue 8: footprints per level and reclamation latency, the allocation-path hook on real

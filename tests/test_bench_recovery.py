@@ -14,9 +14,9 @@ from bench.recovery_speed import first_iteration, reference_out, regained_s
 from verifiers.recorder import Recorder
 
 
-def _trace(out, times: list[tuple[int, float]]) -> None:
+def _trace(out, times: list[tuple[int, float]], rank: int = 0) -> None:
     clock = iter(t for _, t in times)
-    with Recorder(out, 0, clock=lambda: next(clock)) as rec:
+    with Recorder(out, rank, clock=lambda: next(clock)) as rec:
         for it, _ in times:
             rec.record(it, 1.0, {"w": torch.zeros(2)})
 
@@ -56,6 +56,29 @@ def test_without_checkpoints_every_iteration_is_of_one_kind(tmp_path):
     assert got["checkpoint_iteration"] is False
     # The median of 1.0, 1.2, 3.0 and 5.0: iteration 4 counts (with saves it would not).
     assert (got["first_s"], got["steady_s"]) == pytest.approx((1.5, 2.1))
+
+
+def test_a_two_rank_failure_reports_the_slowest_failed_rank(tmp_path):
+    # Issue 17 item 4: both ranks fail at once. Rank 0 regains iteration 4 at 31.5 and runs
+    # iteration 5 in 2.0 s against steady 1.0 s; rank 1 regains at 31.8 (it waited for the
+    # collective) and runs iteration 5 in 1.7 s against steady 1.2 s.
+    _trace(tmp_path, [(1, 11.0), (2, 12.0), (3, 13.0), (4, 31.5), (5, 33.5)], rank=0)
+    _trace(tmp_path, [(1, 11.0), (2, 12.2), (3, 13.4), (4, 31.8), (5, 33.5)], rank=1)
+    got = rs.slowest_first_iteration(tmp_path, [0, 1], 30.0, 4, None)
+    assert (got["rank"], got["first_s"], got["steady_s"]) == (0, 2.0, 1.0)
+    assert max(regained_s(tmp_path, r, 30.0, 4) for r in (0, 1)) == pytest.approx(1.8)
+    ended = tmp_path / "ended"  # rank 1's run ended at the struck iteration
+    _trace(ended, [(1, 11.0), (2, 12.0), (3, 13.0), (4, 31.5), (5, 33.5)], rank=0)
+    _trace(ended, [(1, 11.0), (2, 12.2), (3, 13.4), (4, 31.8)], rank=1)
+    assert rs.slowest_first_iteration(ended, [0, 1], 30.0, 4, None) is None
+
+
+def test_failing_ranks_are_parsed_and_checked_against_the_job():
+    assert rs._ranks("1,0,1") == [0, 1]
+    with pytest.raises(SystemExit):
+        rs.main(["--nproc-per-node", "2", "--ranks", "0,2"])
+    with pytest.raises(SystemExit):
+        rs.main(["--ranks", "a"])
 
 
 def _args(keep, **over):
