@@ -144,6 +144,38 @@ def parameters(model_flags: list[str]) -> int:
         return sum(p.numel() for p in GPT(cfg.gpt()).parameters())
 
 
+# What one DCP save of the example holds per rank and parameter: fp32 parameters and
+# AdamW's two moments (leto.runtime.checkpoint saves the updater's flat state; gradients
+# are not in it). The loop record is a few KB.
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+
+
+def checkpoint_room(args, chosen: list[str], n_parameters: int) -> str | None:
+    """Why the checkpoints of this run would not fit where they go (None if they would):
+    checked before anything runs, so a device call is not spent on a reference run and
+    a baseline that dies of ENOSPC mid-save (one 5 B save is 60 GB). ``--checkpoints
+    baseline`` saves once, in the baseline only; ``all`` saves in every variant, keeping
+    two complete checkpoints while a third is written. Each variant's folder is removed
+    after it, so the largest need is one variant's."""
+    saving = [v for v in chosen if args.checkpoints == "all" or VARIANTS[v][1] == "checkpoint"]
+    if not saving:
+        return None
+    copies = 1 if args.checkpoints == "baseline" else 3
+    need = n_parameters * CHECKPOINT_BYTES_PER_PARAMETER * args.nproc_per_node * copies
+    where = Path(args.checkpoint_dir or tempfile.gettempdir()).absolute()
+    existing = next(p for p in (where, *where.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if free >= need:
+        return None
+    return (
+        f"the checkpoints of {', '.join(saving)} need about {need / 1e9:.1f} GB in {where} "
+        f"({copies} save{'s' * (copies > 1)} of {n_parameters / 1e9:.2f} B parameters x "
+        f"{CHECKPOINT_BYTES_PER_PARAMETER} bytes x {args.nproc_per_node} rank(s)); "
+        f"{existing} has {free / 1e9:.1f} GB free. Nothing was run: give --checkpoint-dir "
+        "on larger storage, or leave the checkpointing variants out"
+    )
+
+
 def regained_s(out: Path, rank: int, detected_at: float, fail_at: int) -> float:
     """Detection until iteration ``fail_at`` is recorded again."""
     trace = read_run(out).traces[rank]
@@ -281,6 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
     chosen = [v.strip() for v in args.variants.split(",")]
     if unknown := [v for v in chosen if v not in VARIANTS]:
         ap.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    if problem := checkpoint_room(args, chosen, parameters(args.model)):
+        ap.error(problem)
     args.pool_flags = (
         ["--page-bytes", "16384", "--data-pages", "16", "--tier1-pages", "4"]
         if args.device == "cpu"

@@ -124,3 +124,33 @@ def test_to_training_leaves_out_each_ranks_verifier_record_and_takes_the_slowest
     # A record without the observer's time (a restarted baseline) is taken as measured.
     assert to_training_s({**rec, "trainers": {"0": {"time": 103.0}}}) == pytest.approx(3.0)
     assert to_training_s({"detected_at": 1.0, "recovery_s": None, "trainers": {}}) is None
+
+
+def test_checkpoints_that_would_not_fit_are_refused_before_anything_runs(tmp_path, monkeypatch):
+    # One 5 B save is 60 GB: a baseline that dies of ENOSPC mid-save would spend a device
+    # call on its reference run first. The need is per variant (folders are removed after
+    # each): one save for --checkpoints baseline, two kept plus one in flight for all.
+    args = SimpleNamespace(checkpoints="baseline", checkpoint_dir=str(tmp_path / "new" / "ck"),
+                           nproc_per_node=2)  # fmt: skip
+    n = 5_000_000_000
+    need = n * rs.CHECKPOINT_BYTES_PER_PARAMETER * 2
+    seen = []
+
+    def usage(path, free):
+        seen.append(path)
+        return SimpleNamespace(total=2 * need, used=0, free=free)
+
+    monkeypatch.setattr(rs.shutil, "disk_usage", lambda p: usage(p, need - 1))
+    why = rs.checkpoint_room(args, ["L3", rs.BASE], n)
+    assert seen[-1] == tmp_path  # the nearest folder that exists
+    assert "120.0 GB" in why and rs.BASE in why and "L3" not in why.split(" need")[0]
+    assert rs.checkpoint_room(args, ["L3", "L2"], n) is None  # in-place variants save none
+    monkeypatch.setattr(rs.shutil, "disk_usage", lambda p: usage(p, need))
+    assert rs.checkpoint_room(args, [rs.BASE], n) is None
+    args.checkpoints = "all"  # three saves in flight at most, in every variant
+    why = rs.checkpoint_room(args, ["L3"], n)
+    assert why is not None and "3 saves" in why and "360.0 GB" in why
+    with pytest.raises(SystemExit):  # main refuses before its reference run
+        monkeypatch.setattr(rs, "reference_out", lambda *a: pytest.fail("ran the reference"))
+        monkeypatch.setattr(rs.shutil, "disk_usage", lambda p: usage(p, 0))
+        rs.main(["--variants", rs.BASE, "--checkpoints", "baseline"])
