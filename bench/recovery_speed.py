@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> dict:
     chosen = [v.strip() for v in args.variants.split(",")]
     if unknown := [v for v in chosen if v not in VARIANTS]:
         ap.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
-    if problem := checkpoint_room(args, chosen, parameters(args.model)):
+    n_parameters = parameters(args.model)  # (the model built on the meta device once)
+    if problem := checkpoint_room(args, chosen, n_parameters):
         ap.error(problem)
     args.pool_flags = (
         ["--page-bytes", "16384", "--data-pages", "16", "--tier1-pages", "4"]
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
     res = {
         "date": datetime.date.today().isoformat(),
         "command": "python -m bench.recovery_speed " + " ".join(argv or sys.argv[1:]),
-        "parameters": parameters(args.model),
+        "parameters": n_parameters,
         "fault_mode": args.fault_mode,
     }
     only_baseline = args.checkpoints == "baseline"
