@@ -80,7 +80,7 @@ class Run:
         start_iteration: int = 0,
         out: str | Path | None = None,
         zero1: bool = False,
-        chunk_units: int = 2,
+        chunk_units: int | None = None,
         bucket_mib: float = 25.0,
         data_parallel: bool = True,
     ):

@@ -81,9 +81,25 @@ class RetainedStateLost(FatalFailure):
     """Retained state of this rank cannot be restored exactly: use a checkpoint."""
 
 
+# A chunk's parameters, when the caller names no chunk size: 64 pages of 2 MiB on CUDA.
+# Per chunk the update costs a fixed number of launches and a copy of the H1 parity
+# pages, so small chunks multiply host work and parity traffic: at 2 units a chunk a
+# 1 B-parameter model took ~1,000 chunks and ~16,000 copies an iteration (the issue
+# "The overhead users see"); the incremental parity update reaches its bandwidth at
+# ≥ 64 pages a launch (FACTS). The undo buffer (a chunk's pages) is lent to activations.
+CHUNK_PARAM_BYTES = 128 << 20
+
+
+def default_chunk_units(page_bytes: int) -> int:
+    """Units per chunk for ``CHUNK_PARAM_BYTES`` of parameters (the layout caps it at a
+    group's units)."""
+    return max(1, CHUNK_PARAM_BYTES // page_bytes)
+
+
 @dataclass(frozen=True)
 class UpdaterConfig:
-    chunk_units: int = 2  # units (one parameter page each, plus its state) per chunk
+    # Units (one parameter page each, plus its state) per chunk; None: default_chunk_units.
+    chunk_units: int | None = None
     adamw: AdamWConfig = AdamWConfig()
     transactions: bool = True  # False only for the Fig. 12 ablation
     layerwise: str | None = None  # "muon": 2-D weights by Muon, whole layers per chunk
@@ -124,7 +140,8 @@ class Updater:
             )
         if user is not None and any(k.layerwise for k in user.kinds):
             layerwise = lambda name, p: user.layerwise(name)  # noqa: E731 - the script's Muon
-        self.state = RetainedModel(client, model, cfg.chunk_units, shard, layerwise)
+        chunk_units = cfg.chunk_units or default_chunk_units(client.config.page_bytes)
+        self.state = RetainedModel(client, model, chunk_units, shard, layerwise)
         self.params = self.state.bind(model)  # by name: the retained parameters
         self.device = self.state.grad.device
         pb = self.state.page_bytes
@@ -142,8 +159,11 @@ class Updater:
             b: [par[(k * h1 + i) * pb : (k * h1 + i + 1) * pb] for i in range(h1)]
             for k, b in enumerate(BUFFERS)
         }
+        # Each buffer's pages are adjacent: moved as one copy (see _copy).
+        self._buf_flat = {b: par[k * h1 * pb : (k + 1) * h1 * pb] for k, b in enumerate(BUFFERS)}
         gp = client.attach("rmu.gradparity", (h1 + h2) * pb, kind=reusable)
         self.gradparity = [gp[i * pb : (i + 1) * pb] for i in range(h1 + h2)]
+        self._gp_flat = gp
         record = client.attach(MARKER_NAME, 128, kind=AllocationKind.RECORD)
         # The script's loop state (hyperparameters per iteration), after every other
         # allocation so group numbers stay those of a job without it.
@@ -152,6 +172,8 @@ class Updater:
         if self.loop is not None:
             self.loop.bind(self.views)
         self.groups = self.state.set_groups(self.views)
+        # Every group's host parity (tier 1, then tier 2) is one mapping: moved whole.
+        self._host_parity = {g.gid: client.parity_mapping(g.gid) for g in self.views}
         plugins.expose_retained(lambda: self.groups)  # fault tools' view of the state
         self.grad_groups = RetainedModel.groups_of(self.views, "grad")
         self.record_group = RetainedModel.groups_of(self.views, MARKER_NAME)[0]
@@ -304,17 +326,31 @@ class Updater:
             torch.cuda.synchronize(self.device)
         self.profile[name] += time.perf_counter() - t0
 
-    @staticmethod
-    def _copy_pages(
-        dst: list[torch.Tensor], src: list[torch.Tensor], hook: str | None = None, it: int = 0
+    def _copy(
+        self, dst: torch.Tensor, src: torch.Tensor, hook: str | None = None, it: int = 0
     ) -> None:
-        half = len(dst) // 2
-        for i, (d, s) in enumerate(zip(dst, src, strict=True)):
-            if hook is not None and i == half:
-                point(hook, it, dest=dst)  # a crash here leaves the copy half done
-                if tripwire.armed():  # faultkit kernel-abort: the rest lands partially
-                    tripwire.land(dst[i:], src[i:])
-            d.copy_(s, non_blocking=True)  # async only between the GPU and page-locked memory
+        """Copy adjacent pages (a parity buffer, a group's host parity) in at most two
+        copies, whatever H1: the steady iteration's launches do not grow with the pages.
+        With a ``hook``, the crash point sits after the first half of the pages, as the
+        page-by-page copy had it (a crash there leaves the copy half done)."""
+        if hook is None:
+            dst.copy_(src, non_blocking=True)  # async only between the GPU and page-locked memory
+            return
+        pb = self.state.page_bytes
+        cut = dst.numel() // pb // 2 * pb
+        if cut:
+            dst[:cut].copy_(src[:cut], non_blocking=True)
+        point(hook, it, dest=[dst])
+        if tripwire.armed():  # faultkit kernel-abort: the rest lands partially
+            tripwire.land([dst[cut:]], [src[cut:]])
+        dst[cut:].copy_(src[cut:], non_blocking=True)
+
+    def _host_tier(self, g: GroupView, tier: int) -> torch.Tensor:
+        """Group ``g``'s host tier-1 (``tier=1``), tier-2 (2) or both (0) pages, flat."""
+        pb = self.state.page_bytes
+        n1, n2 = len(g.tier1), len(g.tier2)
+        a, b = {0: (0, n1 + n2), 1: (0, n1), 2: (n1, n1 + n2)}[tier]
+        return self._host_parity[g.gid][a * pb : b * pb]
 
     # -- the iteration --------------------------------------------------------------
 
@@ -337,7 +373,7 @@ class Updater:
                 )
                 code.tier2.encode(self._pages("gp1", t1), out=self._pages("gp2", t2), group=g.gid)
             with self._span("grad parity to host"):
-                self._copy_pages(g.tier1 + g.tier2, t1 + t2, "grad_parity", iteration)
+                self._copy(self._host_tier(g, 0), self._gp_flat, "grad_parity", iteration)
         self._write(MarkerState(iteration, Phase.GRADS_PROTECTED, loss=loss))
 
     def clip(self) -> torch.Tensor:
@@ -430,7 +466,7 @@ class Updater:
                     point("update.load", it)
                     self._wait(self._prefetch_done)
                 else:
-                    self._copy_pages(self.buf[first_buf], g.tier1, "update.load", it)
+                    self._copy(self._buf_flat[first_buf], self._host_tier(g, 1), "update.load", it)
             m = self._write(base.but(step=Step.START, auth=first_buf, chunk=0))
         self._prefetched = None
         if gi + 1 < len(self.groups) and m.step is Step.START and m.chunk == 0:
@@ -438,7 +474,7 @@ class Updater:
             # store; its start buffer is outside this group's pair.
             nxt = self.groups[gi + 1]
             with self._span("parity prefetch"), self._side():
-                self._copy_pages(self.buf[start_buffer(gi + 1)], nxt.tier1)
+                self._copy(self._buf_flat[start_buffer(gi + 1)], self._host_tier(nxt, 1))
             self._prefetch_done = self._side_done()
             self._prefetched = gi + 1
         n_chunks = len(self.state.chunks(gi))
@@ -460,7 +496,7 @@ class Updater:
                 # The scratch buffer starts as a copy of the authoritative parity; that
                 # needs nothing from the optimizer, so it runs beside it.
                 with self._side():
-                    self._copy_pages(self.buf[y], self.buf[x])
+                    self._copy(self._buf_flat[y], self._buf_flat[x])
                 scratch_event, scratch_copied = self._side_done(), True
                 if self._fused is not None:
                     with self._span("chunk pass"):
@@ -486,7 +522,7 @@ class Updater:
                     if scratch_copied:
                         self._wait(scratch_event)
                     else:  # resumed after the optimizer: copy now
-                        self._copy_pages(self.buf[y], self.buf[x])
+                        self._copy(self._buf_flat[y], self._buf_flat[x])
                     point("update.parity", it)
                     first, _ = self.state.chunk_pages(gi, units)
                     code.tier1.update(
@@ -503,7 +539,7 @@ class Updater:
             if m.step is Step.START:
                 m = self._write(m.but(step=Step.STORE))
             with self._span("parity to host"):
-                self._copy_pages(g.tier1, self.buf[m.auth], "update.store", it)
+                self._copy(self._host_tier(g, 1), self._buf_flat[m.auth], "update.store", it)
             # Host tier 1 is now authoritative; the buffer still holds the same bytes.
             m = self._write(m.but(step=Step.TIER2))
         if m.step is Step.TIER2:
@@ -544,7 +580,7 @@ class Updater:
         if src is self.buf[x]:
             src = self._pages(x, src)
         self.code(g).tier2.encode(src, out=self._pages("gp2", t2), group=g.gid)
-        self._copy_pages(g.tier2, t2)
+        self._copy(self._host_tier(g, 2), self._gp_flat[self.h1 * self.state.page_bytes :])
 
     def _optimizer(self, it: int, units: tuple[int, int], clip: torch.Tensor) -> None:
         if self.user is not None:
@@ -710,7 +746,7 @@ class Updater:
             self._optimizer(it, units, clip)
         point("update.store", it)
         self.code(g).tier1.encode(g.data, out=self.buf[Auth.A], group=g.gid)
-        self._copy_pages(g.tier1, self.buf[Auth.A])
+        self._copy(self._host_tier(g, 1), self._buf_flat[Auth.A])
         self._refresh_tier2(g, Auth.A)
 
     # -- recovery -------------------------------------------------------------------
