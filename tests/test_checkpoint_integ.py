@@ -49,6 +49,7 @@ def _worker(rank: int, world: int, port: int, root: str, q) -> None:
     job = _job(rank, 1.0)
     for t in range(12):
         time.sleep(0.01 * (1 + 4 * rank))  # rank 1 measures 5x longer iterations
+        ck.before_update()  # as leto.Run does: the last save's staging has read the state
         job.up.state.flat["param"].fill_(float(t))
         ck.after_iteration(t, job)
     ck.close()
@@ -83,20 +84,24 @@ def _joining_worker(rank: int, world: int, port: int, root: str, q) -> None:
 
     real, stale = ckpt.dcp.async_save, []
 
-    def spy(state, checkpoint_id, process_group):
+    def spy(state, checkpoint_id, process_group, **kw):
         stale.append((Path(checkpoint_id) / ".metadata").exists())
-        return real(state, checkpoint_id=checkpoint_id, process_group=process_group)
+        return real(state, checkpoint_id=checkpoint_id, process_group=process_group, **kw)
 
     ckpt.dcp.async_save = spy
     first = Checkpointer(root, rank, interval=4)  # generation 0: saves at 0 and 4
+    # Each save written before the next iteration (instant iterations here would
+    # otherwise put the next save off while the last one is still being written).
     for t in range(7):
         first.after_iteration(t, job)
+        first.drain()
     first.close()
     got = {"first": [s["iteration"] for s in first.saves]}
     # A promoted trainer joining at 7 continues the schedule (next save at 8, not 7).
     joined = Checkpointer(root, rank, interval=4, joining_at=7)
     for t in range(7, 10):
         joined.after_iteration(t, job)
+        joined.drain()
     joined.close()
     got["joined at 7"] = [s["iteration"] for s in joined.saves]
     # A restart after a fallback that passed over the checkpoints of 4 and 8 (restored
@@ -104,8 +109,10 @@ def _joining_worker(rank: int, world: int, port: int, root: str, q) -> None:
     # its save at 4 replaces the old one, whose metadata is gone before any rank writes.
     back = Checkpointer(root, rank, interval=4, joining_at=1)
     for t in range(1, 6):
+        back.before_update()
         job.up.state.flat["param"].fill_(100.0 + t)
         back.after_iteration(t, job)
+        back.drain()
     back.close()
     got["joined at 1"] = [s["iteration"] for s in back.saves]
     got["a save found old metadata"] = any(stale)

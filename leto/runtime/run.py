@@ -227,6 +227,8 @@ class Run:
                         f"iteration {t} ended without the step() of every optimizer given "
                         f"to leto.Run"
                     )
+                if self.checkpointer is not None:
+                    self.checkpointer.before_update()  # the loop record is checkpointed
                 self._loop.write_end(t)
             self._t = None
             self._check_schedulers(t)
@@ -346,6 +348,8 @@ class Run:
             return  # every step skipped: the iteration's end records it
         self._check_got_grads(skip)
         skip = sorted(skip)
+        if self.checkpointer is not None:
+            self.checkpointer.before_update()  # the last save's staging has read the state
         self._set_update(self._loop.write_step(t, skip))
         self.job.step(t, self._loss)
         self._stepped = True
