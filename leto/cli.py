@@ -28,6 +28,8 @@ from leto.bench_cli import register as register_bench
 from leto.erasure import FIELD_POLY
 from leto.sim.cli import register as register_sim
 
+ENV_OMP = "OMP_NUM_THREADS"
+
 
 def _codec_kernels() -> dict[str, str]:
     found = {
@@ -196,6 +198,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from leto.runtime.agent import Agent
     from leto.runtime.config import RunConfig
 
+    device_note = None
+    if args.device is None:
+        # As a torchrun user expects: the GPU when there is one (training on the CPU of
+        # a GPU machine by default would be silent and slow).
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        seen = "a GPU is" if args.device == "cuda" else "no GPU is"
+        device_note = f"--device {args.device} ({seen} visible; --device sets it)"
     try:
         cfg = RunConfig(
             nnodes=args.nnodes,
@@ -242,6 +251,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         format=f"%(asctime)s %(name)s node {cfg.node_rank} %(levelname)s: %(message)s",
         stream=sys.stderr,
     )
+    log = logging.getLogger("leto.run")
+    if device_note:
+        log.info(device_note)
+    if cfg.nproc_per_node > 1 and ENV_OMP not in os.environ:
+        # torchrun's rule: several trainers per node, each with every core's threads,
+        # oversubscribe the machine (15-18x slower on 2 cores) — and a kernel's thread
+        # count can change its bits (a LayerNorm weight gradient on the CPU), so a port
+        # would not be bit-identical to the same script under torchrun.
+        os.environ[ENV_OMP] = "1"
+        log.info(
+            "Setting OMP_NUM_THREADS to 1 for each trainer (%d per node; as torchrun does): "
+            "set it yourself to tune it",
+            cfg.nproc_per_node,
+        )
     agent = Agent(cfg, [args.script, *args.script_args])
     # SIGTERM (a scheduler stopping the job) unwinds like Ctrl-C: the agent's cleanup
     # stops every trainer's process group, shadow and state manager before it exits.
@@ -340,7 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=0, help="this node's index")
     p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (job store)")
     p.add_argument("--master-port", type=int, default=29500, help="the job store's port")
-    p.add_argument("--device", default="cpu", help="cpu (gloo, memfd pool) or cuda (NCCL, VMM)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cpu (gloo, memfd pool) or cuda (NCCL, VMM); default: cuda when torch sees a "
+        "GPU, else cpu",
+    )
     p.add_argument(
         "--shadow-level",
         default="L2",
