@@ -377,7 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default="leto-run", help="per-rank logs and recovery records")
     p.add_argument("--page-bytes", type=int, default=0, help="pool page size (0: device default)")
     p.add_argument("--data-pages", type=int, default=1024, help="pages per protection group (D)")
-    p.add_argument("--tier1-pages", type=int, default=16, help="tier-1 parity pages per group")
+    p.add_argument(
+        "--tier1-pages",
+        type=int,
+        default=4,
+        help="H1: tier-1 parity pages per group — lost device pages a group survives; each "
+        "costs parity arithmetic every iteration (docs/benchmarks.md; `leto sim h1` picks 4)",
+    )
     p.add_argument(
         "--allow-fault-injection", action="store_true", help="let faultkit lose pool pages"
     )
