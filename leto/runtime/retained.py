@@ -103,6 +103,7 @@ class RetainedTraining:
         self.loop = None  # leto.Run's loop record (checkpoints carry it)
         self.fresh = False  # resume initialized a fresh pool (no retained state, no checkpoint)
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
+        self._loss_host: torch.Tensor | None = None  # pinned: the loss log's copy (GPU)
         # Gradients reduced in buckets while backward runs (as DDP does); 0: one
         # all-reduce of the whole retained buffer after backward.
         self.buckets = (
@@ -254,13 +255,37 @@ class RetainedTraining:
             self.up.state.grad.div_(self.world)
 
     def step(self, t: int, loss: torch.Tensor | float) -> None:
+        """``loss``: a float or a tensor. A device tensor is not waited for before the
+        update is queued (the marker copies it on the device); the loss log reads it
+        after, from a pinned copy made in stream order — waiting for the backward pass,
+        not for the update."""
         self.reduce(t)
-        loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        value, later = float("nan"), None
+        if isinstance(loss, torch.Tensor) and loss.device.type == "cuda":
+            later = self._pinned_loss(loss)
+        elif isinstance(loss, torch.Tensor):
+            value = float(loss.detach())
+        else:
+            value = float(loss)
         self.scrub.before_update()
-        self.up.protect_grads(t, loss=loss)
+        self.up.protect_grads(t, loss=loss if later is not None else value)
         self.up.sync(t, group=dist.group.WORLD)
         self.up.update(t)
-        self._log(t, self.up.marker.state)
+        m = self.up.marker.state
+        if later is not None:
+            host, ev = later
+            ev.synchronize()
+            m = m.but(loss=float(host))
+        self._log(t, m)
+
+    def _pinned_loss(self, loss: torch.Tensor):
+        """A non-blocking copy of the loss to pinned host memory, and an event after it."""
+        if self._loss_host is None:
+            self._loss_host = torch.empty((), dtype=torch.float64, pin_memory=True)
+        self._loss_host.copy_(loss.detach().reshape(()), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return self._loss_host, ev
 
     def _log(self, t: int, m: MarkerState) -> None:
         with open(self.out / f"rank{self.rank}.losses.jsonl", "a") as f:

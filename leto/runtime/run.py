@@ -270,8 +270,9 @@ class Run:
         return self.job.compute()
 
     def record_loss(self, loss) -> None:
-        """This iteration's loss, for Leto's loss log and the verifiers' trace."""
-        self._loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        """This iteration's loss, for Leto's loss log and the verifiers' trace. A tensor is
+        not waited for here: on a GPU the update is queued while backward still runs."""
+        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
 
     # -- what the script's objects now do -------------------------------------------
 

@@ -4,8 +4,12 @@ Runs in the trainer; lives in a pool *record* (host memory, parity-protected: it
 protection group has one data page and XOR parity, so the parity pages are byte copies
 of the record and every write goes to the record and then to each parity page).
 
-Two slots, each ``seq | fields | crc32``; a write goes to slot ``seq % 2``, so a write
-torn by a crash leaves the other slot, one step older, as the newest valid one. The
+Two slots, each ``seq | fields | crc32 | loss``; a write goes to slot ``seq % 2``, so a
+write torn by a crash leaves the other slot, one step older, as the newest valid one.
+The iteration's loss sits outside the CRC: on a GPU it is copied into the slot from the
+device (``Marker.device_loss``), so the host never waits for the backward pass to learn
+it — the update is queued while backward still runs, as under torchrun. It is a report
+(the loss log, the verifiers' trace), never an input to training. The
 updater is built so that resuming from one step older is always correct (every step
 is idempotent given the state the previous marker names).
 
@@ -26,9 +30,8 @@ from dataclasses import dataclass, replace
 import torch
 
 MAGIC = 0x4C45544F  # "LETO"
-_FMT = struct.Struct(
-    "<IQqBBBxiidd"
-)  # magic, seq, iteration, phase, step, auth, group, chunk, clip, loss
+_FMT = struct.Struct("<IQqBBBxiid")  # magic, seq, iteration, phase, step, auth, group, chunk, clip
+LOSS_OFFSET = 48  # float64 after the CRC (8-byte aligned)
 SLOT_BYTES = 64
 RECORD_BYTES = 2 * SLOT_BYTES
 
@@ -89,16 +92,17 @@ def _pack(s: MarkerState) -> bytes:
         s.group,
         s.chunk,
         s.clip,
-        s.loss,
     )
-    return (body + struct.pack("<I", zlib.crc32(body))).ljust(SLOT_BYTES, b"\0")
+    slot = (body + struct.pack("<I", zlib.crc32(body))).ljust(LOSS_OFFSET, b"\0")
+    return (slot + struct.pack("<d", s.loss)).ljust(SLOT_BYTES, b"\0")
 
 
 def _unpack(raw: bytes) -> MarkerState | None:
     body, crc = raw[: _FMT.size], raw[_FMT.size : _FMT.size + 4]
     if struct.unpack("<I", crc)[0] != zlib.crc32(body):
         return None
-    magic, seq, it, phase, step, auth, group, chunk, clip, loss = _FMT.unpack(body)
+    magic, seq, it, phase, step, auth, group, chunk, clip = _FMT.unpack(body)
+    (loss,) = struct.unpack_from("<d", raw, LOSS_OFFSET)
     if magic != MAGIC:
         return None
     try:
@@ -118,13 +122,19 @@ class StreamOrderedWrites:
         self.events: list[torch.cuda.Event | None] = [None] * self.SLOTS
         self.k = 0
 
-    def __call__(self, data: bytes, targets: list[torch.Tensor]) -> None:
+    def __call__(
+        self, data: bytes, targets: list[torch.Tensor], loss: torch.Tensor | None = None
+    ) -> None:
+        """``loss``: a float64 device scalar copied into the slot's loss bytes, in stream
+        order (after the work that computed it)."""
         k = self.k % self.SLOTS
         self.k += 1
         if self.events[k] is not None:
             self.events[k].synchronize()  # that slot's copies were queued SLOTS writes ago
         self.host[k].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.dev[k].copy_(self.host[k], non_blocking=True)
+        if loss is not None:
+            self.dev[k][LOSS_OFFSET : LOSS_OFFSET + 8].copy_(loss.reshape(1).view(torch.uint8))
         for t in targets:
             t.copy_(self.dev[k], non_blocking=True)
         ev = torch.cuda.Event()
@@ -144,6 +154,9 @@ class Marker:
         self.record = record
         self.mirrors = mirrors
         self.stream_writes = stream_writes
+        # (iteration, float64 device scalar): the loss every write of that iteration copies
+        # from the device (stream-ordered writes only); the host state's loss is NaN then.
+        self.device_loss: tuple[int, torch.Tensor] | None = None
         self.state = self.read()
 
     def read(self) -> MarkerState | None:
@@ -163,7 +176,8 @@ class Marker:
         # write behind, which is as safe as a torn record slot.
         targets = [t[off : off + SLOT_BYTES] for t in [self.record, *self.mirrors]]
         if self.stream_writes is not None:
-            self.stream_writes(raw, targets)
+            dl = self.device_loss
+            self.stream_writes(raw, targets, dl[1] if dl and dl[0] == state.iteration else None)
         else:
             data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
             for t in targets:

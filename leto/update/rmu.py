@@ -358,7 +358,15 @@ class Updater:
         self._write(MarkerState(iteration, Phase.COMPUTE))
         self.state.grad.zero_()
 
-    def protect_grads(self, iteration: int, loss: float = float("nan")) -> None:
+    def protect_grads(self, iteration: int, loss: float | torch.Tensor = float("nan")) -> None:
+        """``loss``: a float, or a device tensor (on a GPU with stream-ordered marker
+        writes the marker copies it from the device: the host does not wait for it)."""
+        if isinstance(loss, torch.Tensor):
+            if self.marker.stream_writes is not None and loss.device == self.device:
+                self.marker.device_loss = (iteration, loss.detach().reshape(()).double())
+                loss = float("nan")
+            else:
+                loss = float(loss.detach())
         if self.lender is not None:
             self.lender.reclaim()  # no activation may still live in the buffers
         for g in self.grad_groups:
