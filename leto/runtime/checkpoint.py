@@ -91,6 +91,10 @@ class Checkpointer:
         self.scrubs: list[dict] = []  # the full scrub before each save
         self.deferred: list[int] = []  # iterations a save was due but the last still wrote
         self.staging = None  # the last save's staging (a future), until before_update
+        # One stager for the checkpointer's life: its pinned host buffers (12 bytes a
+        # parameter) are made once — by ``warm``, in the background — and reused.
+        self._stager = None
+        self._warming = None
         self._young = interval is None  # Young's interval still to set after the first save
         # Saves finish on a background thread with collectives of their own: a separate
         # group keeps them from interleaving with training's all-reduces.
@@ -109,6 +113,16 @@ class Checkpointer:
 
     def _state(self, job) -> dict[str, torch.Tensor]:
         return _tensors(job, self.rank)
+
+    def warm(self, job) -> None:
+        """Make the staging buffers now, in the background, while the first iterations
+        run: allocating and pinning them is most of a first save's staging (seconds at
+        1 B parameters), which the next update would otherwise wait for. The copy this
+        stages is discarded (it may read the state mid-update: only the buffers count)."""
+        state = self._state(job)
+        self._stager = _stager(state)
+        if self._stager is not None:
+            self._warming = self._stager.stage(state)
 
     def after_iteration(self, t: int, job) -> None:
         """Call once iteration ``t`` is complete (its update done)."""
@@ -144,7 +158,14 @@ class Checkpointer:
         dist.barrier(group=self.agree_pg)
         t0 = time.perf_counter()
         state = self._state(job)
-        stager = _stager(state)
+        if self._stager is None:
+            self._stager = _stager(state)
+        stager = self._stager
+        if any(v.is_cuda for v in state.values()):
+            # The stager copies on a stream of its own, which does not wait for this
+            # one: the update of iteration t must have finished (the scrub above waited
+            # for the device already; this says so where it matters).
+            torch.cuda.current_stream().synchronize()
         if stager is None:
             self.pending = dcp.async_save(state, checkpoint_id=step, process_group=self.pg)
         else:
@@ -205,6 +226,12 @@ class Checkpointer:
 
     def close(self) -> None:
         self.drain()
+        if self._warming is not None:
+            self._warming.result()  # (never a save: nothing to raise but its errors)
+            self._warming = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
 
 def _stager(state: dict[str, torch.Tensor]):

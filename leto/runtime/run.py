@@ -205,6 +205,8 @@ class Run:
         )
         # Insurance against fatal failures only.
         self.checkpointer = ctx.checkpointer(self.next_iteration)
+        if self.checkpointer is not None:
+            self.checkpointer.warm(self.job)  # staging buffers made while training starts
         atexit.register(self._close)
 
     # -- the loop -------------------------------------------------------------------
