@@ -40,19 +40,40 @@ def _run_ranks(worker, root, world: int = 2) -> dict:
     return got
 
 
+def _closing_async_save():
+    """``dcp.async_save`` as torch 2.11 has it: it closes the stager it was given once the
+    save is done (2.13 leaves that to the caller). The checkpointer keeps saving."""
+    import leto.runtime.checkpoint as ckpt
+
+    real = ckpt.dcp.async_save
+
+    def closing(state, **kw):
+        got = real(state, **kw)
+        stager = kw.get("async_stager")
+        if stager is not None:
+            done = getattr(got, "upload_completion", got)
+            done.add_done_callback(lambda _: stager.close())
+        return got
+
+    ckpt.dcp.async_save = closing
+
+
 def _worker(rank: int, world: int, port: int, root: str, q) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
+    _closing_async_save()
     # An MTTF this short gives intervals of a few iterations, apart by the cost ratio.
     ck = Checkpointer(root, rank, mttf_s=0.2, hof_ratio=0.0)
     job = _job(rank, 1.0)
+    ck.warm(job)
     for t in range(12):
         time.sleep(0.01 * (1 + 4 * rank))  # rank 1 measures 5x longer iterations
         ck.before_update()  # as leto.Run does: the last save's staging has read the state
         job.up.state.flat["param"].fill_(float(t))
         ck.after_iteration(t, job)
     ck.close()
+    assert len(ck.saves) >= 3, f"too few saves to test the stager's reuse: {ck.saves}"
     q.put((rank, [s["iteration"] for s in ck.saves]))
     dist.destroy_process_group()
 

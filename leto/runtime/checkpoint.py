@@ -117,8 +117,9 @@ class Checkpointer:
     def warm(self, job) -> None:
         """Make the staging buffers now, in the background, while the first iterations
         run: allocating and pinning them is most of a first save's staging (seconds at
-        1 B parameters), which the next update would otherwise wait for. The copy this
-        stages is discarded (it may read the state mid-update: only the buffers count)."""
+        1 B parameters), which the next update would otherwise wait for — a save that
+        comes due before they exist is put off. The copy this stages is discarded (it may
+        read the state mid-update: only the buffers count)."""
         state = self._state(job)
         self._stager = _stager(state)
         if self._stager is not None:
@@ -135,16 +136,24 @@ class Checkpointer:
         due = self.last_t is None or t - self.last_t >= self.interval
         if not due:
             return
-        if self.pending is not None:
-            # One save in flight at a time, and the loop never waits for a disk: while
-            # the last save is still being written, this one is put off. Every rank must
+        if self.pending is not None or self._warming is not None:
+            # One save in flight at a time, and the loop never waits for a disk or for
+            # the staging buffers being made: while the last save is still being
+            # written, or the buffers are not ready, this one is put off. Every rank must
             # agree (a save is collective), so they decide together.
-            busy = torch.tensor([0.0 if self.pending.done() else 1.0])
+            ready = (self.pending is None or self.pending.done()) and (
+                self._warming is None or self._warming.done()
+            )
+            busy = torch.tensor([0.0 if ready else 1.0])
             dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.agree_pg)
             if busy.item():
                 self.deferred.append(t)
                 return
-            self.pending.result()  # done: raises what the save raised
+            if self.pending is not None:
+                self.pending.result()  # done: raises what the save raised
+            if self._warming is not None:
+                self._warming.result()
+                self._warming = None
         # Only a verified state is saved: silent corruption found later falls back to
         # a checkpoint that predates it (CorruptState, a fatal failure, if found now).
         self.scrubs.append(job.scrub.full(when=f"before the checkpoint of iteration {t}"))
@@ -230,7 +239,7 @@ class Checkpointer:
             self._warming.result()  # (never a save: nothing to raise but its errors)
             self._warming = None
         if self._stager is not None:
-            self._stager.close()
+            self._stager.inner.close()
             self._stager = None
 
 
@@ -239,16 +248,45 @@ def _stager(state: dict[str, torch.Tensor]):
     on a GPU, a host copy on a thread otherwise. None where this torch has none (the
     save then stages before ``async_save`` returns)."""
     try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.staging import (
+            AsyncStager,
+            DefaultStager,
+            StagingOptions,
+        )
     except ImportError:
         return None
+
+    class Kept(AsyncStager):
+        """The stager, kept across saves. torch 2.11's ``async_save`` closes the stager
+        it is given after the save (2.13 leaves that to the caller): closed, it drops
+        its pinned buffers, and staging with it again fails (``KeyError: <class
+        'type'>``, seen on the H200). The checkpointer closes it, once."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        @property
+        def should_synchronize_after_execute(self) -> bool:
+            return self.inner.should_synchronize_after_execute
+
+        def stage(self, state_dict):
+            return self.inner.stage(state_dict)
+
+        def synchronize_staging(self) -> None:
+            self.inner.synchronize_staging()
+
+        def close(self) -> None:
+            pass  # see the class docstring: Checkpointer.close closes the inner one
+
     cuda = any(v.is_cuda for v in state.values())
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=cuda,
-            use_shared_memory=False,  # the writer is a thread of this process
-            use_async_staging=True,
-            use_non_blocking_copy=cuda,
+    return Kept(
+        DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,  # the writer is a thread of this process
+                use_async_staging=True,
+                use_non_blocking_copy=cuda,
+            )
         )
     )
 
