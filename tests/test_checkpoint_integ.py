@@ -136,6 +136,14 @@ def _joining_worker(rank: int, world: int, port: int, root: str, q) -> None:
         back.drain()
     back.close()
     got["joined at 1"] = [s["iteration"] for s in back.saves]
+    # The last save failing after training ended is reported, not raised (the job is done).
+    from concurrent.futures import Future
+
+    failed: Future = Future()
+    failed.set_exception(OSError("disk full"))
+    back.pending = failed
+    back.close()
+    got["close reported"] = back.close_error
     got["a save found old metadata"] = any(stale)
     q.put((rank, got))
     dist.destroy_process_group()
@@ -148,6 +156,7 @@ def test_a_trainer_joining_a_running_job_continues_its_checkpoint_schedule(tmp_p
         "joined at 7": [8],
         "joined at 1": [4],
         "a save found old metadata": False,
+        "close reported": "OSError: disk full",
     }
     assert got[0] == want and got[1] == want, got
     loaded = {"rank0.param": torch.empty(64)}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -95,6 +96,7 @@ class Checkpointer:
         # parameter) are made once — by ``warm``, in the background — and reused.
         self._stager = None
         self._warming = None
+        self.close_error: str | None = None  # what close() reported, if anything
         self._young = interval is None  # Young's interval still to set after the first save
         # Saves finish on a background thread with collectives of their own: a separate
         # group keeps them from interleaving with training's all-reduces.
@@ -182,7 +184,10 @@ class Checkpointer:
                 state, checkpoint_id=step, process_group=self.pg, async_stager=stager
             )
             self.pending = getattr(got, "upload_completion", got)
-            self.staging = getattr(got, "staging_completion", None)
+            # The staged copy's future, from the stager itself: every torch version's
+            # async_save returns its upload, not all return the staging as well, and the
+            # next update must not change what is still being copied.
+            self.staging = stager.last
         blocking_s = time.perf_counter() - t0
         self.last_t = t
         self.saves.append({"iteration": t, "blocking_s": blocking_s, "interval": self.interval})
@@ -234,12 +239,31 @@ class Checkpointer:
             pending.result()
 
     def close(self) -> None:
-        self.drain()
-        if self._warming is not None:
-            self._warming.result()  # (never a save: nothing to raise but its errors)
+        """At the end of training: wait for the last save, release the buffers. A failure
+        here is reported, not raised: the training is complete, and the checkpoint was
+        only insurance against a fatal failure during it (raised, it would end a
+        finished job as a failed trainer, and a promoted shadow would run the script's
+        set-up again for nothing — seen on the H200)."""
+        try:
+            self.drain()
+            if self._warming is not None:
+                self._warming.result()
+            if self._stager is not None:
+                self._stager.inner.close()
+        except Exception as e:  # noqa: BLE001 - any error of the insurance's last save
+            import traceback
+
+            print(
+                f"rank {self.rank}: the last checkpoint save or its cleanup failed after "
+                f"training ended ({type(e).__name__}: {e}); the trained state is intact "
+                f"in the pool, the newest complete checkpoint under {self.root} is older:\n"
+                + traceback.format_exc(),
+                file=sys.stderr,
+                flush=True,
+            )
+            self.close_error = f"{type(e).__name__}: {e}"
+        finally:
             self._warming = None
-        if self._stager is not None:
-            self._stager.inner.close()
             self._stager = None
 
 
@@ -264,13 +288,15 @@ def _stager(state: dict[str, torch.Tensor]):
 
         def __init__(self, inner):
             self.inner = inner
+            self.last = None  # the last stage's future
 
         @property
         def should_synchronize_after_execute(self) -> bool:
             return self.inner.should_synchronize_after_execute
 
         def stage(self, state_dict):
-            return self.inner.stage(state_dict)
+            self.last = self.inner.stage(state_dict)
+            return self.last
 
         def synchronize_staging(self) -> None:
             self.inner.synchronize_staging()
