@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -259,5 +259,31 @@ if [[ $what == preinit || $what == all ]]; then
     cp "$d"/logs/rank0.memory.json "$d"/logs/rank0.memory.png "$OUT/preinit_art/" 2>/dev/null
   done
   [[ $rc == 0 ]] && rm -rf "$OUT/preinit_runs"  # kept for a look when something failed
+fi
+if [[ $what == userpath ]]; then
+  # The overhead users see (bench/user_path.py): examples/porting/gpt_torchrun.py under
+  # torchrun beside its Leto port under leto run with its default flags, 1.11 B GPT on
+  # one H200; 12 iterations, median and max over iterations 4+, every iteration listed.
+  # First the GPU tests of what the steady iteration runs (marker, updater, chunk pass,
+  # the script's optimizers). 16 K tokens: also leto run with everything optional off
+  # (the floor), and one iteration profiled (the third, inside the skipped ones:
+  # LETO_PROFILE_RECOVERY). 128 K tokens: deterministic, so the two runs' bytes compare.
+  # LETO_USERPATH_QUICK=1: the two presets' torchrun and leto run defaults only.
+  if [[ ${LETO_USERPATH_QUICK:-0} == 0 ]]; then
+    timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_marker.py \
+      tests/test_rmu_gpu.py tests/test_chunk_pass.py tests/test_user_optim.py 2>&1 | tail -4 \
+      | tee "$OUT/userpath_gpu_tests.txt" || rc=1
+    LETO_PROFILE_RECOVERY=/tmp/userpath_prof python3 -m bench.user_path --preset h200-1b \
+      --iterations 12 --skip 4 --timeout-s 200 \
+      --leto-variant "floor=--shadow-level off --no-checkpoints --scrub-mib-per-iteration 0" \
+      --json "$OUT/userpath_h200-1b.json" 2>&1 | tee "$OUT/userpath_h200-1b.txt" || rc=1
+    tar czf "$OUT/userpath_prof.tgz" -C /tmp userpath_prof 2>/dev/null
+  else
+    python3 -m bench.user_path --preset h200-1b --iterations 12 --skip 4 --timeout-s 200 \
+      --json "$OUT/userpath_h200-1b.json" 2>&1 | tee "$OUT/userpath_h200-1b.txt" || rc=1
+  fi
+  python3 -m bench.user_path --preset h200-1b-128k --iterations ${LETO_USERPATH_128K_ITERS:-10} \
+    --skip 4 --timeout-s 200 --script-args=--deterministic \
+    --json "$OUT/userpath_h200-1b-128k.json" 2>&1 | tee "$OUT/userpath_h200-1b-128k.txt" || rc=1
 fi
 exit $rc
