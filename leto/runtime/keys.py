@@ -56,6 +56,13 @@ def resumed(gen: int, rank: int) -> str:
     return f"leto/gen{gen}/rank{rank}/resumed"
 
 
+def imports(rank: int) -> str:
+    """JSON: the modules ``rank``'s trainers imported after ``leto.init()`` began, by the
+    end of their first iteration (written by them; its next shadows import them ahead:
+    ``leto.runtime.imports``). Job-wide: a script imports the same at every generation."""
+    return f"leto/rank{rank}/imports"
+
+
 def parked(gen: int, rank: int) -> str:
     """JSON: a shadow has parked (its pid and level)."""
     return f"leto/gen{gen}/rank{rank}/parked"
