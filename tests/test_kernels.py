@@ -124,3 +124,31 @@ def test_byte_order_is_little_endian_symbols():
     expected = int(GF(c) * GF(0x1234))
     assert parity[1].tolist() == [expected & 0xFF, expected >> 8]
     assert parity[0].tolist() == [0x34, 0x12]  # row 0 is XOR: the page itself
+
+
+@pytest.mark.parametrize("n_sym", [1, 2047, 2048, 5000])
+@pytest.mark.parametrize("accumulate,with_xor", [(False, False), (True, True), (False, True)])
+def test_the_c_host_kernel_equals_its_numpy_twin_across_blocks(n_sym, accumulate, with_xor):
+    from leto.erasure.kernels import cpu
+
+    if cpu.native() is None:
+        pytest.skip("no C compiler here: the NumPy twin is the host kernel")
+    rng = np.random.default_rng(n_sym)
+    rows, cols, off = 16, 9, 5
+    m = Coefficients(rng.integers(0, 1 << 16, (rows, cols + off)))
+    ins = [symbols_page(rng.integers(0, 1 << 16, n_sym)) for _ in range(cols)]
+    xs = [symbols_page(rng.integers(0, 1 << 16, n_sym)) for _ in range(cols)] if with_xor else None
+    start = [symbols_page(rng.integers(0, 1 << 16, n_sym)) for _ in range(rows)]
+    a, b = [p.clone() for p in start], [p.clone() for p in start]
+    cpu._matmul_c(cpu.native(), m, ins, a, off, xs, accumulate)
+    cpu._matmul_numpy(m, ins, b, off, xs, accumulate)
+    for r in range(rows):
+        diff = (a[r] != b[r]).nonzero()
+        assert diff.numel() == 0, f"row {r} differs from byte {int(diff[0])}"
+
+
+def test_leto_cpu_codec_numpy_forces_the_numpy_twin(monkeypatch):
+    from leto.erasure.kernels import cpu
+
+    monkeypatch.setenv(cpu.ENV_CPU_CODEC, "numpy")
+    assert cpu.native.__wrapped__() is None
