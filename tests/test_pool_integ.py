@@ -359,3 +359,14 @@ def test_allocation_sets_keep_each_unit_inside_one_group(pool):
             c.attach_set(names, [7 * PAGE, 14 * PAGE, 13 * PAGE], unit)
         again = c.attach_set(names, nbytes, unit)
         assert again.first_group == 1 and int(c.attach("m", nbytes[1])[0]) == ord("m")
+
+
+def test_a_stopped_state_manager_leaves_no_socket_directory():
+    from leto.memory.launch import start_state_manager
+    from tests.pool_helpers import small_config
+
+    sm = start_state_manager(small_config())
+    d = sm.socket_dir
+    assert d.is_dir() and d.name.startswith("leto-pool-"), d
+    sm.stop()
+    assert not d.exists(), f"{d} was left behind"

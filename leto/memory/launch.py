@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ class StateManagerProcess:
     socket_dir: Path
     token: str
     config: PoolConfig
+    owns_dir: bool = False  # the socket directory was made for it: removed by stop()
 
     @property
     def socket_path(self) -> Path:
@@ -56,6 +58,10 @@ class StateManagerProcess:
                 self.proc.wait(timeout_s)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        if self.owns_dir:
+            # Only its socket lived there; left behind, every job added an empty
+            # leto-pool-* directory to /tmp.
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
         return self.proc.returncode
 
 
@@ -70,6 +76,7 @@ def start_state_manager(
     token: str | None = None,
     timeout_s: float = 30.0,
 ) -> StateManagerProcess:
+    owns_dir = socket_dir is None
     socket_dir = Path(socket_dir) if socket_dir else private_dir()
     token = token or secrets.token_hex(16)
     env = dict(os.environ, **{ENV_POOL_TOKEN: token})
@@ -93,8 +100,10 @@ def start_state_manager(
         proc.kill()
         proc.wait(5)
         proc.stdout.close()
+        if owns_dir:
+            shutil.rmtree(socket_dir, ignore_errors=True)
         raise PoolTimeout(
             f"state manager did not report READY within {timeout_s} s (exit code {proc.returncode}); "
             "see its stderr above"
         )
-    return StateManagerProcess(proc, socket_dir, token, config)
+    return StateManagerProcess(proc, socket_dir, token, config, owns_dir=owns_dir)
