@@ -26,6 +26,7 @@ from rich.table import Table
 import leto
 from leto.bench_cli import register as register_bench
 from leto.erasure import FIELD_POLY
+from leto.errors import InvalidInput
 from leto.sim.cli import register as register_sim
 
 ENV_OMP = "OMP_NUM_THREADS"
@@ -265,7 +266,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             "set it yourself to tune it",
             cfg.nproc_per_node,
         )
-    agent = Agent(cfg, [args.script, *args.script_args])
+    try:
+        agent = Agent(cfg, [args.script, *args.script_args])
+    except InvalidInput as e:
+        print(f"leto run: {e}", file=sys.stderr)
+        return 2
     # SIGTERM (a scheduler stopping the job) unwinds like Ctrl-C: the agent's cleanup
     # stops every trainer's process group, shadow and state manager before it exits.
     signal.signal(signal.SIGTERM, _terminated)

@@ -32,3 +32,28 @@ def test_leto_run_refuses_no_checkpoints_beside_what_needs_them(capsys, tmp_path
     ]:
         assert leto_main(["run", "--no-checkpoints", *extra, script]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_leto_run_refuses_a_bad_fault_plan_before_anything_starts(capsys, tmp_path, monkeypatch):
+    import time
+
+    script = tmp_path / "never_started.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    ok = {"generation": 0, "rank": 0, "at": "update.optimizer@1#1"}
+    cases = [
+        ({**ok, "pages": 3}, "unknown key(s) ['pages']; the keys are generation, rank, at"),
+        ({**ok, "lose_pages": 2}, "pass --allow-fault-injection"),
+        ({**ok, "rank": 2}, "rank 2 is not in 0..0"),
+        ({**ok, "at": "update.optimizer"}, "expected NAME@ITERATION or NAME@ITERATION#N"),
+        ({**ok, "lose_pages": "2"}, "lose_pages='2' is not a int"),
+        ({"rank": 0, "at": "sync@1"}, "missing ['generation']"),
+    ]
+    for entry, says in cases:
+        monkeypatch.setenv("LETO_FAULT_PLAN", json.dumps([entry]))
+        t0 = time.time()
+        got = leto_main(
+            ["run", "--device", "cpu", "--log-dir", str(tmp_path / "logs"), str(script)]
+        )
+        err = capsys.readouterr().err
+        assert got == 2 and says in err, (entry, got, err)
+        assert time.time() - t0 < 5, f"refused only after {time.time() - t0:.1f} s"

@@ -32,7 +32,7 @@ from pathlib import Path
 from leto import plugins
 from leto.errors import EXIT_FATAL
 from leto.memory.config import PoolConfig
-from leto.runtime import keys
+from leto.runtime import fault_plan, keys
 from leto.runtime import store as job_store
 from leto.runtime.cell import Cell
 from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
@@ -46,7 +46,11 @@ log = logging.getLogger("leto.agent")
 class Agent:
     def __init__(self, cfg: RunConfig, command: list[str]):
         self.cfg, self.command = cfg, command
-        self.faults = json.loads(os.environ.get(ENV_FAULT_PLAN, "[]"))
+        # Checked against its schema first: a guessed key or page loss the pools refuse
+        # stops the job before anything starts (leto.runtime.fault_plan).
+        self.faults = fault_plan.parse(
+            os.environ.get(ENV_FAULT_PLAN, "[]"), cfg.world_size, cfg.allow_fault_injection
+        )
         # A fault plan is executed by the fault plugin (faultkit), in this agent (page
         # loss) and in the trainers (points); --verify's digest by the verifiers in the
         # trainers: named here for every process the agent starts.
