@@ -250,6 +250,15 @@ def test_a_script_resumes_from_its_own_torch_checkpoint_bit_identically(tmp_path
         for k, v in st.items():
             g = got["optimizer"]["state"][i][k]
             assert torch.equal(g.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+    # The same resume without start_iteration= is refused at start-up, naming it (the
+    # loop would restart at 0 with step-2 optimizer state).
+    again = tmp_path / "forgot"
+    again.mkdir()
+    env = {"LETO_TEST_CKPT": str(ckpt), "LETO_TEST_FORGET_START": "1"}
+    p = _leto_run(again, env, SCRIPT.parent / "own_loop.py", stderr=subprocess.PIPE, nproc=1)
+    out, err = p.communicate(timeout=150)
+    assert p.returncode != 0, out[-2000:]
+    assert "pass start_iteration=" in err, err[-2000:]
 
 
 @pytest.mark.integ

@@ -134,6 +134,16 @@ class Run:
         env = ctx.env
         self.out = Path(out or env.train_dir or Path(env.log_dir) / "train")
         self.out.mkdir(parents=True, exist_ok=True)
+        steps = max((n for n in self.user.loaded_steps if n is not None), default=0)
+        if steps > 0 and start_iteration == 0:
+            # The script resumed its own checkpoint but not its loop: the loop would
+            # start again at 0 with step-N optimizer state (the LR warm-up replayed) —
+            # silently unlike the same script in plain PyTorch.
+            raise InvalidInput(
+                f"the optimizer was loaded with state of {steps} step(s) taken, and "
+                "leto.Run was given start_iteration=0: pass start_iteration= the iteration "
+                "your checkpoint ended at (the loop continues there); nothing was retained"
+            )
         if self.user.loaded and zero1:
             raise InvalidInput(
                 "optimizer state loaded before leto.Run with ZeRO-1 is not supported yet; "

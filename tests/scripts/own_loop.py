@@ -63,7 +63,8 @@ if __name__ == "__main__":
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
-        start = ck["iteration"]
+        # LETO_TEST_FORGET_START: the trap of resuming the state but not the loop.
+        start = 0 if os.environ.get("LETO_TEST_FORGET_START") else ck["iteration"]
     run = leto.Run(ctx, model, opt, sched, start_iteration=start)
     for t in run.iterations(ITERS):
         run.state["iterations"] = run.state.get("iterations", 0) + 1
