@@ -295,7 +295,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         if any(v["emulated_device"] for v in p.values()):
             shadows += " [emulated device memory]"
-    t = Table(title=f"leto run: {summary['failures']} failure(s), shadows {shadows}; {ettr}")
+    head = f"leto run: {summary['failures']} failure(s), shadows {shadows}; {ettr}"
+    if summary.get("stopped"):
+        # A failed job says why first, in one line (its table of recoveries may be empty).
+        print(
+            f"leto run: the job stopped (exit code {code}): {summary['stopped']}", file=sys.stderr
+        )
+    if not summary["recoveries"]:
+        print(head)  # no failure: no table of recoveries to print
+        return code
+    t = Table(title=head)
     cols = ("generation", "class", "shadow level", "failed ranks", "fencing", "promotion", "trainer steps, s (slowest rank)", "recovery (to training)")  # fmt: skip
     for col in cols:
         t.add_column(col)
