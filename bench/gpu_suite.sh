@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -285,5 +285,14 @@ if [[ $what == userpath ]]; then
   python3 -m bench.user_path --preset h200-1b-128k --iterations ${LETO_USERPATH_128K_ITERS:-10} \
     --skip 4 --timeout-s 200 --script-args=--deterministic \
     --json "$OUT/userpath_h200-1b-128k.json" 2>&1 | tee "$OUT/userpath_h200-1b-128k.txt" || rc=1
+fi
+if [[ $what == plain-recovery ]]; then
+  # Issue 37 on the GPU: a plain script's L3 recovery (examples/porting/gpt_leto.py at
+  # 1.11 B parameters, 16 K tokens), the kill in the forward: to training, regained,
+  # and what the promoted trainer still imported (the goal: nothing).
+  python3 -m bench.plain_recovery --device cuda --nproc-per-node 1 --shadow-level L3 \
+    --trials 2 --iterations 8 \
+    --script-args="--n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 --seq 1024 --batch 16" \
+    --json-out "$OUT/plain_recovery_h200.json" 2>&1 | tee "$OUT/plain_recovery_h200.txt" || rc=1
 fi
 exit $rc
