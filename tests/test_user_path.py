@@ -7,8 +7,6 @@ its comparisons are checked on synthetic files first."""
 
 from __future__ import annotations
 
-import ast
-import difflib
 import json
 from pathlib import Path
 
@@ -16,24 +14,14 @@ import pytest
 import torch
 
 from bench import user_path
+from tests.test_porting import changed_lines
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab=256, seq=32, batch=4, accum=2)
 ITERS = 4
 
 
-def _code(path: Path) -> list[str]:
-    """The script's lines after its module docstring."""
-    src = path.read_text()
-    doc = ast.parse(src).body[0]
-    return src.splitlines()[doc.end_lineno :]
-
-
 def test_the_port_changes_at_most_20_lines():
-    a, b = _code(user_path.TORCHRUN_SCRIPT), _code(user_path.LETO_SCRIPT)
-    changed = 0
-    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b).get_opcodes():
-        if op != "equal":
-            changed += max(i2 - i1, j2 - j1)
+    changed = changed_lines(user_path.TORCHRUN_SCRIPT, user_path.LETO_SCRIPT)
     assert 0 < changed <= 20, f"{changed} lines changed"
 
 
