@@ -1,6 +1,6 @@
 """The CUDA page backend: zero-copy sharing across processes, survival, loss and repair.
 
-Runs on the lent H200 (``bench/gpu_suite.sh``); skipped with a reason without CUDA. The
+Runs on a CUDA machine (``bench/gpu_suite.sh``); skipped with a reason without CUDA. The
 second process is always spawned (never forked: a forked child cannot use CUDA) and gets
 its page fds over a Unix socket, as a trainer gets them from the state manager.
 """

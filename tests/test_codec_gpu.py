@@ -1,6 +1,6 @@
 """The CUDA kernel produces the CPU kernel's bytes; the codec works on GPU tensors.
 
-Runs on the lent H200 (``bench/gpu_suite.sh``); skipped with a reason without CUDA.
+Runs on a CUDA machine (``bench/gpu_suite.sh``); skipped with a reason without CUDA.
 """
 
 from __future__ import annotations

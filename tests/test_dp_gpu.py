@@ -2,8 +2,8 @@
 and stream-ordered marker writes in flight), or stopped mid-kernel by the trip-wire,
 recovered by a promoted shadow, compared byte for byte with a fault-free run.
 
-Runs on the lent H200 (``bench/gpu_suite.sh rmu``); skipped with a reason without CUDA.
-One GPU is lent, so one rank (NCCL); the multi-rank logic is the CPU tests' job.
+Runs on a CUDA machine (``bench/gpu_suite.sh rmu``); skipped with a reason without CUDA.
+One GPU, so one rank (NCCL); the multi-rank logic is the CPU tests' job.
 """
 
 from __future__ import annotations

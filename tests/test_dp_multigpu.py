@@ -1,6 +1,6 @@
 """Two ranks on two GPUs (NCCL) under ``leto run``, each with its own state manager on
 its own GPU: a rank is SIGKILLed, the shadows are promoted, and the run equals the
-fault-free one bit for bit. Runs where two GPUs are lent (``nvidia-h200-x2``); skipped with a reason elsewhere."""
+fault-free one bit for bit. Runs on a machine with two GPUs (e.g. two H200s); skipped with a reason elsewhere."""
 
 from __future__ import annotations
 

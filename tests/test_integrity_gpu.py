@@ -3,7 +3,7 @@ page-locked host parity, the scrub (CUDA codec, side-stream check) finds them: p
 repaired in place, device pages named and the job back from a verified checkpoint —
 bit-exact with a fault-free run either way.
 
-Runs on the lent H200 (``bench/gpu_suite.sh integrity``); skipped with a reason without
+Runs on a CUDA machine (``bench/gpu_suite.sh integrity``); skipped with a reason without
 CUDA. The CPU twin is ``tests/test_integrity_integ.py``.
 """
 

@@ -1,6 +1,6 @@
 """The Resilient Memory Pool on a GPU: CUDA VMM pages, lost with cuMemUnmap.
 
-Runs on the lent H200 (``bench/gpu_suite.sh``); skipped with a reason without CUDA.
+Runs on a CUDA machine (``bench/gpu_suite.sh``); skipped with a reason without CUDA.
 The same cycle as the CPU tests: a trainer dies mid-write, pages are lost, the
 successor localizes, re-attaches, reconstructs on the GPU and compares bytes.
 """

@@ -1,6 +1,6 @@
 """The updater on a GPU: CUDA VMM pool, CUDA codec, torch's CUDA AdamW as the reference.
 
-Runs on the lent H200 (``bench/gpu_suite.sh rmu``); skipped with a reason without CUDA.
+Runs on a CUDA machine (``bench/gpu_suite.sh rmu``); skipped with a reason without CUDA.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def test_any_valid_schedule_survives_json_round_trip(s):
 
 def test_repo_traces_are_verbatim_copies_of_shared():
     if not SHARED_TRACES.is_dir():
-        pytest.skip(f"{SHARED_TRACES} not present on this machine (CI clone)")
+        pytest.skip(f"{SHARED_TRACES} not present (a clean clone has only its copy in data/traces)")
     for name in ("SOURCES.md", GCP_TRACE.name, EC2_TRACE.name):
         assert (REPO_TRACES / name).read_bytes() == (SHARED_TRACES / name).read_bytes(), name
     assert GCP_TRACE.parent == REPO_TRACES
