@@ -32,7 +32,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (on a GPU machine: bash bench/gpu_suite.sh)")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA device (on a GPU machine: bash bench/gpu_suite.sh)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

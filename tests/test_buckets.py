@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -96,6 +97,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.integ
 def test_two_ranks_reduce_in_index_order_to_the_same_bytes(tmp_path):
     mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for r in range(2):

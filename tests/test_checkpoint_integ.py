@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -78,6 +79,7 @@ def _worker(rank: int, world: int, port: int, root: str, q) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.integ
 def test_ranks_with_different_costs_save_at_the_same_iterations(tmp_path):
     got = _run_ranks(_worker, tmp_path)
     assert got[0] == got[1], f"ranks saved at different iterations: {got}"
@@ -149,6 +151,7 @@ def _joining_worker(rank: int, world: int, port: int, root: str, q) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.integ
 def test_a_trainer_joining_a_running_job_continues_its_checkpoint_schedule(tmp_path):
     got = _run_ranks(_joining_worker, tmp_path)
     want = {

@@ -127,6 +127,7 @@ def _rank(rank: int, port: int, sockets: list, q) -> None:
         q.put((rank, traceback.format_exc()))
 
 
+@pytest.mark.integ
 def test_fsdp2_shards_params_and_reduce_scattered_grads_live_in_retained_memory():
     sms = [start_state_manager(small_config()) for _ in range(2)]
     try:

@@ -31,6 +31,8 @@ from tests.pool_helpers import (
     small_config,
 )
 
+pytestmark = pytest.mark.integ  # a state manager process per test
+
 SPAWN = mp.get_context("spawn")
 
 

@@ -432,6 +432,7 @@ def test_controller_and_hook_together_lower_the_level_without_an_oom(shadow):
     dev.close()
 
 
+@pytest.mark.integ
 def test_the_cuda_flavour_compiles_against_torch_headers(tmp_path):
     """Compile-only: the GPU build's C++ against this torch's c10 headers. A CPU wheel
     lacks the generated c10/cuda/impl/cuda_cmake_macros.h; a one-line stand-in is

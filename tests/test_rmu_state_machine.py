@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -18,6 +19,8 @@ from leto.memory.launch import start_state_manager
 from leto.update.rmu import UpdaterConfig
 from tests import rmu_harness as h
 from tests.pool_helpers import small_config
+
+pytestmark = pytest.mark.integ  # a state manager process and a long Hypothesis state machine
 
 MAX_ITERS = 6
 
