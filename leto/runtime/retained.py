@@ -101,6 +101,7 @@ class RetainedTraining:
         self.on_iteration = on_iteration
         self.observer_s = 0.0  # time in on_iteration since resume began to count it
         self.loop = None  # leto.Run's loop record (checkpoints carry it)
+        self._said_no_loss = False  # the missing run.record_loss was reported
         self.fresh = False  # resume initialized a fresh pool (no retained state, no checkpoint)
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
         self._loss_host: torch.Tensor | None = None  # pinned: the loss log's copy (GPU)
@@ -254,14 +255,16 @@ class RetainedTraining:
             dist.all_reduce(self.up.state.grad)
             self.up.state.grad.div_(self.world)
 
-    def step(self, t: int, loss: torch.Tensor | float) -> None:
-        """``loss``: a float or a tensor. A device tensor is not waited for before the
-        update is queued (the marker copies it on the device); the loss log reads it
-        after, from a pinned copy made in stream order — waiting for the backward pass,
-        not for the update."""
+    def step(self, t: int, loss: torch.Tensor | float | None) -> None:
+        """``loss``: a float or a tensor; None: the script gave none (logged as NaN). A
+        device tensor is not waited for before the update is queued (the marker copies
+        it on the device); the loss log reads it after, from a pinned copy made in
+        stream order — waiting for the backward pass, not for the update."""
         self.reduce(t)
         value, later = float("nan"), None
-        if isinstance(loss, torch.Tensor) and loss.device.type == "cuda":
+        if loss is None:
+            self._no_loss(t)
+        elif isinstance(loss, torch.Tensor) and loss.device.type == "cuda":
             later = self._pinned_loss(loss)
         elif isinstance(loss, torch.Tensor):
             value = float(loss.detach())
@@ -277,6 +280,21 @@ class RetainedTraining:
             ev.synchronize()
             m = m.but(loss=float(host))
         self._log(t, m)
+
+    def _no_loss(self, t: int) -> None:
+        """Under verification, say once that the trace's losses are NaN: every run's
+        trace then holds the same "nan" for each iteration, and the verifiers' loss
+        comparison checks nothing (only the tensors' digests would)."""
+        if self.on_iteration is None or self._said_no_loss:
+            return
+        self._said_no_loss = True
+        print(
+            f"rank {self.rank}: warning: iteration {t} committed without a loss: the "
+            "--verify trace and the loss log record NaN for it and every iteration like "
+            "it. Call run.record_loss(loss) before optimizer.step()",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _pinned_loss(self, loss: torch.Tensor):
         """A non-blocking copy of the loss to pinned host memory, and an event after it."""

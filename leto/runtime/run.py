@@ -191,7 +191,7 @@ class Run:
         self._loop = LoopState(
             self.loop, self.user, self.schedulers, self.scaler, len(self.optimizers)
         )
-        self._loss = float("nan")
+        self._loss = None  # run.record_loss's, this iteration (None: not given)
         self._epochs: list[int] = []  # the schedulers' last_epoch when the iteration began
         t_resume = time.time()
         self.next_iteration = self.job.resume(
@@ -226,7 +226,7 @@ class Run:
         stands (0 on a fresh start; after a recovery, the first unfinished one)."""
         t = self.next_iteration
         while t < total:
-            self._t, self._stepped, self._loss = t, False, float("nan")
+            self._t, self._stepped, self._loss = t, False, None
             self._called, self._inf, self._seen = set(), set(), set()
             self._got_grad.clear()
             self._reported = False
