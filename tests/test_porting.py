@@ -1,8 +1,9 @@
 """A third-party-style script ported to Leto: a Hugging Face Llama (tied embeddings,
 SDPA, AdamW with two parameter groups, LambdaLR, gradient accumulation, clipping) under
 torchrun + DDP, and the same script under ``leto run`` (``examples/porting``). The port
-changes at most 20 lines; the Leto run, with a rank killed mid-update and pages of
-every group lost, ends bit-identical to the DDP run."""
+changes 7 lines (``run.model`` stands where the DDP object stood: its ``no_sync()``
+stays); the Leto run, with a rank killed mid-update and pages of every group lost, ends
+bit-identical to the DDP run."""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ def changed_lines(plain: Path, port: Path) -> int:
     return changed
 
 
-def test_the_port_changes_at_most_20_lines():
+def test_the_port_changes_at_most_7_lines():
     changed = changed_lines(DDP, LETO)
-    assert 0 < changed <= 20, f"{changed} lines changed"
+    assert 0 < changed <= 7, f"{changed} lines changed"
 
 
 def _params(out: Path, world: int) -> list[dict]:

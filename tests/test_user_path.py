@@ -1,8 +1,8 @@
 """The user path (``bench/user_path.py``): a nanoGPT-style torchrun script and its Leto
-port (``examples/porting/gpt_torchrun.py``, ``gpt_leto.py``). The port changes at most
-20 lines; started as users start them — torchrun, and ``leto run`` with its default
-flags — on two gloo ranks, the two end with the same bytes in every parameter and log
-the same loss every iteration. The benchmark's summary (median, max, skip, ratio) and
+port (``examples/porting/gpt_torchrun.py``, ``gpt_leto.py``). The port changes 7 lines
+(its ``model.no_sync()`` kept: ``run.model`` is DDP-shaped); started as users start
+them — torchrun, and ``leto run`` with its default flags — on two gloo ranks, the two
+end with the same bytes in every parameter and log the same loss every iteration. The benchmark's summary (median, max, skip, ratio) and
 its comparisons are checked on synthetic files first."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab=256, seq=32, batch=4, accum=2)
 ITERS = 4
 
 
-def test_the_port_changes_at_most_20_lines():
+def test_the_port_changes_at_most_7_lines():
     changed = changed_lines(user_path.TORCHRUN_SCRIPT, user_path.LETO_SCRIPT)
-    assert 0 < changed <= 20, f"{changed} lines changed"
+    assert 0 < changed <= 7, f"{changed} lines changed"
 
 
 def _log(path: Path, walls: list[float], losses: list[float] | None = None) -> Path:

@@ -27,8 +27,8 @@ def main() -> None:
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
     ctx = leto.init()
-    rank = ctx.rank
-    device = ctx.device
+    rank = dist.get_rank()
+    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -51,10 +51,11 @@ def main() -> None:
     )  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
     run = leto.Run(ctx, model, optimizer, scheduler)
+    model = run.model
     for it in run.iterations(args.iterations):
         for micro in range(ACCUM):
             x = tokens(rank, it, micro).to(device)
-            with run.no_sync() if micro < ACCUM - 1 else contextlib.nullcontext():
+            with model.no_sync() if micro < ACCUM - 1 else contextlib.nullcontext():
                 loss = model(input_ids=x, labels=x).loss / ACCUM
                 loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -62,8 +63,11 @@ def main() -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     os.makedirs(args.out, exist_ok=True)
-    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     torch.save(state, os.path.join(args.out, f"rank{rank}.params.pt"))
+    # DDP's reducer must not hold the last reference to the process group: freed there,
+    # gloo's destructor joins its threads with the GIL held and can deadlock (torch #56297).
+    del model
     dist.destroy_process_group()
 
 

@@ -70,6 +70,10 @@ class GradBuckets:
         self._next = 0  # the next bucket to launch (index order)
         self._works: list = []
         self._sync = True
+        # DDP's require_backward_grad_sync as the DDP-shaped model's last forward with
+        # autograd on saw it (leto.runtime.ddp_shape): DDP decides at the forward whether
+        # its backward reduces, so a script may leave no_sync() before calling backward.
+        self.forward_sync = True
         self._at_end = at_backward_end
         self._queued = False
         self.reduced = False  # this iteration's gradients are summed and averaged
@@ -79,7 +83,7 @@ class GradBuckets:
 
     def _hook(self, b: int):
         def ready(_param: torch.Tensor) -> None:
-            if not self._sync:
+            if not (self._sync and self.forward_sync):
                 return
             if self._at_end and not self._queued:
                 self._queued = True

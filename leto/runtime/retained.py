@@ -243,6 +243,17 @@ class RetainedTraining:
         # (Tensor parallel alone: nothing is reduced across ranks, nothing to defer.)
         return self.buckets.no_sync() if self.buckets is not None else contextlib.nullcontext()
 
+    def sync_backward(self, on: bool) -> None:
+        """Whether the backward of the forward now starting reduces (DDP's
+        ``require_backward_grad_sync``, read by the DDP-shaped model at each forward)."""
+        if not on and self.fsdp:
+            raise InvalidInput(
+                "require_backward_grad_sync=False (or no_sync()) with a model sharded by "
+                "fully_shard: use FSDP2's model.set_requires_gradient_sync(False) instead"
+            )
+        if self.buckets is not None:
+            self.buckets.forward_sync = on
+
     def reduce(self, t: int) -> None:
         """Finish the reduction of the retained gradients (sum, then divide by the world
         size). Under the script's optimizer the buckets do it when backward ends."""

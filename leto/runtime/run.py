@@ -32,6 +32,8 @@ What Leto does with them:
   small state, e.g. the best validation loss) are retained per iteration
   (``leto.update.loop_record``), so a recovery resumes the loop exactly — this assumes
   one ``scheduler.step()`` after each ``optimizer.step()``, which is checked;
+* ``run.model`` is the model shaped like the DDP object it replaces (``no_sync()``,
+  ``require_backward_grad_sync``, ``.module``: ``leto.runtime.ddp_shape``);
 * heartbeats, the checkpoint fallback, fault points (``compute.forward`` /
   ``compute.backward`` fire around the model's forward) and verification
   (``leto run --verify``) are the runtime's.
@@ -60,6 +62,7 @@ import torch.distributed as dist
 from leto import plugins
 from leto.errors import InvalidInput
 from leto.plugins import point
+from leto.runtime.ddp_shape import DDPShaped
 from leto.runtime.loop_state import LoopState
 from leto.runtime.retained import RetainedTraining
 from leto.update.rmu import UpdaterConfig
@@ -100,7 +103,6 @@ class Run:
         recognized by their DTensor parameters and reduce their own gradients.)"""
         t0 = time.time()
         self.ctx = ctx
-        self.model = model
         self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         self.schedulers = (
             [] if scheduler is None
@@ -175,6 +177,7 @@ class Run:
             data_parallel=data_parallel,
         )
         self.loop = self.job.loop = self.job.up.loop
+        self.model = DDPShaped(model, self)  # what the script uses where it had DDP(model)
         self.user.adopt(self.job.params)  # the optimizers now hold the retained parameters
         for oi, opt in enumerate(self.optimizers):
             self._patch(oi, opt)
