@@ -1,0 +1,105 @@
+"""karpathy/nanoGPT's own ``train.py`` and ``model.py`` (``examples/porting/nanogpt``,
+vendored with only its CPU edits) and their Leto port: the port changes at most 8
+lines, and keeps nanoGPT's micro-step loop as written — its
+``model.require_backward_grad_sync`` toggle skips the reduction of every micro-step
+but the last, as under DDP. A tiny config on synthetic tokens, two gloo ranks: the
+checkpoint nanoGPT saves (model and AdamW state after the last evaluation) is
+byte-identical under torchrun + DDP and under ``leto run``. nanoGPT records no loss for
+Leto, so the ``--verify`` run's trainers each say so once.
+
+Not covered here: nanoGPT under faults. Its batches come from the global torch RNG,
+which a promoted trainer re-seeds at start-up: a recovered run draws other batches
+(give Leto the data through a stateful loader instead: tests/test_data_state_integ.py).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from faultkit.job import run_job
+from leto.workload.train import TrainConfig
+from tests.test_porting import changed_lines
+
+HERE = Path(__file__).resolve().parents[1] / "examples" / "porting" / "nanogpt"
+FILES = ("train.py", "train_leto.py", "model.py", "configurator.py")
+VOCAB = 64
+# 4 micro-steps over 2 ranks: 2 per rank, the first one's reduction skipped by the toggle;
+# an evaluation (and nanoGPT's checkpoint) at iteration 3, then one more step.
+ARGS = [
+    "--device=cpu", "--backend=gloo", "--dtype=float32", "--compile=False",
+    "--dataset=synthetic", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32",
+    "--batch_size=2", "--gradient_accumulation_steps=4", "--max_iters=3",
+    "--eval_interval=3", "--eval_iters=2", "--warmup_iters=1", "--lr_decay_iters=3",
+]  # fmt: skip
+
+
+def test_the_nanogpt_port_changes_at_most_8_lines():
+    changed = changed_lines(HERE / "train.py", HERE / "train_leto.py")
+    assert 0 < changed <= 8, f"{changed} lines changed"
+
+
+def _workdir(root: Path) -> Path:
+    """nanoGPT reads configurator.py and data/<dataset>/ from its working directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    for f in FILES:
+        shutil.copy(HERE / f, root / f)
+    data = root / "data" / "synthetic"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 4096), ("val", 1024)):
+        rng.integers(0, VOCAB, n, dtype=np.uint16).tofile(data / f"{split}.bin")
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": VOCAB}, f)
+    return root
+
+
+def _differs(a: dict, b: dict, what: str) -> str | None:
+    if a.keys() != b.keys():
+        return f"{what}: keys differ: {sorted(map(str, a.keys() ^ b.keys()))}"
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            if (why := _differs(x, y, f"{what}.{k}")) is not None:
+                return why
+        elif isinstance(x, torch.Tensor):
+            if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+                return f"{what}.{k} differs"
+    return None
+
+
+@pytest.mark.integ
+@pytest.mark.timeout(240)
+def test_nanogpt_under_leto_run_is_byte_identical_to_torchrun_and_ddp(tmp_path):
+    ddp = _workdir(tmp_path / "ddp")
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", "2", "train.py", *ARGS, f"--out_dir={ddp / 'out'}"],
+            check=True, capture_output=True, text=True, timeout=120, cwd=ddp,
+            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+        )  # fmt: skip
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"torchrun of nanoGPT failed:\n{e.stdout[-2000:]}\n{e.stderr[-2000:]}")
+    leto = _workdir(tmp_path / "leto")  # run_job starts leto run in this folder
+    run_job(
+        2, TrainConfig(), leto, shadow_level="off", script=leto / "train_leto.py",
+        script_args=[*ARGS, f"--out_dir={leto / 'out'}"],
+    )  # fmt: skip
+    want = torch.load(ddp / "out" / "ckpt.pt", weights_only=False)
+    got = torch.load(leto / "out" / "ckpt.pt", weights_only=False)
+    assert want["iter_num"] == got["iter_num"] == 3, (want["iter_num"], got["iter_num"])
+    assert (why := _differs(want["model"], got["model"], "model")) is None, why
+    assert (why := _differs(want["optimizer"], got["optimizer"], "optimizer")) is None, why
+    for r in range(2):
+        log = (leto / "logs" / f"rank{r}.gen0.active.log").read_text()
+        said = log.count("committed without a loss")
+        assert said == 1 and "run.record_loss(loss)" in log, f"rank {r} said it {said} times"
