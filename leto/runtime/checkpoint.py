@@ -332,10 +332,14 @@ def restore(path: Path, iteration: int, job) -> None:
 
 def _tensors(job, rank: int) -> dict[str, torch.Tensor]:
     """What a checkpoint holds of a rank: its retained tensors and, under ``leto.Run``,
-    the loop record (hyperparameters, LR scheduler, the script's state)."""
+    the loop record (hyperparameters, LR scheduler, the script's state) and the data
+    records. (Their parity: ``restore`` re-encodes every group after the load.)"""
     st = job.up.state
     out = {f"rank{rank}.{k}": v[: st.local_valid] for k, v in st.flat.items()}
     if getattr(job, "loop", None) is not None:
         for k, rec in enumerate(job.loop.records):
             out[f"rank{rank}.loop{k}"] = rec
+    if getattr(job, "data", None) is not None:  # the data position (leto.Run's data=)
+        for k, rec in enumerate(job.data.records):
+            out[f"rank{rank}.data{k}"] = rec
     return out

@@ -6,7 +6,8 @@ and how a recovery restores it.
 Runs in a trainer, inside ``leto.Run``. A *step record* of iteration t is written at
 ``optimizer.step()`` of t, i.e. with the loop as it was at the start of t (the
 schedulers and the scaler change after the step); an *end record* of t (every step
-skipped by the GradScaler) holds the start of t + 1.
+skipped by the GradScaler) holds the start of t + 1. The data record of t is written
+just before either, and always holds the start of t + 1 (t's batches are drawn by then).
 
 Not covered: more than one ``scheduler.step()`` per iteration (``leto.Run`` refuses it).
 """
@@ -20,9 +21,17 @@ from leto.update.user_optim import UserOptimizer
 
 class LoopState:
     def __init__(
-        self, loop: LoopRecord, user: UserOptimizer, schedulers: list, scaler, n_optimizers: int
+        self,
+        loop: LoopRecord,
+        user: UserOptimizer,
+        schedulers: list,
+        scaler,
+        n_optimizers: int,
+        data=None,
     ):
+        """``data``: the data position's records (``DataState``), or None."""
         self.loop, self.user, self.schedulers, self.scaler = loop, user, schedulers, scaler
+        self.data = data
         self.state: dict = {}  # ``run.state``
         self.updates = [0] * n_optimizers  # steps committed so far, per optimizer
 
@@ -37,6 +46,7 @@ class LoopState:
         """Iteration ``t``'s step record, before its update runs; returns the update's
         description (hyperparameters, step counts, the optimizers skipped)."""
         rec = {"hparams": self.user.hparams(), "updates": list(self.updates), "skip": skip}
+        self._write_data(t)
         self.loop.write(t, {**rec, **self._snapshot()})
         return rec
 
@@ -44,7 +54,14 @@ class LoopState:
         """The GradScaler skipped every step of ``t``: it commits nothing, and its end —
         the schedulers stepped, the scale backed off — is the start of ``t + 1``."""
         rec = {"end": True, "hparams": self.user.hparams(), "updates": list(self.updates)}
+        self._write_data(t)
         self.loop.write(t, {**rec, **self._snapshot()})
+
+    def _write_data(self, t: int) -> None:
+        # Before the loop record: a loop record of t (what a recovery that finishes t
+        # reads) then always has t's data record beside it.
+        if self.data is not None:
+            self.data.write(t)
 
     def committed(self, skip) -> None:
         """The update described by the last step record is done."""
@@ -64,7 +81,10 @@ class LoopState:
         """The loop's state at the start of iteration ``n``: from ``n``'s step record,
         or from ``n - 1``'s with the rest of that iteration replayed — one
         ``scheduler.step()`` each, and the scaler's update after a step it did not
-        skip."""
+        skip. The data position is ``n - 1``'s data record whichever record the rest
+        came from."""
+        if self.data is not None:
+            self.data.restore(n, required=self.loop.read(n - 1) is not None)
         rec = self.loop.read(n)
         replay = False
         if rec is None or rec.get("end"):

@@ -101,6 +101,7 @@ class RetainedTraining:
         self.on_iteration = on_iteration
         self.observer_s = 0.0  # time in on_iteration since resume began to count it
         self.loop = None  # leto.Run's loop record (checkpoints carry it)
+        self.data = None  # leto.Run's data records (DataState; checkpoints carry them)
         self._said_no_loss = False  # the missing run.record_loss was reported
         self.fresh = False  # resume initialized a fresh pool (no retained state, no checkpoint)
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor

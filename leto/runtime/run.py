@@ -31,7 +31,8 @@ What Leto does with them:
 * the scheduler's state, each group's hyperparameters and ``run.state`` (the script's
   small state, e.g. the best validation loss) are retained per iteration
   (``leto.update.loop_record``), so a recovery resumes the loop exactly — this assumes
-  one ``scheduler.step()`` after each ``optimizer.step()``, which is checked;
+  one ``scheduler.step()`` after each ``optimizer.step()``, which is checked; so is the
+  position of a stateful data loader given as ``data=`` (``leto.runtime.data_state``);
 * ``run.model`` is the model shaped like the DDP object it replaces (``no_sync()``,
   ``require_backward_grad_sync``, ``.module``: ``leto.runtime.ddp_shape``);
 * heartbeats, the checkpoint fallback, fault points (``compute.forward`` /
@@ -62,6 +63,7 @@ import torch.distributed as dist
 from leto import plugins
 from leto.errors import InvalidInput
 from leto.plugins import point
+from leto.runtime import data_state
 from leto.runtime.ddp_shape import DDPShaped
 from leto.runtime.loop_state import LoopState
 from leto.runtime.retained import RetainedTraining
@@ -86,6 +88,7 @@ class Run:
         chunk_units: int | None = None,
         bucket_mib: float = 25.0,
         data_parallel: bool = True,
+        data=None,
     ):
         """``ctx``: what ``leto.init()`` returned. ``optimizer``: the script's optimizer,
         or a list of them (e.g. Muon for the 2-D weights and AdamW for the rest; the update
@@ -100,9 +103,14 @@ class Run:
         ``data_parallel=False``: this rank's parameters are its own — a pipeline stage
         (``torch.distributed.pipelining``) — so Leto reduces no gradients across ranks
         and does not check that ranks start alike. (FSDP2 and tensor-parallel models are
-        recognized by their DTensor parameters and reduce their own gradients.)"""
+        recognized by their DTensor parameters and reduce their own gradients.)
+        ``data``: a stateful data loader or sampler (``state_dict``/``load_state_dict``,
+        e.g. torchdata's ``StatefulDataLoader``), or a list of them: its position is
+        retained per iteration and restored on a recovery (iterate it after
+        ``leto.Run``)."""
         t0 = time.time()
         self.ctx = ctx
+        data = data_state.stateful(data) if data is not None else None
         self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         self.schedulers = (
             [] if scheduler is None
@@ -159,6 +167,11 @@ class Run:
                 self._copy_in(originals)
             self._load_optimizer_state()
 
+        # The data records: before the updater maps the pool's groups when they may be
+        # among them, else after its allocations (data_state.attach_first).
+        self._data = None
+        if data is not None and data_state.attach_first(ctx.localization):
+            self._data = data_state.DataState(ctx.pool, data)
         self.job = RetainedTraining(
             ctx.pool,
             model,
@@ -177,6 +190,11 @@ class Run:
             data_parallel=data_parallel,
         )
         self.loop = self.job.loop = self.job.up.loop
+        if data is not None:
+            early = self._data is not None
+            self._data = self._data or data_state.DataState(ctx.pool, data)
+            self._data.bind(self.job.up.views if early else None)
+        self.job.data = self._data
         self.model = DDPShaped(model, self)  # what the script uses where it had DDP(model)
         self.user.adopt(self.job.params)  # the optimizers now hold the retained parameters
         for oi, opt in enumerate(self.optimizers):
@@ -192,7 +210,7 @@ class Run:
         self._seen: set[int] = set()  # ... whose scaler.step() began
         self._reported = False
         self._loop = LoopState(
-            self.loop, self.user, self.schedulers, self.scaler, len(self.optimizers)
+            self.loop, self.user, self.schedulers, self.scaler, len(self.optimizers), self._data
         )
         self._loss = None  # run.record_loss's, this iteration (None: not given)
         self._epochs: list[int] = []  # the schedulers' last_epoch when the iteration began
