@@ -270,7 +270,7 @@ if [[ $what == userpath ]]; then
   # LETO_PROFILE_RECOVERY). 128 K tokens: deterministic, so the two runs' bytes compare.
   # LETO_USERPATH_QUICK=1: the two presets' torchrun and leto run defaults only.
   if [[ ${LETO_USERPATH_QUICK:-0} == 0 ]]; then
-    timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_marker.py \
+    timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_marker.py tests/test_staging.py \
       tests/test_rmu_gpu.py tests/test_chunk_pass.py tests/test_user_optim.py 2>&1 | tail -4 \
       | tee "$OUT/userpath_gpu_tests.txt" || rc=1
     LETO_PROFILE_RECOVERY=/tmp/userpath_prof python3 -m bench.user_path --preset h200-1b \
@@ -279,6 +279,8 @@ if [[ $what == userpath ]]; then
       --json "$OUT/userpath_h200-1b.json" 2>&1 | tee "$OUT/userpath_h200-1b.txt" || rc=1
     tar czf "$OUT/userpath_prof.tgz" -C /tmp userpath_prof 2>/dev/null
   else
+    timeout 60 python3 -m pytest -p no:cacheprovider -q tests/test_staging.py 2>&1 | tail -2 \
+      | tee "$OUT/userpath_gpu_tests.txt" || rc=1
     python3 -m bench.user_path --preset h200-1b --iterations 12 --skip 4 --timeout-s 200 \
       --json "$OUT/userpath_h200-1b.json" 2>&1 | tee "$OUT/userpath_h200-1b.txt" || rc=1
   fi

@@ -13,8 +13,8 @@ state that agreed with its parity, so silent corruption found later falls back t
 state that predates it.
 
 Nothing here stalls the loop for long (at 1 B parameters on the H200 the first two
-iterations of a job once took 16 s and 39 s): staging runs in the background (DCP's
-``DefaultStager``: pinned host buffers, non-blocking copies on a stream of its own),
+iterations of a job once took 16 s and 39 s): staging runs in the background (``leto.runtime.staging``:
+pinned host buffers made once, non-blocking copies on a stream of their own),
 overlapping the next forward and backward, and the trainer waits for it only before
 the next update changes the state (``before_update``); a save that comes due while the
 previous one is still being written is put off to a later iteration (the ranks agree)
@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from leto.errors import InvalidInput
+from leto.runtime.staging import HostStager
 from leto.sim.model import young_interval
 
 
@@ -123,9 +124,8 @@ class Checkpointer:
         comes due before they exist is put off. The copy this stages is discarded (it may
         read the state mid-update: only the buffers count)."""
         state = self._state(job)
-        self._stager = _stager(state)
-        if self._stager is not None:
-            self._warming = self._stager.stage(state)
+        self._stager = HostStager(state)
+        self._warming = self._stager.stage(state)
 
     def after_iteration(self, t: int, job) -> None:
         """Call once iteration ``t`` is complete (its update done)."""
@@ -170,24 +170,15 @@ class Checkpointer:
         t0 = time.perf_counter()
         state = self._state(job)
         if self._stager is None:
-            self._stager = _stager(state)
+            self._stager = HostStager(state)
         stager = self._stager
-        if any(v.is_cuda for v in state.values()):
-            # The stager copies on a stream of its own, which does not wait for this
-            # one: the update of iteration t must have finished (the scrub above waited
-            # for the device already; this says so where it matters).
-            torch.cuda.current_stream().synchronize()
-        if stager is None:
-            self.pending = dcp.async_save(state, checkpoint_id=step, process_group=self.pg)
-        else:
-            got = dcp.async_save(
-                state, checkpoint_id=step, process_group=self.pg, async_stager=stager
-            )
-            self.pending = getattr(got, "upload_completion", got)
-            # The staged copy's future, from the stager itself: every torch version's
-            # async_save returns its upload, not all return the staging as well, and the
-            # next update must not change what is still being copied.
-            self.staging = stager.last
+        # The stager's copies wait on this stream for the update of iteration t.
+        got = dcp.async_save(state, checkpoint_id=step, process_group=self.pg, async_stager=stager)
+        self.pending = getattr(got, "upload_completion", got)
+        # The staged copy's future, from the stager itself: every torch version's
+        # async_save returns its upload, not all return the staging as well, and the
+        # next update must not change what is still being copied.
+        self.staging = stager.last
         blocking_s = time.perf_counter() - t0
         self.last_t = t
         self.saves.append({"iteration": t, "blocking_s": blocking_s, "interval": self.interval})
@@ -249,7 +240,7 @@ class Checkpointer:
             if self._warming is not None:
                 self._warming.result()
             if self._stager is not None:
-                self._stager.inner.close()
+                self._stager.shutdown()
         except Exception as e:  # noqa: BLE001 - any error of the insurance's last save
             import traceback
 
@@ -265,56 +256,6 @@ class Checkpointer:
         finally:
             self._warming = None
             self._stager = None
-
-
-def _stager(state: dict[str, torch.Tensor]):
-    """DCP's background stager: pinned buffers and non-blocking copies when the state is
-    on a GPU, a host copy on a thread otherwise. None where this torch has none (the
-    save then stages before ``async_save`` returns)."""
-    try:
-        from torch.distributed.checkpoint.staging import (
-            AsyncStager,
-            DefaultStager,
-            StagingOptions,
-        )
-    except ImportError:
-        return None
-
-    class Kept(AsyncStager):
-        """The stager, kept across saves. torch 2.11's ``async_save`` closes the stager
-        it is given after the save (2.13 leaves that to the caller): closed, it drops
-        its pinned buffers, and staging with it again fails (``KeyError: <class
-        'type'>``, seen on the H200). The checkpointer closes it, once."""
-
-        def __init__(self, inner):
-            self.inner = inner
-            self.last = None  # the last stage's future
-
-        @property
-        def should_synchronize_after_execute(self) -> bool:
-            return self.inner.should_synchronize_after_execute
-
-        def stage(self, state_dict):
-            self.last = self.inner.stage(state_dict)
-            return self.last
-
-        def synchronize_staging(self) -> None:
-            self.inner.synchronize_staging()
-
-        def close(self) -> None:
-            pass  # see the class docstring: Checkpointer.close closes the inner one
-
-    cuda = any(v.is_cuda for v in state.values())
-    return Kept(
-        DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=False,  # the writer is a thread of this process
-                use_async_staging=True,
-                use_non_blocking_copy=cuda,
-            )
-        )
-    )
 
 
 def restore(path: Path, iteration: int, job) -> None:
