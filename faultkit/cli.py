@@ -5,6 +5,8 @@ faultkit inject      fault-free and faulted runs of the example job, bit-exact v
 faultkit matrix      every phase x lost pages x host parity x mode, one shared reference
 faultkit plan        write a failure schedule (JSON): every X s, Poisson, trace window
 faultkit run-plan    replay a schedule against the example job, bit-exact verdict
+
+Every argument is checked before anything runs (exit 2, the flag and its range named).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -56,10 +59,15 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
-    from faultkit.inject import inject
+    from faultkit.inject import check, inject
 
+    cfg = _config(args)
     try:
-        v = inject(_config(args))
+        check(cfg)  # before anything runs
+    except ValueError as e:
+        return _refuse("inject", e, args)
+    try:
+        v = inject(cfg)
     except (ValueError, RuntimeError) as e:
         return _refuse("inject", e, args)
     if args.json:
@@ -69,17 +77,20 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from faultkit.inject import matrix
+    from faultkit.inject import matrix, matrix_cases
 
+    cases = {
+        "phases": tuple(args.phases.split(",")) if args.phases else None,
+        "modes": tuple(args.modes.split(",")),
+        "corrupt_pages": args.corrupt_pages,
+        "losses": args.losses,
+    }
     try:
-        phases = tuple(args.phases.split(",")) if args.phases else None
-        rows = matrix(
-            _config(args),
-            phases=phases,
-            modes=tuple(args.modes.split(",")),
-            corrupt_pages=args.corrupt_pages,
-            losses=args.losses,
-        )
+        matrix_cases(_config(args), **cases)  # every case checked before anything runs
+    except ValueError as e:
+        return _refuse("matrix", e, args)
+    try:
+        rows = matrix(_config(args), **cases)
     except (ValueError, RuntimeError) as e:
         return _refuse("matrix", e, args)
     bad = [r for r in rows if not r["exact"]]
@@ -116,14 +127,18 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 
 def cmd_run_plan(args: argparse.Namespace) -> int:
-    from faultkit.inject import run_plan
+    from faultkit.inject import plan_faults, run_plan
     from leto.errors import InvalidInput
     from leto.sim.schedule import Schedule
 
     try:
-        schedule = Schedule.from_json(open(args.schedule).read())
+        schedule = Schedule.from_json(Path(args.schedule).read_text())
+        plan_faults(schedule, _config(args), args.iteration_s)  # every failure checked
+    except (OSError, InvalidInput, ValueError) as e:
+        return _refuse("run-plan", e, args)
+    try:
         v = run_plan(schedule, _config(args), args.iteration_s)
-    except (OSError, InvalidInput, ValueError, RuntimeError) as e:
+    except (InvalidInput, ValueError, RuntimeError) as e:
         return _refuse("run-plan", e, args)
     v.setdefault("mode", "from schedule")
     v.setdefault("phase", "from schedule")

@@ -37,6 +37,7 @@ from pathlib import Path
 from faultkit.job import JobFault, run_job
 from leto import plugins
 from leto.memory.config import PoolConfig
+from leto.runtime.config import LEVELS
 from leto.sim.schedule import Schedule
 from leto.workload.train import TrainConfig
 from verifiers import compare
@@ -99,42 +100,99 @@ def _phase(cfg: InjectConfig, phase: str, salt: int = 0) -> str:
     return phase
 
 
-def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
-    if mode == "kernel-abort" and phase not in KERNEL_PHASES:
+def _outside(flag: str, value, lo: int, hi: int | None, why: str) -> ValueError:
+    """The refusal of a number out of range, naming the flag and the range."""
+    span = f"in {lo}..{hi}" if hi is not None else f"{lo} or more"
+    return ValueError(f"{flag} {value}: must be {span} ({why}); nothing was run")
+
+
+def check_job(cfg: InjectConfig) -> None:
+    """Refuse a job configuration before anything runs: every flag of the job (not the
+    phase and mode, ``check_fault``) against its range. A bad value found later costs a
+    reference run first (a minute) and ends in a trainer's traceback — ``--pages -1``
+    reached ``random.sample`` in the agent, ``--iterations 0`` a missing loss file."""
+    if cfg.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {cfg.device!r}: choose cpu or cuda")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    if cfg.shadow_level not in (*LEVELS, "auto"):
         raise ValueError(
-            f"--mode kernel-abort needs a phase that runs one of Leto's kernels "
-            f"({', '.join(KERNEL_PHASES)}), not {phase!r}: torch's own kernels are not "
-            "instrumented (use --mode kill on --device cuda)"
+            f"--shadow-level {cfg.shadow_level!r}: choose one of {', '.join(LEVELS)} or auto"
         )
     if cfg.parallel not in PARALLEL:
         raise ValueError(f"--parallel {cfg.parallel!r}: choose one of {', '.join(PARALLEL)}")
+    # The world size before the rank: --world-size 0 must not read as a bad --rank.
+    if cfg.world_size < 1:
+        raise _outside("--world-size", cfg.world_size, 1, None, "ranks of the job")
     if cfg.parallel == "fsdp+tp" and (cfg.world_size < 4 or cfg.world_size % 2):
         raise ValueError(
             f"--parallel fsdp+tp puts TP over pairs of ranks and FSDP2 across the pairs: "
             f"it needs an even world size of at least 4, not {cfg.world_size}"
         )
+    if not 0 <= cfg.rank < cfg.world_size:
+        raise _outside("--rank", cfg.rank, 0, cfg.world_size - 1, "the ranks of --world-size")
+    if cfg.iterations < 1:
+        raise _outside("--iterations", cfg.iterations, 1, None, "training iterations")
+    if cfg.every < 0 or (cfg.every and cfg.every >= cfg.iterations):
+        raise ValueError(
+            f"--every {cfg.every}: expected 0 (one fault, mid-run) or 1..{cfg.iterations - 1} "
+            f"(a fault every K of the {cfg.iterations} iterations)"
+        )
+    if not 0 <= cfg.pages <= cfg.data_pages:
+        raise _outside(
+            "--pages", cfg.pages, 0, cfg.data_pages,
+            f"pages per protection group: D={cfg.data_pages}; more than "
+            f"H1={cfg.tier1_pages} is a fatal failure",
+        )  # fmt: skip
+    if not 0 <= cfg.host_parity_pages <= cfg.tier1_pages:
+        raise _outside(
+            "--host-parity-pages", cfg.host_parity_pages, 0, cfg.tier1_pages,
+            f"tier-1 pages of a group: H1={cfg.tier1_pages}",
+        )  # fmt: skip
+    if cfg.abort_after_blocks < 1:
+        raise _outside(
+            "--abort-after-blocks", cfg.abort_after_blocks, 1, None,
+            "blocks of the aborted kernel that run",
+        )  # fmt: skip
+
+
+def check_fault(phase: str, mode: str) -> None:
+    """Refuse a mode the phase cannot take (also for schedules: ``faultkit plan``)."""
     if mode not in MODES:
         raise ValueError(f"--mode {mode!r}: choose one of {', '.join(MODES)}")
-    if mode == "copy-corrupt" and phase not in COPY_PHASES:
+    if phase != "any" and phase not in PHASES:
+        raise ValueError(f"--phase {phase!r}: choose one of {sorted(PHASES)} or any")
+    if mode == "kernel-abort" and phase not in (*KERNEL_PHASES, "any"):
+        raise ValueError(
+            f"--mode kernel-abort needs a phase that runs one of Leto's kernels "
+            f"({', '.join(KERNEL_PHASES)}), not {phase!r}: torch's own kernels are not "
+            "instrumented (use --mode kill on --device cuda)"
+        )
+    if mode == "copy-corrupt" and phase not in (*COPY_PHASES, "any"):
         raise ValueError(
             f"--mode copy-corrupt needs a phase that copies parity ({', '.join(COPY_PHASES)}), "
             f"not {phase!r}"
         )
+
+
+def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
+    check_job(cfg)
+    check_fault(phase, mode)
     if mode in CORRUPT_MODES and cfg.every:
         raise ValueError(f"--mode {mode} injects one fault: --every is not for it")
     if mode == "corrupt-parity" and cfg.pages > cfg.tier1_pages:
-        raise ValueError(
-            f"--pages {cfg.pages}: a group has H1={cfg.tier1_pages} tier-1 pages to corrupt"
-        )
-    if cfg.pages > cfg.data_pages:
-        raise ValueError(
-            f"--pages {cfg.pages}: a protection group holds at most D={cfg.data_pages} data "
-            "pages; nothing was run"
-        )
-    if not 0 <= cfg.rank < cfg.world_size:
-        raise ValueError(f"--rank {cfg.rank} outside 0..{cfg.world_size - 1}")
-    if cfg.every < 0 or (cfg.every and cfg.every >= cfg.iterations):
-        raise ValueError(f"--every {cfg.every}: expected 0 or 1..{cfg.iterations - 1}")
+        raise _outside(
+            "--pages", cfg.pages, 0, cfg.tier1_pages,
+            f"corrupt-parity flips tier-1 pages: a group has H1={cfg.tier1_pages}",
+        )  # fmt: skip
+
+
+def check(cfg: InjectConfig) -> None:
+    """Everything ``inject`` would refuse, refused now (nothing runs)."""
+    _check(cfg, _phase(cfg, cfg.phase), cfg.mode)
 
 
 def _job(cfg: InjectConfig) -> tuple[TrainConfig, PoolConfig]:
@@ -278,6 +336,8 @@ def _iterations(cfg: InjectConfig) -> list[int]:
 
 
 def inject(cfg: InjectConfig, workdir: Path | None = None, reference: dict | None = None) -> dict:
+    """One faulted run against the fault-free reference (run first unless given), in
+    ``workdir`` (default: a new temporary directory, left for the caller)."""
     phase = _phase(cfg, cfg.phase)
     _check(cfg, phase, cfg.mode)
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-"))
@@ -304,15 +364,15 @@ def inject(cfg: InjectConfig, workdir: Path | None = None, reference: dict | Non
     }
 
 
-def matrix(
+def matrix_cases(
     base: InjectConfig,
-    workdir: Path | None = None,
     phases: tuple[str, ...] | None = None,
     modes: tuple[str, ...] = ("kill", "copy-corrupt"),
     corrupt_pages: str = "both",
     losses: str = "all",
-) -> list[dict]:
-    """Every phase x {0, H1} lost pages per group x host parity page lost or not x
+) -> list[tuple[str, str, int, int]]:
+    """The cases of a matrix, (phase, mode, pages, host parity pages), checked
+    (nothing runs). Every phase x {0, H1} lost pages per group x host parity page lost or not x
     ``modes`` (copy-corrupt where the phase copies parity, kernel-abort where it runs
     one of Leto's kernels), against one shared fault-free reference. Corrupt modes flip
     1 and H1 pages at every phase (``corrupt_pages="both"``), or half of those cases
@@ -327,15 +387,16 @@ def matrix(
         raise ValueError(f"--corrupt-pages {corrupt_pages!r}: expected both or alternate")
     if losses not in ("all", "pairs", "alternate"):
         raise ValueError(f"--losses {losses!r}: expected all, pairs or alternate")
-    combos = [(0, 0), (base.tier1_pages, 1), (0, 1), (base.tier1_pages, 0)]
+    check_job(base)
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"--modes: {mode!r} is not one of {', '.join(MODES)}")
-    work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-matrix-"))
-    ref = reference_run(base, work)
-    rows = []
+    for phase in phases or ():
+        if phase not in PHASES:  # "any" is no phase of a matrix
+            raise ValueError(f"--phases: {phase!r} is not one of {', '.join(sorted(PHASES))}")
+    combos = [(0, 0), (base.tier1_pages, 1), (0, 1), (base.tier1_pages, 0)]
+    cases = []  # every case, known (and checked) before the reference run
     for i, phase in enumerate(phases or tuple(PHASES)):
-        _phase(base, phase)  # a clear error for an unknown name
         for j, mode in enumerate(modes):
             if mode == "copy-corrupt" and phase not in COPY_PHASES:
                 continue
@@ -345,19 +406,83 @@ def matrix(
                 counts = (1, base.tier1_pages)
                 if corrupt_pages == "alternate":
                     counts = (counts[(i + j) % 2],)
-                for pages in counts:
-                    cfg = replace(base, phase=phase, mode=mode, pages=pages, host_parity_pages=0)
-                    rows.append(inject(cfg, work, reference=ref))
+                cases += [(phase, mode, pages, 0) for pages in counts]
                 continue
             chosen = {
                 "all": combos,
                 "pairs": combos[2 * ((i + j) % 2) : 2 * ((i + j) % 2) + 2],
                 "alternate": [combos[(i + j) % 4]],
             }[losses]
-            for pages, host in chosen:
-                cfg = replace(base, phase=phase, mode=mode, pages=pages, host_parity_pages=host)
-                rows.append(inject(cfg, work, reference=ref))
+            cases += [(phase, mode, pages, host) for pages, host in chosen]
+    return cases
+
+
+def matrix(
+    base: InjectConfig,
+    workdir: Path | None = None,
+    phases: tuple[str, ...] | None = None,
+    modes: tuple[str, ...] = ("kill", "copy-corrupt"),
+    corrupt_pages: str = "both",
+    losses: str = "all",
+) -> list[dict]:
+    """Each case of ``matrix_cases`` (the same arguments) against one shared fault-free
+    reference, in ``workdir``; one verdict per case."""
+    cases = matrix_cases(base, phases, modes, corrupt_pages, losses)
+    work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-matrix-"))
+    ref = reference_run(base, work)
+    rows = []
+    for phase, mode, pages, host in cases:
+        cfg = replace(base, phase=phase, mode=mode, pages=pages, host_parity_pages=host)
+        rows.append(inject(cfg, work, reference=ref))
     return rows
+
+
+def plan_faults(
+    schedule: Schedule, base: InjectConfig, iteration_s: float
+) -> tuple[list[JobFault], int, int]:
+    """The faults replaying ``schedule`` (``run_plan``), every failure checked: (faults,
+    failures past the job's end, FFs replayed). Nothing runs."""
+    check_job(base)
+    if not 0 < iteration_s < float("inf"):
+        raise ValueError(f"--iteration-s {iteration_s}: expected a finite time > 0 s")
+    if schedule.world_size != base.world_size:
+        raise ValueError(
+            f"the schedule is for {schedule.world_size} ranks, --world-size is "
+            f"{base.world_size}: give --world-size {schedule.world_size}"
+        )
+    placed = schedule.at_iteration(iteration_s)
+    replay = [p for p in placed if p.iteration < base.iterations]
+    if not replay:
+        raise ValueError(
+            f"no failure of the schedule falls in the job's {base.iterations} iterations of "
+            f"{iteration_s} s; lengthen --iterations or shorten --iteration-s"
+        )
+    faults, seen = [], set()
+    for k, p in enumerate(replay):
+        f = p.failure
+        phase = _phase(base, f.phase, k)
+        mode = f.mode
+        pages = f.pages if f.kind == "HOF" else base.tier1_pages + 1
+        try:
+            one = replace(base, rank=f.rank, pages=pages, host_parity_pages=f.host_parity_pages)
+            _check(one, phase, mode)
+        except ValueError as e:  # name the schedule's entry: the flags are not the culprit
+            raise ValueError(f"the schedule's failure at {f.at_s} s: {e}") from None
+        if p.iteration in seen:
+            continue  # the first failure of an iteration already stops every rank
+        seen.add(p.iteration)
+        faults.append(
+            JobFault(
+                f.rank,
+                f"{PHASES[phase]}@{p.iteration}#1",
+                mode,
+                lose_pages=pages,
+                host_parity_pages=f.host_parity_pages,
+            )
+        )
+    # One failure per generation, in order: sort by iteration, stable on schedule order.
+    faults.sort(key=lambda fl: fl.iteration)
+    return faults, len(placed) - len(replay), sum(p.failure.kind == "FF" for p in replay)
 
 
 def run_plan(
@@ -371,42 +496,11 @@ def run_plan(
     flight at its time (``iteration_s`` per iteration), at its phase, on its rank. A HOF
     loses its ``pages`` per group (within parity); an FF loses H1 + 1 (beyond it): the
     run must then end in the fatal path. Failures past the job's last iteration are
-    reported as not replayed."""
-    if schedule.world_size != base.world_size:
-        raise ValueError(
-            f"the schedule is for {schedule.world_size} ranks, the job has {base.world_size}"
-        )
-    placed = schedule.at_iteration(iteration_s)
-    replay = [p for p in placed if p.iteration < base.iterations]
-    if not replay:
-        raise ValueError(
-            f"no failure of the schedule falls in the job's {base.iterations} iterations of "
-            f"{iteration_s} s; lengthen --iterations or shorten --iteration-s"
-        )
+    reported as not replayed. Every failure is checked before the reference runs."""
+    faults, not_replayed, ff = plan_faults(schedule, base, iteration_s)
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-plan-"))
     ref = reference or reference_run(base, work)
-    faults, seen = [], set()
-    for k, p in enumerate(replay):
-        f = p.failure
-        phase = _phase(base, f.phase, k)
-        mode = f.mode
-        _check(replace(base, rank=f.rank), phase, mode)
-        if p.iteration in seen:
-            continue  # the first failure of an iteration already stops every rank
-        seen.add(p.iteration)
-        pages = f.pages if f.kind == "HOF" else base.tier1_pages + 1
-        faults.append(
-            JobFault(
-                f.rank,
-                f"{PHASES[phase]}@{p.iteration}#1",
-                mode,
-                lose_pages=pages,
-                host_parity_pages=f.host_parity_pages,
-            )
-        )
-    # One failure per generation, in order: sort by iteration, stable on schedule order.
-    faults.sort(key=lambda fl: fl.iteration)
     res = faulted_run(base, faults, ref, work, "plan")
-    res["not_replayed"] = len(placed) - len(replay)
-    res["ff"] = sum(p.failure.kind == "FF" for p in replay)
+    res["not_replayed"] = not_replayed
+    res["ff"] = ff
     return res

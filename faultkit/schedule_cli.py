@@ -13,6 +13,7 @@ an argparse parser so ``faultkit.cli`` can wire it in one line.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -36,7 +37,31 @@ def summary(schedule: Schedule) -> dict:
     }
 
 
+def _flag(e: InvalidInput, generator: str) -> str:
+    """The schedule's refusal, led by the flag it is about: its message names the field
+    (``world_size=0: ...``), the flag's name with dashes (the trace window's length is
+    the schedule's duration)."""
+    m = re.search(r"\b([a-z_]+)=", str(e))
+    if m is None:
+        return str(e)
+    field = m.group(1)
+    flag = (
+        "--length-s"
+        if (generator, field) == ("trace", "duration_s")
+        else f"--{field.replace('_', '-')}"
+    )
+    return f"{flag}: {e}"
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.mode in ("kernel-abort", "copy-corrupt") and args.phase != "any":
+        from faultkit.inject import check_fault  # (imports torch: only when needed)
+
+        try:  # a mode the phase cannot take is refused now, not when it is replayed
+            check_fault(args.phase, args.mode)
+        except ValueError as e:
+            print(f"faultkit plan: {e}", file=sys.stderr)
+            return 2
     common = {
         "world_size": args.world_size,
         "hof_ratio": args.hof_ratio,
@@ -52,7 +77,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else:
             s = trace_window(args.trace, args.start_s, args.length_s, **common)
     except InvalidInput as e:
-        print(f"faultkit plan: {e}", file=sys.stderr)
+        print(f"faultkit plan: {_flag(e, args.generator)}", file=sys.stderr)
         return 2
     text = s.to_json()
     if args.out:

@@ -1,0 +1,159 @@
+"""Bad command-line input is refused before anything runs, naming the argument and what
+it may be.
+
+Quick: nothing here starts a job. The CLIs run in this process (torch is imported
+already), so each refusal's time is the check's own; each must come in under 5 s
+(issue 36: ``faultkit inject --pages -1`` ran 55 s before it failed).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from faultkit.cli import main as faultkit_main
+
+LIMIT_S = 5.0
+
+
+@pytest.fixture
+def no_temp_leftovers(tmp_path, monkeypatch):
+    """Every temporary directory goes under tmp_path/tmp; the test checks it is empty."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return tmp
+
+
+def refused(main, argv, capsys) -> str:
+    """Run a CLI in this process; it must refuse with exit 2 in under LIMIT_S; stderr."""
+    t0 = time.monotonic()
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 2, f"{argv}: exit {code}, stderr {err!r}"
+    assert took < LIMIT_S, f"{argv}: refused only after {took:.1f} s"
+    return err
+
+
+INJECT_REFUSALS = [
+    (["--pages", "-1"], "--pages -1: must be in 0..64 (pages per protection group"),
+    (["--pages", "65"], "--pages 65: must be in 0..64"),
+    (["--iterations", "0"], "--iterations 0: must be 1 or more"),
+    (["--world-size", "0"], "--world-size 0: must be 1 or more"),
+    (["--rank", "2"], "--rank 2: must be in 0..1"),
+    (["--rank", "-1"], "--rank -1: must be in 0..1"),
+    (["--host-parity-pages", "17"], "--host-parity-pages 17: must be in 0..16"),
+    (["--host-parity-pages", "-2"], "--host-parity-pages -2: must be in 0..16"),
+    (["--every", "-1"], "--every -1: expected 0 (one fault, mid-run) or 1..5"),
+    (["--mode", "kernel-abort", "--abort-after-blocks", "0"], "--abort-after-blocks 0: must be 1"),
+    (["--mode", "corrupt-parity", "--pages", "17"], "--pages 17: must be in 0..16"),
+    (["--shadow-level", "L9"], "--shadow-level 'L9': choose one of off, L1, L2, L3 or auto"),
+    (["--parallel", "ddp"], "--parallel 'ddp': choose one of dp, fsdp"),
+    (["--mode", "boom"], "--mode 'boom': choose one of kill"),
+    (["--phase", "nowhere"], "--phase 'nowhere': choose one of"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"), INJECT_REFUSALS, ids=[" ".join(a) for a, _ in INJECT_REFUSALS]
+)
+def test_faultkit_inject_refuses_a_bad_argument_before_anything_runs(
+    argv, says, capsys, no_temp_leftovers
+):
+    err = refused(faultkit_main, ["inject", *argv], capsys)
+    assert f"faultkit inject: {says}" in err, err
+    assert not any(no_temp_leftovers.iterdir()), "a refused run made a work directory"
+
+
+def test_world_size_zero_is_blamed_on_world_size_not_rank(capsys):
+    err = refused(faultkit_main, ["inject", "--world-size", "0"], capsys)
+    assert "--world-size" in err and "--rank" not in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a CUDA device")
+def test_faultkit_refuses_cuda_on_a_machine_without_one(capsys):
+    err = refused(faultkit_main, ["inject", "--device", "cuda"], capsys)
+    assert "--device cuda: torch sees no CUDA device" in err, err
+
+
+def test_a_refusal_under_json_is_a_json_object(capsys):
+    code = faultkit_main(["inject", "--pages", "-1", "--json"])
+    v = json.loads(capsys.readouterr().out)
+    assert code == 2 and v["refused"] and "--pages -1" in v["error"], v
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--world-size", "0"], "--world-size 0: must be 1 or more"),
+        (["--iterations", "0"], "--iterations 0: must be 1 or more"),
+        (["--phases", "update,nowhere"], "--phases: 'nowhere' is not one of"),
+        (["--modes", "kill,boom"], "--modes: 'boom' is not one of"),
+    ],
+)
+def test_faultkit_matrix_refuses_before_its_reference_run(argv, says, capsys, no_temp_leftovers):
+    err = refused(faultkit_main, ["matrix", *argv], capsys)
+    assert f"faultkit matrix: {says}" in err, err
+    assert not any(no_temp_leftovers.iterdir())
+
+
+def _schedule(tmp_path: Path, **kw) -> str:
+    from leto.sim.schedule import every
+
+    path = tmp_path / "plan.json"
+    path.write_text(every(interval_s=10.0, duration_s=30.0, world_size=2, **kw).to_json())
+    return str(path)
+
+
+def test_faultkit_run_plan_checks_every_failure_before_its_reference_run(
+    tmp_path, capsys, no_temp_leftovers
+):
+    bad = _schedule(tmp_path, mode="copy-corrupt", phase="update")
+    err = refused(faultkit_main, ["run-plan", bad, "--iteration-s", "5"], capsys)
+    assert "the schedule's failure at 10.0 s: --mode copy-corrupt needs a phase" in err, err
+    ok = _schedule(tmp_path)
+    err = refused(faultkit_main, ["run-plan", ok, "--iteration-s", "0"], capsys)
+    assert "--iteration-s 0.0: expected a finite time > 0 s" in err, err
+    err = refused(
+        faultkit_main, ["run-plan", ok, "--iteration-s", "5", "--world-size", "3"], capsys
+    )
+    assert "--world-size is 3: give --world-size 2" in err, err
+    err = refused(
+        faultkit_main, ["run-plan", ok, "--iteration-s", "5", "--iterations", "0"], capsys
+    )
+    assert "--iterations 0: must be 1 or more" in err, err
+    assert not any(no_temp_leftovers.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["--world-size", "0"],
+            "faultkit plan: --world-size: world_size=0: expected an integer >= 1",
+        ),
+        (["--world-size", "2", "--interval-s", "0"], "faultkit plan: --interval-s: interval_s=0.0"),
+        (
+            ["--world-size", "2", "--hof-ratio", "1.5"],
+            "faultkit plan: --hof-ratio: hof_ratio=1.5: expected a fraction in [0, 1]",
+        ),
+        (
+            ["--world-size", "2", "--mode", "copy-corrupt", "--phase", "update"],
+            "--mode copy-corrupt needs a phase that copies parity",
+        ),
+        (["--world-size", "2", "--mode", "boom"], "faultkit plan: --mode: failure: mode='boom'"),
+    ],
+)
+def test_faultkit_plan_names_the_flag(argv, says, capsys):
+    base = ["--interval-s", "60", "--duration-s", "600"]
+    err = refused(faultkit_main, ["plan", "every", *base, *argv], capsys)
+    assert says in err, err
