@@ -7,7 +7,9 @@ rank SIGKILLed at ``--at``, ``--trials`` times. Per trial: "to training" (the ki
 detection to the slowest promoted trainer's first training step, less the verifiers'
 digest), the progress regained (``bench.recovery_speed.regained_s``), what each promoted
 trainer still imported on its way (``promoted_imports``; empty is the goal) and what its
-shadow imported ahead while parked (``imports_warmup_s``). Prints a table, writes JSON.
+shadow imported ahead while parked (``imports_warmup_s``). ``--warmup both`` runs each
+trial with and without the parked shadow's generic warm-up (``leto.runtime.warmup.
+generic_step``, for scripts that give none). Prints a table, writes JSON.
 
     python -m bench.plain_recovery --trials 3
     python -m bench.plain_recovery --device cuda --nproc-per-node 1 --shadow-level L3 \\
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import tempfile
@@ -79,27 +82,40 @@ def main(argv: list[str] | None = None) -> int:
         default=CPU_SHAPE,
         help="the script's shape flags, one string (write it with '=')",
     )
+    ap.add_argument(
+        "--warmup",
+        choices=("generic", "none", "both"),
+        default="generic",
+        help="the parked shadow's warm-up of a script that gives none: Leto's generic "
+        "step (the default), none (LETO_GENERIC_WARMUP=0), or both, side by side per trial",
+    )
     ap.add_argument("--work-dir", help="jobs' folders (default: a new temporary folder)")
     ap.add_argument("--json-out", help="write the trials as JSON here")
     args = ap.parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="leto-plain-recovery-"))
     rows = []
+    kinds = ("generic", "none") if args.warmup == "both" else (args.warmup,)
     for i in range(args.trials):
-        t0 = time.time()
-        row = trial(args, work / f"trial{i}")
-        row["job_s"] = time.time() - t0
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for kind in kinds:  # side by side, trial by trial
+            os.environ["LETO_GENERIC_WARMUP"] = "0" if kind == "none" else "1"
+            t0 = time.time()
+            row = trial(args, work / f"trial{i}-{kind}")
+            row.update(trial=i, warmup=kind, job_s=time.time() - t0)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     t = Table(title=f"plain script ({SCRIPT.name}), {args.shadow_level}, kill at {args.at}")
-    for col in ("trial", "to training s", "regained s", "promoted imports", "imported ahead s"):
+    cols = ("trial", "warm-up", "to training s", "regained s", "promoted imports", "ahead s")
+    for col in cols:
         t.add_column(col)
-    for i, r in enumerate(rows):
+    for r in rows:
         names = sorted({x["module"] for v in r["promoted_imports"].values() for x in v})
-        t.add_row(str(i), f"{r['to_training_s']:.3f}", f"{r['regained_s']:.2f}",
-                  ", ".join(names) or "none", f"{r['imports_warmup_s']:.2f}")  # fmt: skip
+        t.add_row(str(r["trial"]), r["warmup"], f"{r['to_training_s']:.3f}",
+                  f"{r['regained_s']:.2f}", ", ".join(names) or "none",
+                  f"{r['imports_warmup_s']:.2f}")  # fmt: skip
     Console(width=120).print(t)
-    med = statistics.median(r["to_training_s"] for r in rows)
-    print(f"median to training: {med:.3f} s")
+    for kind in kinds:
+        med = statistics.median(r["to_training_s"] for r in rows if r["warmup"] == kind)
+        print(f"median to training, warm-up {kind}: {med:.3f} s")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "trials": rows}, indent=2))
     return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from leto.runtime.warmup import warm_up
+from leto.runtime.warmup import generic_step, warm_up
 
 CPU = torch.device("cpu")
 
@@ -65,3 +65,14 @@ def test_tools_warm_up_in_the_shadow_and_a_failing_one_is_reported_not_raised(ca
     assert "bad" in failed and "OSError: pinned memory exhausted" in failed, failed
     err = capsys.readouterr().err
     assert "rank 2: shadow: a tool's warm-up failed" in err, err
+
+
+def test_a_plain_scripts_generic_warm_up_runs_and_leaves_the_rng_as_it_found_it():
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(7)
+    want = torch.rand(4)
+    torch.manual_seed(7)
+    out = warm_up(generic_step, device, rank=0)
+    assert "warmup_failed" not in out, out
+    assert torch.equal(torch.rand(4), want), "the generic warm-up moved the RNG"
+    assert torch.backends.cuda.matmul.allow_tf32 is False, "TF32 left changed"

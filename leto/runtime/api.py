@@ -41,7 +41,7 @@ from leto.runtime.config import (
     TrainerEnv,
 )
 from leto.runtime.premap import Premap
-from leto.runtime.warmup import warm_tools, warm_up
+from leto.runtime.warmup import generic_step, warm_tools, warm_up
 
 
 @dataclass
@@ -357,6 +357,10 @@ def init(prepare=None, warmup=None) -> Context:
         for name in order[:ahead]:
             step(name)
         if ahead >= 2:  # with the device runtime up
+            # The script's own step, or — for a plain script that gives none — a generic
+            # one (LETO_GENERIC_WARMUP=0: none; benchmarks compare both).
+            if warmup is None and os.environ.get("LETO_GENERIC_WARMUP", "1") != "0":
+                warmup = generic_step
             if warmup is not None:
                 timings.update(warm_up(warmup, device, rank))
             timings.update(warm_tools(device, rank))

@@ -68,6 +68,46 @@ def warm_up(fn, device: torch.device, rank: int) -> dict:
     return out
 
 
+def generic_step(device: torch.device) -> None:
+    """The warm-up of a script that gives none (issue 37, a plain script): one small step
+    through what a transformer's training step reaches lazily on first use — cuBLAS and
+    cuBLASLt handles (fp32, TF32 and bf16 GEMMs, forward and backward), SDPA's fused
+    attention kernels under bf16 autocast, layer norm, GELU, embedding, cross entropy,
+    a gradient-norm clip and torch's fused AdamW. Not the script's shapes: kernels picked
+    per shape still load at the first real iteration; the handles, the libraries'
+    one-time set-up and the common kernels do not."""
+    import torch.nn.functional as F
+
+    cuda = device.type == "cuda"
+    emb = torch.nn.Embedding(64, 64, device=device)
+    lin = torch.nn.Linear(64, 64, device=device)
+    norm = torch.nn.LayerNorm(64, device=device)
+    params = [*emb.parameters(), *lin.parameters(), *norm.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allow in (False, True) if cuda else (False,):
+            torch.backends.cuda.matmul.allow_tf32 = allow
+            for dtype in (torch.bfloat16, None):
+                with torch.autocast(
+                    device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None
+                ):
+                    x = norm(emb(torch.randint(0, 64, (2, 16), device=device)))
+                    q = F.gelu(lin(x)).view(2, 16, 4, 16).transpose(1, 2)
+                    a = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+                    logits = lin(a.transpose(1, 2).reshape(2, 16, 64))
+                    loss = F.cross_entropy(
+                        logits.float().view(-1, 64),
+                        torch.zeros(32, dtype=torch.long, device=device),
+                    )
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
 def warm_tools(device: torch.device, rank: int) -> dict:
     """The loaded plugins' shadow warm-ups; returns their time (and failures)."""
     t0 = time.time()
