@@ -7,17 +7,29 @@ faultkit plan        write a failure schedule (JSON): every X s, Poisson, trace 
 faultkit run-plan    replay a schedule against the example job, bit-exact verdict
 
 Every argument is checked before anything runs (exit 2, the flag and its range named).
+inject, matrix and run-plan print a line per stage on stderr as they go (the table or
+the JSON on stdout at the end) and write their runs to a temporary work directory that
+is removed at the end, also on SIGTERM or Ctrl-C (``--keep``, ``--workdir DIR`` or a
+verdict that is not EXACT keep it: DIR/reference/train and DIR/<run>/train are what
+``verifiers compare`` reads).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import shutil
+import signal
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from faultkit.schedule_cli import register as register_plan
 from leto.memory.mechanisms import probe
@@ -58,18 +70,89 @@ def _config(args: argparse.Namespace):
     )
 
 
+@contextlib.contextmanager
+def _progress(command: str):
+    """One line per stage on stderr as the runs go (faultkit.inject logs them at INFO;
+    stdout keeps the table or the JSON): a run of the example job takes tens of seconds,
+    a matrix many minutes, and nothing was shown until the end. Yields the function
+    that prints a line."""
+    console = Console(stderr=True, highlight=False)
+    t0 = time.monotonic()
+
+    def say(line: str) -> None:
+        elapsed = (f"{time.monotonic() - t0:6.1f} s ", "dim")
+        console.print(Text.assemble(elapsed, f"faultkit {command}: {line}"), soft_wrap=True)
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            say(record.getMessage())
+
+    log = logging.getLogger("faultkit")
+    handler, level, propagate = Lines(), log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # shown here once, not again by a root handler
+    try:
+        yield say
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
+@contextlib.contextmanager
+def _workdir(args: argparse.Namespace, say):
+    """Where the runs write (logs, checkpoints, traces: 40-60 MB a run). A directory
+    the user named is kept; a temporary one is removed at the end — also after SIGTERM
+    or Ctrl-C, once the job's agents have stopped — unless ``--keep``, or unless the
+    verdict was not EXACT (``keep["why"]`` set: the traces are the evidence)."""
+    if args.workdir:
+        path = Path(args.workdir).resolve()
+        made = not path.exists()
+        path.mkdir(parents=True, exist_ok=True)
+        keep = {"why": "--workdir"}
+    else:
+        path, made = Path(tempfile.mkdtemp(prefix="faultkit-")), True
+        keep = {"why": "--keep" if args.keep else None}
+    say(
+        f"work directory {path}" + ("" if keep["why"] else " (removed at the end; --keep keeps it)")
+    )
+    try:
+        yield path, keep
+    finally:
+        empty = path.is_dir() and not any(path.iterdir())
+        if not keep["why"] or (made and empty):
+            shutil.rmtree(path, ignore_errors=True)
+            if not empty:
+                say(f"removed {path} (--keep or --workdir DIR keeps the runs' traces)")
+        else:
+            runs = sorted(str(t.relative_to(path)) for t in path.glob("*/train") if t.is_dir())
+            say(f"kept {path} ({keep['why']}); traces: {', '.join(runs) or 'none'}")
+            if len(runs) >= 2 and "reference/train" in runs:
+                other = next(r for r in runs if r != "reference/train")
+                say(f"compare them: verifiers compare {path}/reference/train {path}/{other}")
+
+
+def _keep_if_not_exact(keep: dict, exact: bool) -> None:
+    if not exact and not keep["why"]:
+        keep["why"] = "the verdict is not EXACT: its traces are the evidence"
+
+
 def cmd_inject(args: argparse.Namespace) -> int:
     from faultkit.inject import check, inject
 
     cfg = _config(args)
     try:
-        check(cfg)  # before anything runs
+        check(cfg)  # before the work directory, before anything runs
     except ValueError as e:
         return _refuse("inject", e, args)
-    try:
-        v = inject(cfg)
-    except (ValueError, RuntimeError) as e:
-        return _refuse("inject", e, args)
+    with _progress("inject") as say, _workdir(args, say) as (work, keep):
+        try:
+            v = inject(cfg, work)
+        except (ValueError, RuntimeError) as e:
+            return _refuse("inject", e, args)
+        _keep_if_not_exact(keep, v["exact"])
+        v["workdir_kept"] = bool(keep["why"])
     if args.json:
         print(json.dumps(v))
         return 0 if v["exact"] else 1
@@ -89,10 +172,12 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         matrix_cases(_config(args), **cases)  # every case checked before anything runs
     except ValueError as e:
         return _refuse("matrix", e, args)
-    try:
-        rows = matrix(_config(args), **cases)
-    except (ValueError, RuntimeError) as e:
-        return _refuse("matrix", e, args)
+    with _progress("matrix") as say, _workdir(args, say) as (work, keep):
+        try:
+            rows = matrix(_config(args), work, **cases)
+        except (ValueError, RuntimeError) as e:
+            return _refuse("matrix", e, args)
+        _keep_if_not_exact(keep, all(r["exact"] for r in rows))
     bad = [r for r in rows if not r["exact"]]
     if args.json:
         print(json.dumps({"exact": not bad, "cases": rows}))
@@ -136,10 +221,13 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
         plan_faults(schedule, _config(args), args.iteration_s)  # every failure checked
     except (OSError, InvalidInput, ValueError) as e:
         return _refuse("run-plan", e, args)
-    try:
-        v = run_plan(schedule, _config(args), args.iteration_s)
-    except (InvalidInput, ValueError, RuntimeError) as e:
-        return _refuse("run-plan", e, args)
+    with _progress("run-plan") as say, _workdir(args, say) as (work, keep):
+        try:
+            v = run_plan(schedule, _config(args), args.iteration_s, work)
+        except (InvalidInput, ValueError, RuntimeError) as e:
+            return _refuse("run-plan", e, args)
+        _keep_if_not_exact(keep, v["exact"])
+        v["workdir_kept"] = bool(keep["why"])
     v.setdefault("mode", "from schedule")
     v.setdefault("phase", "from schedule")
     v.setdefault("point", ", ".join(v["points"]))
@@ -212,7 +300,8 @@ def _verdict_table(v: dict, title: str) -> int:
         ("first divergence", v["first_divergence"] or "none"),
         (
             "runs",
-            f"reference {v['reference_run_s']:.1f} s, faulted {v['faulted_run_s']:.1f} s, in {v['workdir']}",
+            f"reference {v['reference_run_s']:.1f} s, faulted {v['faulted_run_s']:.1f} s, in "
+            f"{v['workdir']}" + ("" if v.get("workdir_kept", True) else " (removed)"),
         ),
     ]
     for a in v.get("kernel_abort") or []:
@@ -241,6 +330,20 @@ PARALLEL_HELP = (
     "ranks, FSDP2 across them: world size 4 or more), or pp (gpt_pipeline_leto.py: one "
     "pipeline stage per rank, GPipe over 4 micro-batches)"
 )
+
+
+def workdir_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="write the runs here (kept): DIR/reference/train and DIR/<run>/train hold the "
+        "traces `verifiers compare` reads; default: a temporary directory, removed at the end",
+    )
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the temporary work directory (it is kept anyway when a verdict is not EXACT)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shadow-level", default="L2", help="leto run's shadows: L1, L2, L3, off")
     p.add_argument("--parallel", default="dp", help=PARALLEL_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    workdir_flags(p)
     p.set_defaults(fn=cmd_inject)
 
     def job_flags(p: argparse.ArgumentParser) -> None:
@@ -315,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--shadow-level", default="L2", help="leto run's shadows: L1, L2, L3, off")
         p.add_argument("--parallel", default="dp", help=PARALLEL_HELP)
         p.add_argument("--json", action="store_true", help="print one JSON object")
+        workdir_flags(p)
 
     p = sub.add_parser(
         "matrix",
@@ -360,9 +465,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _terminated(signum, frame):
+    # Unwinds like Ctrl-C: the job's agents are stopped and the temporary work
+    # directory removed (the finally clauses of finish_job and _workdir).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    before = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print(
+            f"faultkit {args.command}: interrupted (Ctrl-C); nothing left running", file=sys.stderr
+        )
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 if __name__ == "__main__":

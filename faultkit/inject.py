@@ -28,6 +28,7 @@ kill on ``--device cuda``.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import tempfile
 import time
@@ -42,6 +43,10 @@ from leto.sim.schedule import Schedule
 from leto.workload.train import TrainConfig
 from verifiers import compare
 from verifiers.recorder import ENV_KEEP
+
+# Progress, a line per stage (the runs, what the agent saw, the verdict): shown by the
+# CLI (faultkit.cli); silent in a test or a benchmark, where no one sets INFO.
+log = logging.getLogger("faultkit")
 
 PHASES = plugins.PHASES  # phase -> point (defined beside the points, in leto)
 # Phases whose injection point is in the middle of a parity copy (copy-corrupt needs one).
@@ -207,6 +212,14 @@ def _job(cfg: InjectConfig) -> tuple[TrainConfig, PoolConfig]:
     return train, pool
 
 
+def _agent_line(line: str) -> None:
+    """A line of the job's agent log worth a progress line (a failure, the recovery's
+    steps), without its timestamp: ``... leto.agent node 0 WARNING: generation 0: ...``."""
+    head, sep, msg = line.partition(": ")
+    if sep and " leto.agent " in head and msg.startswith("generation "):
+        log.info("  %s", msg)
+
+
 def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
     train, pool = _job(cfg)
     t0 = time.perf_counter()
@@ -221,7 +234,9 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
     }  # fmt: skip
     got = run_job(
         cfg.world_size, train, out, faults, pool=pool, device=cfg.device,
-        shadow_level=cfg.shadow_level, allow_failure=bool(faults), env=env, **job,
+        shadow_level=cfg.shadow_level, allow_failure=bool(faults), env=env,
+        # The agent's lines only when someone shows them (the CLI's progress).
+        watch=_agent_line if log.isEnabledFor(logging.INFO) else None, **job,
     )  # fmt: skip
     got["run_s"] = time.perf_counter() - t0
     return got
@@ -231,11 +246,23 @@ def reference_run(cfg: InjectConfig, work: Path) -> dict:
     """The fault-free run every faulted run of the same job is compared with. Without
     shadows: a parked shadow computes nothing, so the bytes are the same and the job
     starts half the processes."""
-    return _run(replace(cfg, shadow_level="off"), work / "reference")
+    log.info("reference run (fault-free, %s, %d ranks, %d iterations) started",
+             cfg.parallel, cfg.world_size, cfg.iterations)  # fmt: skip
+    ref = _run(replace(cfg, shadow_level="off"), work / "reference")
+    log.info("reference run finished in %.1f s", ref["run_s"])
+    return ref
 
 
 def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path, label: str):
+    what = "; ".join(
+        f"{f.mode} rank {f.rank} at {f.at}"
+        + (f", {f.lose_pages} page(s) lost per group" if f.lose_pages else "")
+        + (f", {f.host_parity_pages} host parity page(s)" if f.host_parity_pages else "")
+        for f in faults
+    )
+    log.info("faulted run started: %s", what)
     got = _run(cfg, work / label, faults)
+    log.info("faulted run finished in %.1f s (exit code %d); comparing", got["run_s"], got["code"])
     recs = got.get("recoveries", [])
     ff = [r for r in recs if r["class"] == "FF"]
     ok = got["code"] == 0
@@ -272,6 +299,12 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
             f"the scrub found silently corrupted state ({scrub}); every rank restarted on "
             f"fresh pools from the verified checkpoint, at iteration {min(back) if back else '?'}"
         )
+    log.info(
+        "verdict: %s%s%s",
+        "EXACT" if exact else "NOT EXACT",
+        f" — {verdict.describe()}" if verdict is not None and not verdict.exact else "",
+        f" — {detail}" if detail else "",
+    )
     return {
         "exact": exact,
         "fatal": bool(ff) or not ok,
@@ -431,7 +464,9 @@ def matrix(
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-matrix-"))
     ref = reference_run(base, work)
     rows = []
-    for phase, mode, pages, host in cases:
+    for n, (phase, mode, pages, host) in enumerate(cases, 1):
+        log.info("case %d of %d: %s, %s, %d page(s)/group, host %d",
+                 n, len(cases), phase, mode, pages, host)  # fmt: skip
         cfg = replace(base, phase=phase, mode=mode, pages=pages, host_parity_pages=host)
         rows.append(inject(cfg, work, reference=ref))
     return rows

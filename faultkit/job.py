@@ -19,6 +19,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,20 +193,70 @@ def shadow_pids(root: Path, generation: int) -> list[int]:
     return found
 
 
-def finish_job(procs: list[subprocess.Popen], timeout_s: float = 600) -> list[tuple[int, dict]]:
-    """Wait for a job's agents; (exit code, leto run's JSON summary) per node."""
+def finish_job(
+    procs: list[subprocess.Popen],
+    timeout_s: float = 600,
+    watch: Callable[[str], None] | None = None,
+) -> list[tuple[int, dict]]:
+    """Wait for a job's agents; (exit code, leto run's JSON summary) per node. ``watch``
+    gets each line node 0's agent logs, as it logs it (faultkit's progress). Interrupted
+    (a timeout, SIGTERM, Ctrl-C), every agent still running gets SIGTERM and a while to
+    stop its trainers, shadows and state managers: a SIGKILLed agent would leave them
+    running, and its state managers' directories in /tmp."""
     done = []
+    stop = threading.Event()
+    tail = None
+    if watch is not None:
+        tail = threading.Thread(
+            target=_tail, args=(Path(procs[0].log.name), watch, stop), daemon=True
+        )
+        tail.start()
     try:
         for p in procs:
             stdout, _ = p.communicate(timeout=timeout_s)
             lines = stdout.strip().splitlines()
             done.append((p.returncode, json.loads(lines[-1]) if lines else {}))
     finally:
-        for p in procs:
-            if p.poll() is None:
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            p.terminate()
+        for p in running:
+            try:  # reading its stdout: a summary larger than the pipe would block it
+                p.communicate(timeout=STOP_TIMEOUT_S)
+            except (subprocess.TimeoutExpired, ValueError):  # ValueError: stdout closed
                 p.kill()
+                p.wait()
+        for p in procs:
             p.log.close()
+        stop.set()
+        if tail is not None:
+            tail.join(timeout=5)
     return done
+
+
+# How long an interrupted job's agent gets to stop everything it started (its own
+# waits for a state manager's shutdown are 10 s).
+STOP_TIMEOUT_S = 30.0
+
+
+def _tail(path: Path, watch: Callable[[str], None], stop: threading.Event) -> None:
+    """Hand each complete line appended to ``path`` to ``watch`` until ``stop``, then
+    the rest."""
+    buf = ""
+    with open(path, errors="replace") as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                buf += chunk
+                *lines, buf = buf.split("\n")
+                for line in lines:
+                    watch(line)
+            elif stop.is_set():
+                break
+            else:
+                stop.wait(0.2)
+    if buf:
+        watch(buf)
 
 
 def run_job(
@@ -225,6 +277,7 @@ def run_job(
     script_args: list[str] | None = None,
     pressure: Pressure | None = None,
     save_state: bool = False,
+    watch: Callable[[str], None] | None = None,
 ) -> dict:
     """Run the job on ``world`` ranks; returns leto run's summary (node 0's; every
     node's under ``"nodes"``) plus each rank's losses (and final state with
@@ -238,7 +291,7 @@ def run_job(
         world, cfg, out, plan, pool, device, shadow_level, extra, env, nnodes,
         script=script, script_args=script_args, pressure=pressure, save_state=save_state,
     )  # fmt: skip
-    nodes = finish_job(procs, timeout_s)
+    nodes = finish_job(procs, timeout_s, watch)
     code = next((c for c, _ in nodes if c != 0), 0)
     summary = nodes[0][1]
     p = subprocess.CompletedProcess([], code)

@@ -3,12 +3,16 @@ it may be.
 
 Quick: nothing here starts a job. The CLIs run in this process (torch is imported
 already), so each refusal's time is the check's own; each must come in under 5 s
-(issue 36: ``faultkit inject --pages -1`` ran 55 s before it failed).
+(issue 36: ``faultkit inject --pages -1`` ran 55 s before it failed). The runs that
+start jobs (faultkit's progress and clean-up) are in test_console_integ.py.
 """
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -157,3 +161,54 @@ def test_faultkit_plan_names_the_flag(argv, says, capsys):
     base = ["--interval-s", "60", "--duration-s", "600"]
     err = refused(faultkit_main, ["plan", "every", *base, *argv], capsys)
     assert says in err, err
+
+
+def test_an_interrupted_job_gets_sigterm_not_sigkill(tmp_path):
+    """faultkit stopped (a timeout, SIGTERM, Ctrl-C) while a job runs: its leto run agent
+    gets SIGTERM and time to stop what it started (SIGKILLed, it left trainers, state
+    managers and their /tmp directories behind)."""
+    from faultkit.job import finish_job
+
+    said = tmp_path / "said"
+    child = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda s, f: (open({str(said)!r}, 'w').write('TERM'), sys.exit(0)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    log = open(tmp_path / "agent.log", "w")  # noqa: SIM115 - finish_job closes it
+    p = subprocess.Popen(
+        [sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=log, text=True
+    )
+    p.log = log
+    assert p.stdout.readline().strip() == "ready"
+    with pytest.raises(subprocess.TimeoutExpired):
+        finish_job([p], timeout_s=0.5)
+    assert p.returncode == 0 and said.read_text() == "TERM", p.returncode
+
+
+def test_faultkit_workdir_is_removed_unless_kept(tmp_path, no_temp_leftovers):
+    from argparse import Namespace
+
+    from faultkit.cli import _keep_if_not_exact, _workdir
+
+    lines: list[str] = []
+    with _workdir(Namespace(workdir=None, keep=False), lines.append) as (work, _):
+        (work / "reference" / "train").mkdir(parents=True)
+    assert not work.exists() and "removed" in lines[-1], lines
+    with _workdir(Namespace(workdir=None, keep=True), lines.append) as (kept, _):
+        (kept / "reference" / "train").mkdir(parents=True)
+    assert kept.is_dir() and "kept" in lines[-1] and "reference/train" in lines[-1], lines
+    with _workdir(Namespace(workdir=None, keep=False), lines.append) as (bad, keep):
+        (bad / "reference" / "train").mkdir(parents=True)
+        _keep_if_not_exact(keep, exact=False)
+    assert bad.is_dir() and "not EXACT" in lines[-1], lines
+    mine = tmp_path / "mine"
+    with _workdir(Namespace(workdir=str(mine), keep=False), lines.append) as (work, _):
+        (work / "x").mkdir()
+    assert mine.is_dir(), "a --workdir the user named was removed"
+    with pytest.raises(SystemExit):  # SIGTERM's handler raises SystemExit
+        with _workdir(Namespace(workdir=None, keep=False), lines.append) as (gone, _):
+            (gone / "run").mkdir()
+            raise SystemExit(128 + signal.SIGTERM)
+    assert not gone.exists(), "SIGTERM left the temporary work directory"
