@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from faultkit.cli import main as faultkit_main
+from verifiers.cli import main as verifiers_main
 
 LIMIT_S = 5.0
 
@@ -212,3 +213,31 @@ def test_faultkit_workdir_is_removed_unless_kept(tmp_path, no_temp_leftovers):
             (gone / "run").mkdir()
             raise SystemExit(128 + signal.SIGTERM)
     assert not gone.exists(), "SIGTERM left the temporary work directory"
+
+
+def test_verifiers_compare_names_the_missing_directory(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    err = refused(verifiers_main, ["compare", str(tmp_path / "empty"), "/nonexistent"], capsys)
+    assert "RUN directory /nonexistent does not exist" in err, err
+    err = refused(verifiers_main, ["compare", "/nonexistent", str(tmp_path / "empty")], capsys)
+    assert "REF directory /nonexistent does not exist" in err, err
+
+
+def test_verifiers_compare_points_below_a_faultkit_work_directory(tmp_path, capsys):
+    from verifiers import Recorder
+
+    work = tmp_path / "faultkit-x"
+    for run in ("reference", "faulted-update-kill-p0-h0"):
+        with Recorder(work / run / "train", 0) as r:
+            r.record(0, 1.0, {"w": torch.zeros(2)})
+    err = refused(verifiers_main, ["compare", str(work), str(work / "reference" / "train")], capsys)
+    assert f"REF {work} holds no rank<N>.trace.jsonl" in err, err
+    assert "faulted-update-kill-p0-h0/train, reference/train" in err, err
+    assert f"pass e.g. {work / 'reference' / 'train'}" in err, err
+    (tmp_path / "nothing").mkdir()
+    err = refused(
+        verifiers_main,
+        ["compare", str(work / "reference" / "train"), str(tmp_path / "nothing")],
+        capsys,
+    )
+    assert "RUN" in err and "reference/train or <faulted run>/train" in err, err

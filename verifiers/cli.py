@@ -21,7 +21,68 @@ from rich.table import Table
 
 from leto.errors import InvalidInput
 from verifiers.compare import Verdict, compare
-from verifiers.report import report
+from verifiers.trace import TRACE_GLOB
+
+# How deep below a directory without traces to look for run directories that have
+# them (faultkit's work directory: WORKDIR/<run>/train/rank0.trace.jsonl), and how many
+# directories to visit at most (``/tmp`` given by mistake must still answer at once).
+_BELOW_DEPTH = 3
+_BELOW_VISITS = 2000
+
+
+def _runs_below(root: Path) -> list[Path]:
+    """Directories below ``root`` that hold traces, nearest first."""
+    found, visits, level = [], 0, [root]
+    for _ in range(_BELOW_DEPTH):
+        nxt = []
+        for d in level:
+            try:
+                subs = sorted(x for x in d.iterdir() if x.is_dir() and not x.is_symlink())
+            except OSError:
+                continue
+            for x in subs:
+                visits += 1
+                if visits > _BELOW_VISITS:
+                    return found
+                if next(x.glob(TRACE_GLOB), None) is not None:
+                    found.append(x)
+                else:
+                    nxt.append(x)
+        level = nxt
+    return found
+
+
+def check_run_dirs(dirs: list[tuple[Path, str]]) -> None:
+    """Refuse directories that cannot be runs before comparing anything, naming which
+    argument each is (REF, RUN): every missing one first (``compare /tmp /nonexistent``
+    must name /nonexistent, not /tmp's lack of traces), then any without traces — and,
+    when directories below it have them (faultkit's work directory), those."""
+    for path, what in dirs:
+        if not path.exists():
+            raise InvalidInput(f"{what} directory {path} does not exist; nothing was compared")
+        if not path.is_dir():
+            raise InvalidInput(f"{what} {path} is not a directory; pass a run's output directory")
+    for path, what in dirs:
+        if next(path.glob(TRACE_GLOB), None) is None:
+            raise InvalidInput(f"{what} {path} holds no rank<N>.trace.jsonl{_hint(path, what)}")
+
+
+def _hint(path: Path, what: str) -> str:
+    below = _runs_below(path)
+    if not below:
+        return (
+            "; a run directory is the training script's --out (with leto run --verify), or "
+            "a faultkit work directory's reference/train or <faulted run>/train"
+        )
+    ref = [b for b in below if b.parent.name == "reference"]
+    other = [b for b in below if b not in ref]
+    pick = (ref or other)[0] if what == "REF" else (other or ref)[0]
+    names = ", ".join(str(b.relative_to(path)) for b in below[:6])
+    more = f" and {len(below) - 6} more" if len(below) > 6 else ""
+    return (
+        f"; below it: {names}{more} (a faultkit work directory holds one run per folder: "
+        f"pass e.g. {pick})"
+    )
 
 
 def _ranges(pairs: tuple[tuple[int, int], ...]) -> str:
@@ -82,6 +143,7 @@ def print_verdict(v: Verdict, console: Console | None = None) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    check_run_dirs([(Path(args.reference), "REF"), (Path(args.run), "RUN")])
     v = compare(Path(args.reference), Path(args.run))
     if args.json:
         print(json.dumps(v.as_dict()))
@@ -91,6 +153,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    # Imported here: importing the submodule at the top rebinds the package's lazy
+    # ``verifiers.report`` function to the module (and costs compare matplotlib).
+    from verifiers.report import report
+
+    check_run_dirs([(Path(args.reference), "REF"), *((Path(r), "RUN") for r in args.runs)])
     paths = report(Path(args.reference), [Path(r) for r in args.runs], Path(args.out), args.rank)
     for p in paths:
         print(p)
