@@ -74,6 +74,24 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pool_of(log_dir: Path, rank: int) -> tuple[str, str]:
+    """(socket directory, token) of ``rank``'s pool, from the file a running ``leto run``
+    keeps in its log directory (``leto.runtime.agent.POOLS_FILE``)."""
+    found = {}
+    for f in sorted(log_dir.glob("node*.pools.json")):
+        found.update(json.loads(f.read_text())["ranks"])
+    if not found:
+        raise InvalidInput(
+            f"{log_dir} holds no node*.pools.json: give the --log-dir of a running leto run "
+            "job (the file is there while the job runs)"
+        )
+    if str(rank) not in found:
+        raise InvalidInput(
+            f"--rank {rank}: the job in {log_dir} has ranks {', '.join(sorted(found, key=int))}"
+        )
+    return found[str(rank)]["socket_dir"], found[str(rank)]["token"]
+
+
 def cmd_pool_status(args: argparse.Namespace) -> int:
     from leto.memory.client import PoolClient
     from leto.memory.config import ENV_POOL_DIR, ENV_POOL_TOKEN, SOCKET_NAME
@@ -81,9 +99,17 @@ def cmd_pool_status(args: argparse.Namespace) -> int:
 
     socket_dir = args.socket_dir or os.environ.get(ENV_POOL_DIR)
     token = os.environ.get(ENV_POOL_TOKEN)
+    if args.log_dir and not args.socket_dir:
+        try:
+            socket_dir, token = _pool_of(Path(args.log_dir), args.rank)
+        except (InvalidInput, OSError, ValueError, KeyError) as e:
+            print(f"leto pool status: {e}", file=sys.stderr)
+            return 2
     if not socket_dir or not token:
         print(
-            f"leto pool status: need --socket-dir (or {ENV_POOL_DIR}) and the job token in {ENV_POOL_TOKEN}",
+            "leto pool status: give --log-dir DIR, the --log-dir of a running leto run job "
+            f"(and --rank R), or the pool's --socket-dir (or {ENV_POOL_DIR}) and its token in "
+            f"{ENV_POOL_TOKEN}",
             file=sys.stderr,
         )
         return 2
@@ -92,7 +118,7 @@ def cmd_pool_status(args: argparse.Namespace) -> int:
             Path(socket_dir) / SOCKET_NAME, token, role="observer", timeout_s=args.timeout_s
         ) as c:
             status = c.status()
-    except (PoolError, TimeoutError) as e:
+    except (PoolError, TimeoutError, OSError) as e:
         print(f"leto pool status: {e}", file=sys.stderr)
         return 1
     if args.json:
@@ -196,7 +222,7 @@ def cmd_pool_scrub(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from leto.runtime.agent import Agent
+    from leto.runtime.agent import Agent, SignalStop
     from leto.runtime.config import RunConfig
 
     device_note = None
@@ -271,18 +297,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     except InvalidInput as e:
         print(f"leto run: {e}", file=sys.stderr)
         return 2
-    # SIGTERM (a scheduler stopping the job) unwinds like Ctrl-C: the agent's cleanup
-    # stops every trainer's process group, shadow and state manager before it exits.
-    signal.signal(signal.SIGTERM, _terminated)
-    code = agent.run()
+    # SIGTERM (a scheduler stopping the job) and Ctrl-C stop the job as its end does:
+    # every trainer fenced, shadows and state managers stopped, the record written.
+    handlers = {s: signal.signal(s, agent.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = agent.run()
+    except InvalidInput as e:  # found before anything started (a busy port)
+        print(f"leto run: {e}", file=sys.stderr)
+        return 2
+    except SignalStop as e:  # before the job's store was up: nothing to stop
+        print(f"leto run: stopped by {e} before the job started", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
     summary = json.loads((Path(cfg.log_dir) / f"node{cfg.node_rank}.recovery.json").read_text())
     if args.json:
         print(json.dumps(summary))
         return code
+    return _print_summary(summary, cfg, code)
+
+
+def _print_summary(summary: dict, cfg, code: int) -> int:
+    """leto run's console: one line when the job ran through without failures; the
+    reason first when it stopped (a signal, a script error, a repeated fatal failure);
+    the table of recoveries only when there were some."""
     m = summary["measured"]
     ettr = (
         f"ETTR {m['ettr']:.1%} ({m['iterations']} iterations of {m['median_iteration_s']:.3f} s "
-        f"in {m['wall_s']:.1f} s)"
+        f"in {m['wall_s']:.1f} s; start-up counts against it, so a short run reads low)"
         if m["ettr"] is not None
         else f"ETTR not measured: {m['why']}"
     )
@@ -296,13 +339,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         if any(v["emulated_device"] for v in p.values()):
             shadows += " [emulated device memory]"
     head = f"leto run: {summary['failures']} failure(s), shadows {shadows}; {ettr}"
-    if summary.get("stopped"):
-        # A failed job says why first, in one line (its table of recoveries may be empty).
+    stopped = summary.get("stopped")
+    if stopped in ("SIGTERM", "SIGINT"):
+        fenced = len(summary.get("fenced") or [])
         print(
-            f"leto run: the job stopped (exit code {code}): {summary['stopped']}", file=sys.stderr
+            f"leto run: stopped by {stopped}; {fenced} trainer(s) fenced (logs in {cfg.log_dir})",
+            file=sys.stderr,
         )
+    elif stopped:
+        # A failed job says why in one line (rank, exit code, the error); the agent's
+        # ERROR line above it (--log-level shows ERROR at every level) has the
+        # traceback's tail, the record all of it.
+        first = stopped.splitlines()[0]
+        print(f"leto run: the job stopped (exit code {code}): {first}", file=sys.stderr)
     if not summary["recoveries"]:
-        print(head)  # no failure: no table of recoveries to print
+        if not stopped:
+            print(head)  # no failure: no table of recoveries to print
         return code
     t = Table(title=head)
     cols = ("generation", "class", "shadow level", "failed ranks", "fencing", "promotion", "trainer steps, s (slowest rank)", "recovery (to training)")  # fmt: skip
@@ -348,9 +400,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = pool.add_parser("status", help="allocations, pages, groups, failed and rebuilt pages")
     p.add_argument(
+        "--log-dir",
+        default=None,
+        help="the --log-dir of a running leto run job: its pools' sockets and tokens are "
+        "found there (node*.pools.json, this user only)",
+    )
+    p.add_argument("--rank", type=int, default=0, help="with --log-dir: the rank whose pool")
+    p.add_argument(
         "--socket-dir",
         default=None,
-        help="the pool's private socket directory (default: $LETO_POOL_DIR)",
+        help="a pool's private socket directory (default: $LETO_POOL_DIR), with its token "
+        "in $LETO_POOL_TOKEN",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--timeout-s", type=float, default=10.0, help="give up after this many seconds")
@@ -489,10 +549,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_run)
     register_bench(sub)
     return ap
-
-
-def _terminated(signum, frame):
-    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:

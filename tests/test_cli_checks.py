@@ -4,13 +4,15 @@ it may be.
 Quick: nothing here starts a job. The CLIs run in this process (torch is imported
 already), so each refusal's time is the check's own; each must come in under 5 s
 (issue 36: ``faultkit inject --pages -1`` ran 55 s before it failed). The runs that
-start jobs (faultkit's progress and clean-up) are in test_console_integ.py.
+start jobs (SIGTERM, the console of a failed job, faultkit's progress and clean-up)
+are in test_console_integ.py.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from faultkit.cli import main as faultkit_main
+from leto.cli import main as leto_main
 from verifiers.cli import main as verifiers_main
 
 LIMIT_S = 5.0
@@ -241,3 +244,50 @@ def test_verifiers_compare_points_below_a_faultkit_work_directory(tmp_path, caps
         capsys,
     )
     assert "RUN" in err and "reference/train or <faulted run>/train" in err, err
+
+
+def test_leto_run_on_a_busy_port_says_which_flag(tmp_path, capsys):
+    script = tmp_path / "never_started.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        err = refused(
+            leto_main,
+            ["run", "--device", "cpu", "--master-port", str(port), "--log-dir",
+             str(tmp_path / "logs"), str(script)],
+            capsys,
+        )  # fmt: skip
+    line = f"leto run: port {port} on 127.0.0.1 is in use (another job?); pass --master-port PORT"
+    assert line in err and "Traceback" not in err, err
+    assert signal.getsignal(signal.SIGTERM) is not None  # leto run put the handlers back
+
+
+def test_leto_pool_status_without_a_running_job_says_what_to_give(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LETO_POOL_DIR", raising=False)
+    monkeypatch.delenv("LETO_POOL_TOKEN", raising=False)
+    err = refused(leto_main, ["pool", "status"], capsys)
+    assert "give --log-dir DIR, the --log-dir of a running leto run job" in err, err
+    err = refused(leto_main, ["pool", "status", "--log-dir", str(tmp_path)], capsys)
+    assert f"{tmp_path} holds no node*.pools.json" in err, err
+    (tmp_path / "node0.pools.json").write_text(json.dumps({"node": 0, "ranks": {"0": {}}}))
+    err = refused(leto_main, ["pool", "status", "--log-dir", str(tmp_path), "--rank", "3"], capsys)
+    assert "--rank 3: the job in" in err and "has ranks 0" in err, err
+
+
+def test_a_failure_without_an_error_file_shows_the_end_of_its_log(tmp_path):
+    """An exception before leto.init() writes no error file (the hook is installed
+    there): the console used to say only "no traceback ... its log has the rest"."""
+    from leto.runtime.monitor import Failure, FailureKind
+
+    log = tmp_path / "rank0.gen0.active.log"
+    lines = ["warming up"] + [f"  frame {i}" for i in range(12)] + ["OSError: no data at /x"]
+    log.write_text("\n".join(lines) + "\n\n")
+    f = Failure(0, FailureKind.EXIT, 1, None, str(log))
+    assert f.traceback_tail().splitlines() == lines[-10:]
+    assert f.first_error_line() == "OSError: no data at /x"
+    assert (
+        "wrote nothing"
+        in Failure(0, FailureKind.EXIT, 1, None, str(tmp_path / "no")).traceback_tail()
+    )

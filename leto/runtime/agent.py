@@ -15,7 +15,13 @@ together; fatal: the checkpoint fallback), and the shadows are
   the chain in the summary (a persistent fault must not loop);
 * a script error (an uncaught Python exception) before its trainer began training, or
   the same one again after a recovery, stops the job (``_script_error``);
-* ``max_failures`` failures stop it.
+* ``max_failures`` failures stop it;
+* a signal (SIGTERM from a scheduler, Ctrl-C) stops it (``on_signal``): every live
+  trainer fenced at once, the record's ``stopped`` says which signal, ``fenced`` whom.
+
+Whichever way it ends, every trainer, shadow and state manager is stopped and the
+record (``node<N>.recovery.json``) written; while it runs, ``node<N>.pools.json`` in the
+log directory tells ``leto pool status --log-dir`` where each rank's pool is.
 
 A failure during a recovery is one more failure of the new generation.
 """
@@ -25,22 +31,41 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch.distributed as dist
+
 from leto import plugins
-from leto.errors import EXIT_FATAL
+from leto.errors import EXIT_FATAL, InvalidInput
 from leto.memory.config import PoolConfig
 from leto.runtime import fault_plan, keys
 from leto.runtime import store as job_store
-from leto.runtime.cell import Cell
+from leto.runtime.cell import Cell, kill_group
 from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
 from leto.runtime.monitor import Failure, FailureKind, Monitor
 from leto.runtime.recovery import Recovery, RecoveryRecord
 from leto.runtime.shadows import Shadows
 
 log = logging.getLogger("leto.agent")
+
+# Where a running job's pools are (socket directory, token, per local rank), for
+# `leto pool status --log-dir` — written 0600 (the token is the pool's only lock) while
+# the job runs and removed when it ends.
+POOLS_FILE = "node{node}.pools.json"
+
+
+class SignalStop(BaseException):
+    """A signal (SIGTERM from a scheduler, SIGINT from Ctrl-C) stops the job: raised
+    in the agent's main loop by ``Agent.on_signal``, handled there like the job's end
+    (every trainer fenced, shadows and state managers stopped, the record written).
+    A BaseException: no ``except Exception`` on the way may swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class Agent:
@@ -68,7 +93,9 @@ class Agent:
         # each happened in. The same one again falls back a tier; a third time stops.
         self._fatal: dict[tuple, list[int]] = {}
         self._fatal_now: tuple | None = None  # this generation's, if its trainer said
-        self.stopped: str | None = None  # why the job stopped early (a script error)
+        self.stopped: str | None = None  # why the job stopped early (a script error, "SIGTERM")
+        self.fenced: list[int] = []  # ranks whose live trainers the agent fenced at the stop
+        self._stopping = False  # cleanup has begun: a signal now must not interrupt it
         self.pools: list[dict] = []  # each local pool's final status
         self.monitor: Monitor | None = None
         self.store: job_store.CountingStore | None = None
@@ -87,34 +114,60 @@ class Agent:
             kw["page_bytes"] = c.page_bytes
         return PoolConfig(**kw)
 
+    def on_signal(self, signum: int, frame) -> None:
+        """The handler ``leto run`` installs for SIGTERM and SIGINT: the first stops the
+        job (``SignalStop`` unwinds the main loop into the cleanup); later ones, and any
+        during the cleanup, are logged and ignored — an interrupted cleanup would leave
+        trainers, state managers and their directories behind."""
+        if self._stopping:
+            log.warning("%s while stopping: ignored (the job is being stopped)",
+                        signal.Signals(signum).name)  # fmt: skip
+            return
+        self._stopping = True
+        raise SignalStop(signum)
+
+    def _connect(self):
+        c = self.cfg
+        try:
+            raw = job_store.connect(c.master_addr, c.master_port, c.node_rank == 0, c.timeout_s)
+        except dist.DistNetworkError as e:
+            # torch's message (a C++ traceback) names neither the cause's fix nor the flag.
+            if c.node_rank == 0 and "EADDRINUSE" in str(e):
+                raise InvalidInput(
+                    f"port {c.master_port} on {c.master_addr} is in use (another job?); "
+                    "pass --master-port PORT; nothing started"
+                ) from None
+            raise
+        return job_store.CountingStore(raw)
+
     def run(self) -> int:
         c = self.cfg
-        store = job_store.CountingStore(
-            job_store.connect(c.master_addr, c.master_port, c.node_rank == 0, c.timeout_s)
-        )
-        self.store = store
-        store.add(keys.AGENTS, 1)
-        job_store.wait_count(store, keys.AGENTS, c.nnodes, c.timeout_s, "every node's agent")
-        first = c.node_rank * c.nproc_per_node
-        cells = [
-            Cell(c, lr, first + lr, self.command, self._pool(lr)) for lr in range(c.nproc_per_node)
-        ]
+        store = self.store = self._connect()
+        cells: list[Cell] = []
         self.cells = cells
-        shadows = self.shadows = Shadows(c, cells)
-        self.monitor = Monitor(
-            c, cells, store, on_beat=shadows.observe_memory if c.controlled else None
-        )
-        shadows.monitor = self.monitor
-        recovery = self.recovery = Recovery(c, cells, store, shadows, self.faults)
+        shadows = recovery = None
         gen = 0
         code = 0
         try:
+            store.add(keys.AGENTS, 1)
+            job_store.wait_count(store, keys.AGENTS, c.nnodes, c.timeout_s, "every node's agent")
+            first = c.node_rank * c.nproc_per_node
+            for lr in range(c.nproc_per_node):  # each starts its state manager
+                cells.append(Cell(c, lr, first + lr, self.command, self._pool(lr)))
+            self._write_pools()
+            shadows = self.shadows = Shadows(c, cells)
+            self.monitor = Monitor(
+                c, cells, store, on_beat=shadows.observe_memory if c.controlled else None
+            )
+            shadows.monitor = self.monitor
+            recovery = self.recovery = Recovery(c, cells, store, shadows, self.faults)
             shadows.setup(store)
             for cell in cells:
                 cell.start_active(0, recovery.fault(0, cell.rank))
             log.info(
-                "started ranks %s (world %d, %s), shadows %s",
-                [cl.rank for cl in cells], c.world_size, c.device, c.shadow_level,
+                "started ranks %s (world %d, %s), shadows %s; their pools: leto pool status "
+                "--log-dir %s --rank R",
+                [cl.rank for cl in cells], c.world_size, c.device, c.shadow_level, c.log_dir,
             )  # fmt: skip
             shadows.start_first()
             if not c.checkpointing:
@@ -159,6 +212,7 @@ class Agent:
                     if not reported:
                         self._detected = time.time()
                     if len(self.records) >= c.max_failures:
+                        self.stopped = self._too_many(gen)
                         code = EXIT_FATAL
                         break
                     before = self._fatal.setdefault(self._fatal_now, []) if self._fatal_now else []
@@ -190,6 +244,7 @@ class Agent:
                             "(--no-checkpoints)",
                         )  # fmt: skip
                     rec = recovery.fallback(gen, self._detected, skip=skip)
+                    self._write_pools()  # the fallback started fresh state managers
                     rec.repeats = list(before) or None
                     self.records.append(rec)
                     if self._fatal_now:
@@ -202,6 +257,7 @@ class Agent:
                     if not reported:
                         self._detected = time.time()
                     if len(self.records) >= c.max_failures:
+                        self.stopped = self._too_many(gen)
                         code = 1
                         break
                     log.info("generation %d: HOF, recovering in place", gen)
@@ -217,15 +273,25 @@ class Agent:
                     store.add(keys.DONE, 1)
                     job_store.wait_count(store, keys.DONE, c.nnodes, c.timeout_s, "every node")
                     break
+        except SignalStop as e:
+            self.stopped = str(e)  # "SIGTERM": the record's "stopped"
+            code = 128 + e.signum
+            log.warning("%s: stopping the job", e)
         finally:
-            if shadows.levels is not None:
+            self._stopping = True
+            self.fenced = self._fence_all(cells)
+            if self.stopped in ("SIGTERM", "SIGINT"):
+                log.warning("%s: %d trainer(s) fenced", self.stopped, len(self.fenced))
+            if shadows is not None and shadows.levels is not None:
                 Path(c.log_dir).mkdir(parents=True, exist_ok=True)
                 shadows.levels.write(Path(c.log_dir))
             self.pools = [self._pool_status(cl) for cl in cells]
             for cl in cells:
                 cl.stop()
+            self._pools_file().unlink(missing_ok=True)  # the pools are gone
             try:
-                recovery.collect(self.records)
+                if recovery is not None:
+                    recovery.collect(self.records)
             finally:
                 # Node 0 hosts the store: it stays up until every agent has collected.
                 store.add(keys.COLLECTED, 1)
@@ -239,6 +305,43 @@ class Agent:
             )
         return code
 
+    def _fence_all(self, cells: list[Cell]) -> list[int]:
+        """Kill every live trainer's process group at once, then wait for them: the
+        ranks it fenced. One at a time (each cell's stop), the last ranks outlived their
+        peers long enough to fail on the closed connections (gloo's "Connection closed by
+        peer") and leave error files that read as crashes of their own."""
+        live = [cl for cl in cells if cl.active is not None and cl.active.poll() is None]
+        for cl in live:
+            kill_group(cl.active)
+        for cl in live:
+            cl.fence()  # waits
+        return [cl.rank for cl in live]
+
+    def _too_many(self, gen: int) -> str:
+        return (
+            f"{len(self.records)} failures, --max-failures {self.cfg.max_failures}: the job "
+            f"stops at generation {gen} (logs in {self.cfg.log_dir})"
+        )
+
+    def _pools_file(self) -> Path:
+        return Path(self.cfg.log_dir) / POOLS_FILE.format(node=self.cfg.node_rank)
+
+    def _write_pools(self) -> None:
+        """Where each local rank's pool listens and its token (``leto pool status
+        --log-dir``), readable by this user only."""
+        pools = {
+            str(cl.rank): {"socket_dir": str(cl.sm.socket_dir), "token": cl.sm.token,
+                           "state_manager_pid": cl.sm.pid}
+            for cl in self.cells
+        }  # fmt: skip
+        path = self._pools_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"node": self.cfg.node_rank, "ranks": pools}, f)
+        tmp.replace(path)  # whole, or not there
+
     def _script_error(self, gen: int, dead: list[Failure]) -> str | None:
         """Why the job stops instead of recovering, or None. A Python exception is a
         script error, not a hardware failure: before its trainer began training (start-up,
@@ -247,25 +350,28 @@ class Agent:
         for f in dead:
             if not f.script_error:
                 continue
+            # The first line says it all (rank, exit code, what the error said); the
+            # traceback's tail follows, from the error file or the end of the rank's log.
             if f.error is not None:
-                exc, file = f.error["exception"], f.error.get("file", "?")
-                what = f"raised {exc}"
-                where = f"full traceback in {file}; logs in {self.cfg.log_dir}"
+                what = f"raised {f.error['exception']}"
+                where = f"full traceback in {f.error.get('file', '?')}; logs in {self.cfg.log_dir}"
             else:
-                exc = f"exit code {f.code}"
                 what = f"exited with code {f.code}"
-                where = f"logs in {self.cfg.log_dir}"
+                where = f"the end of {f.log}" if f.log else f"logs in {self.cfg.log_dir}"
+            said = f.first_error_line()
+            if f.error is not None:  # "exited with code N" already says it otherwise
+                said = f"exit code {f.code}: {said}"
             if not self.store.check([keys.resumed(gen, f.rank)]):
                 return (
-                    f"rank {f.rank} {what} before it began training (generation {gen}): "
-                    f"a script error, not a hardware failure — the job stops.\n"
+                    f"rank {f.rank} {what} before it began training (generation {gen}; {said})"
+                    f" — a script error, not a hardware failure: the job stops.\n"
                     f"{f.traceback_tail()}\n({where})"
                 )
             sig = f.signature()
             if sig in self._signatures:
                 return (
                     f"rank {f.rank} {what} again at the same place, as before a recovery "
-                    f"(generation {gen}): the job stops instead of looping.\n"
+                    f"(generation {gen}; {said}) — the job stops instead of looping.\n"
                     f"{f.traceback_tail()}\n({where})"
                 )
             self._signatures.add(sig)
@@ -293,7 +399,10 @@ class Agent:
             "generations": last_gen + 1,
             "failures": len(self.records),
             "shadow_restarts": self.shadows.restarts if self.shadows else 0,
-            "stopped": self.stopped,  # why the job stopped early (a script error), or None
+            # Why the job stopped early, or None: a script error, a repeated fatal failure,
+            # --max-failures, or the signal's name ("SIGTERM", "SIGINT").
+            "stopped": self.stopped,
+            "fenced": self.fenced,  # ranks whose live trainers were fenced at the stop
             "recoveries": [r.as_dict() for r in self.records],
             "pools": self.pools,
             "preinit": self.shadows.summary() if self.shadows else None,

@@ -40,6 +40,9 @@ class Failure:
     kind: FailureKind
     code: int | None = None  # EXIT: the exit code (negative: the signal)
     error: dict | None = None  # EXIT: the trainer's error file (uncaught exception)
+    # EXIT: the trainer's log (its stdout and stderr): the traceback of an exception
+    # raised before leto.init() — no error file then — is at its end.
+    log: str | None = None
 
     def as_record(self) -> dict:
         """The JSON the store and the recovery record keep."""
@@ -72,10 +75,23 @@ class Failure:
         where = next((ln for ln in reversed(frames) if ln.startswith('File "')), "")
         return self.error["exception"], self.error["message"], where
 
-    def traceback_tail(self, lines: int = 8) -> str:
-        if self.error is None:
-            return f"(no traceback: the trainer exited with code {self.code}; its log has the rest)"
-        return "\n".join(self.error.get("traceback", "").rstrip().splitlines()[-lines:])
+    def traceback_tail(self, lines: int = 10) -> str:
+        """The last ``lines`` of the traceback: from the error file, else from the end
+        of the trainer's log."""
+        if self.error is not None:
+            return "\n".join(self.error.get("traceback", "").rstrip().splitlines()[-lines:])
+        tail = _log_tail(self.log, lines)
+        if not tail:
+            return f"(the trainer exited with code {self.code} and wrote nothing to its log)"
+        return "\n".join(tail)
+
+    def first_error_line(self) -> str:
+        """What the error said, in a line: "ValueError: bad" (the error file's, else the
+        last line of the log, where Python prints it), or the exit code."""
+        if self.error is not None:
+            return f"{self.error['exception']}: {self.error['message']}".splitlines()[0]
+        tail = _log_tail(self.log, 1)
+        return tail[0] if tail else f"exit code {self.code}"
 
     def describe(self) -> str:
         if self.kind is FailureKind.HANG:
@@ -89,6 +105,26 @@ class Failure:
                 f"(traceback in {self.error['file']})"
             )
         return why
+
+
+def _log_tail(path: str | None, lines: int) -> list[str]:
+    """The last ``lines`` non-blank lines of a log (its last 64 KiB read)."""
+    if path is None:
+        return []
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [ln for ln in text.splitlines() if ln.strip()][-lines:]
+
+
+def _log(cl: Cell) -> str:
+    """The active trainer's log (``Cell._log``'s name; a promoted shadow keeps its own)."""
+    role = "active" if cl.active_role == "active" else "shadow"
+    return str(cl.log_dir / f"rank{cl.rank}.gen{cl.active_generation}.{role}.log")
 
 
 class Monitor:
@@ -114,7 +150,7 @@ class Monitor:
         for cl in self.cells:
             rc = cl.active.poll()
             if rc not in (None, 0):
-                out.append(Failure(cl.rank, FailureKind.EXIT, rc, cl.active_error()))
+                out.append(Failure(cl.rank, FailureKind.EXIT, rc, cl.active_error(), _log(cl)))
         out += [Failure(cl.rank, FailureKind.HANG) for cl in self._hung(gen)]
         return out
 
