@@ -1,5 +1,5 @@
 """Bad command-line input is refused before anything runs, naming the argument and what
-it may be.
+it may be; the consoles' tables fit 80 columns; the fig14 PNG is readable.
 
 Quick: nothing here starts a job. The CLIs run in this process (torch is imported
 already), so each refusal's time is the check's own; each must come in under 5 s
@@ -291,3 +291,75 @@ def test_a_failure_without_an_error_file_shows_the_end_of_its_log(tmp_path):
         "wrote nothing"
         in Failure(0, FailureKind.EXIT, 1, None, str(tmp_path / "no")).traceback_tail()
     )
+
+
+SIM = [
+    ["scenarios"],
+    ["sweep-interval"],
+    ["sweep-hof"],
+    ["h1"],
+]
+
+
+@pytest.mark.parametrize("argv", SIM, ids=[a[0] for a in SIM])
+def test_leto_sim_tables_fit_80_columns(argv, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert leto_main(["sim", *argv]) == 0
+    out = capsys.readouterr().out
+    widest = max(len(line) for line in out.splitlines())
+    assert "…" not in out, f"a cell was cut:\n{out}"
+    assert widest <= 80, f"a line of {widest} columns:\n{out}"
+
+
+def test_leto_sim_replay_fits_80_columns_and_its_json_is_json(tmp_path, capsys, monkeypatch):
+    from leto.sim.schedule import poisson
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(poisson(600.0, 7200.0, world_size=8, hof_ratio=1.0, seed=0).to_json())
+    monkeypatch.setenv("COLUMNS", "80")
+    assert leto_main(["sim", "replay", "--schedule", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and max(len(x) for x in out.splitlines()) <= 80, out
+    assert leto_main(["sim", "replay", "--schedule", str(plan), "--json"]) == 0
+
+    def no_nan(name):
+        raise AssertionError(f"{name} in the JSON (not JSON)")
+
+    rows = json.loads(capsys.readouterr().out, parse_constant=no_nan)
+    assert rows and all("ettr" in r for r in rows)
+
+
+def test_fig14_draws_every_mttf_with_labels_that_do_not_overlap(tmp_path, monkeypatch):
+    from leto.sim import plots, scenarios
+
+    mttfs = [600.0, 1800.0, 3600.0]
+    rows = scenarios.scenario_grid(
+        ["deepseek_v2_1k", "deepseek_v3_16k", "deepseek_v4_128k"], mttfs, [0.0, 0.5, 1.0]
+    )
+    drawn = {}
+
+    def keep(fig, path):
+        drawn["fig"] = fig
+        fig.tight_layout()
+        fig.canvas.draw()
+        return Path(path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    plots.scenario_bars(rows, tmp_path / "fig14.png")
+    fig = drawn["fig"]
+    panels = [ax for ax in fig.axes if ax.patches]
+    assert [ax.get_title(loc="left") for ax in panels] == [
+        "MTTF 10 min",
+        "MTTF 30 min",
+        "MTTF 60 min",
+    ]
+    for ax in panels:
+        assert len(ax.patches) == len(rows) // len(mttfs), "a bar per system and group"
+    renderer = fig.canvas.get_renderer()
+    bottom = panels[-1]
+    labels = [t for t in bottom.get_xticklabels() if t.get_text()]
+    labels += [t for t in bottom.texts if t.get_text()]  # the deployments' names
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in labels]
+    for i, (a, ba) in enumerate(boxes):
+        for b, bb in boxes[i + 1 :]:
+            assert not ba.overlaps(bb), f"labels {a!r} and {b!r} overlap"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -23,48 +24,110 @@ from rich.table import Table
 from leto.errors import InvalidInput
 from leto.sim.scenarios import OMEGA_H200_16K
 
+# Each row field: (header, format). Headers are short (they wrap, never "…"): at 80
+# columns the field names cut every column to "depl…".
 _COLUMNS = {
-    "deployment": "{}",
-    "system": "{}",
-    "mttf_s": "{:.0f}",
-    "hof_ratio": "{:.2f}",
-    "interval": "{}",
-    "t_iter_s": "{:.2f}",
-    "t_eff_s": "{:.2f}",
-    "t_rec_s": "{:.1f}",
-    "ettr": "{:.1%}",
-    "paper_ettr": "{:.1%}",
-    "model_ettr": "{:.1%}",
-    "failures": "{}",
-    "hof": "{}",
-    "mean_recovery_s": "{:.1f}",
-    "mean_hof_recovery_s": "{:.1f}",
-    "mean_ff_recovery_s": "{:.1f}",
-    "detection_s": "{:.0f}",
-    "init_s": "{:.0f}",
-    "recompute_s": "{:.0f}",
-    "recovery_restarts": "{}",
-    "during_recompute": "{}",
-    "h1": "{}",
-    "omega": "{:.1%}",
-    "hof_beyond_h1": "{:.2%}",
-    "best": "{}",
-    "wasted_gpu_hours": "{:.1f}",
-    "recovery_gpu_hours": "{:.1f}",
+    "deployment": ("deployment", "{}"),
+    "system": ("system", "{}"),
+    "mttf_s": ("MTTF s", "{:.0f}"),
+    "hof_ratio": ("HOF ratio", "{:.2f}"),
+    "interval": ("ckpt every", "{}"),
+    "t_iter_s": ("iter. s", "{:.2f}"),
+    "t_eff_s": ("eff. iter. s", "{:.2f}"),
+    "t_rec_s": ("rec. s", "{:.1f}"),
+    "ettr": ("ETTR", "{:.1%}"),
+    "paper_ettr": ("paper", "{:.1%}"),
+    "model_ettr": ("model ETTR", "{:.1%}"),
+    "failures": ("failures", "{}"),
+    "hof": ("HOFs", "{}"),
+    "mean_recovery_s": ("mean recovery s", "{:.1f}"),
+    "mean_hof_recovery_s": ("HOF recovery s", "{:.1f}"),
+    "mean_ff_recovery_s": ("FF recovery s", "{:.1f}"),
+    "detection_s": ("detection s", "{:.0f}"),
+    "init_s": ("init s", "{:.0f}"),
+    "recompute_s": ("recompute s", "{:.0f}"),
+    "recovery_restarts": ("recovery restarts", "{}"),
+    "during_recompute": ("failures in recompute", "{}"),
+    "h1": ("H1", "{}"),
+    "omega": ("overhead", "{:.1%}"),
+    "hof_beyond_h1": ("HOFs beyond H1", "{:.2%}"),
+    "best": ("best", "{}"),
+    "wasted_gpu_hours": ("wasted GPU h", "{:.1f}"),
+    "recovery_gpu_hours": ("recovery GPU h", "{:.1f}"),
 }
+
+
+def _cell(row: dict, col: str) -> str:
+    v = row[col]
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return _COLUMNS[col][1].format(v)
+
+
+# What the terse headers mean, under each table that shows them.
+_LEGEND = {
+    "interval": "ckpt every: checkpoint interval, iterations",
+    "t_iter_s": "iter. s: one fault-free iteration",
+    "t_eff_s": "eff. iter. s: with protection and checkpoint costs",
+    "t_rec_s": "rec. s: mean recovery",
+    "paper_ettr": "paper: the paper's figure",
+}
+
+
+def _tables(rows: list[dict], title: str) -> list[Table]:
+    """Rows as tables that fit the terminal (80 columns too): one per deployment when
+    there are several; a column with one value in every row of a table goes to its
+    title (none at all when it has no value); a table still too wide, with fewer rows
+    than columns, is transposed."""
+    cols = [c for c in _COLUMNS if rows and c in rows[0]]
+    deployments = list(dict.fromkeys(r["deployment"] for r in rows)) if "deployment" in cols else []
+    groups = [[r for r in rows if r["deployment"] == d] for d in deployments]
+    if len(groups) < 2:
+        groups = [rows]
+    width = Console().width
+    out = []
+    for group in groups:
+        if len(group) == 1:
+            same = [c for c in cols if c == "deployment"]
+        else:
+            same = [c for c in cols if len({_cell(r, c) for r in group}) == 1]
+        shown = [c for c in cols if c not in same]
+        sub = ", ".join(
+            f"{_COLUMNS[c][0]} {_cell(group[0], c)}" for c in same if _cell(group[0], c) != "-"
+        )
+        head = f"{title}\n{sub}" if sub else title
+        legend = "; ".join(_LEGEND[c] for c in shown if c in _LEGEND) or None
+        t = Table(title=head, caption=legend, min_width=min(width, len(title) + 4))
+        for c in shown:
+            t.add_column(_COLUMNS[c][0], overflow="fold")
+        for r in group:
+            t.add_row(*[_cell(r, c) for c in shown])
+        if Console(width=10_000).measure(t).maximum > width and len(group) < len(shown):
+            # One column per row, named by the row's first field.
+            key, rest = shown[0], shown[1:]
+            t = Table(title=head, caption=legend, min_width=min(width, len(title) + 4))
+            t.add_column("")
+            for r in group:
+                name = _cell(r, key) if key == "system" else f"{_COLUMNS[key][0]} {_cell(r, key)}"
+                t.add_column(name, overflow="fold")
+            for c in rest:
+                t.add_row(_COLUMNS[c][0], *[_cell(r, c) for r in group])
+        out.append(t)
+    return out
 
 
 def _print(rows: list[dict], title: str, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(rows))
+        # NaN (a mean over no failures) is not JSON: null.
+        clean = [
+            {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()}
+            for r in rows
+        ]
+        print(json.dumps(clean))
         return
-    cols = [c for c in _COLUMNS if rows and c in rows[0]]
-    t = Table(title=title)
-    for c in cols:
-        t.add_column(c)
-    for r in rows:
-        t.add_row(*["-" if r[c] is None else _COLUMNS[c].format(r[c]) for c in cols])
-    Console().print(t)
+    console = Console()
+    for t in _tables(rows, title):
+        console.print(t)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -75,7 +138,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         if args.sim_command == "scenarios":
             rows = scenarios.scenario_grid(args.deployment, args.mttf_s, args.hof_ratio)
             if args.png:
-                plots.scenario_bars(rows, args.mttf_s[0], args.png)
+                plots.scenario_bars(rows, args.png)
             title = "leto sim scenarios (analytic ETTR, paper Fig. 14/15)"
         elif args.sim_command == "sweep-interval":
             rows = scenarios.sweep_interval(
@@ -163,7 +226,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         type=float,
         nargs="+",
         default=[600.0, 1800.0, 3600.0],
-        help="MTTFs in seconds (the first one is plotted)",
+        help="MTTFs in seconds (one panel each in --png)",
     )
     g.add_argument("--hof-ratio", type=float, nargs="+", default=[0.0, 0.5, 1.0], help="HOF ratios")
     out(g)

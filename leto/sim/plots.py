@@ -24,30 +24,54 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
-def scenario_bars(rows: list[dict], mttf_s: float, path: str | Path) -> Path:
-    """Bars of ETTR (%) per (deployment, HOF ratio), one bar per system, at ``mttf_s``."""
-    rows = [r for r in rows if r["mttf_s"] == mttf_s]
+def scenario_bars(rows: list[dict], path: str | Path) -> Path:
+    """Bars of ETTR (%) per (deployment, HOF ratio), one bar per system, one panel per
+    MTTF (all the table's, top to bottom). Each tick is a HOF ratio; the deployment is
+    named once under its group of ticks (repeated under each, the names overlapped)."""
+    mttfs = sorted({r["mttf_s"] for r in rows})
     systems = sorted({r["system"] for r in rows})
-    groups = sorted({(r["deployment"], r["hof_ratio"]) for r in rows})
-    fig, ax = plt.subplots(figsize=(max(6, len(groups) * 0.9), 3.5))
+    deployments = list(dict.fromkeys(r["deployment"] for r in rows))
+    hofs = sorted({r["hof_ratio"] for r in rows})
+    gap = 0.6  # between deployments' groups of bars, in ticks
+    xs = {
+        (d, h): i * (len(hofs) + gap) + k
+        for i, d in enumerate(deployments)
+        for k, h in enumerate(hofs)
+    }
     width = 0.8 / max(len(systems), 1)
-    for k, s in enumerate(systems):
-        ys = [
-            next(
-                r["ettr"]
-                for r in rows
-                if (r["deployment"], r["hof_ratio"]) == g and r["system"] == s
-            )
-            * 100
-            for g in groups
-        ]
-        ax.bar([i + k * width for i in range(len(groups))], ys, width, label=s)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
-    ax.set_xticklabels([f"{d}\n{h:.0%} HOF" for d, h in groups], fontsize=7)
-    ax.set_ylabel("ETTR (%)")
-    ax.set_ylim(50, 100)
-    ax.set_title(f"Simulated ETTR, MTTF {mttf_s / 60:.0f} min")
-    ax.legend()
+    low = min(r["ettr"] for r in rows) * 100
+    fig, axes = plt.subplots(
+        len(mttfs), 1, figsize=(max(6.0, len(xs) * 0.75), 2.6 * len(mttfs) + 0.6),
+        sharex=True, squeeze=False,
+    )  # fmt: skip
+    for ax, mttf in zip(axes[:, 0], mttfs, strict=True):
+        at = [r for r in rows if r["mttf_s"] == mttf]
+        for k, s in enumerate(systems):
+            pts = [
+                (xs[(r["deployment"], r["hof_ratio"])], r["ettr"] * 100)
+                for r in at
+                if r["system"] == s
+            ]
+            ax.bar([x + (k - (len(systems) - 1) / 2) * width for x, _ in pts], [y for _, y in pts],
+                   width, label=s, color=f"C{k}")  # fmt: skip
+        ax.set_ylabel("ETTR (%)")
+        ax.set_ylim(max(0, min(50, low - 5)), 100)
+        ax.set_title(f"MTTF {mttf / 60:.0f} min", fontsize=9, loc="left")
+        ax.grid(axis="y", alpha=0.3)
+    # Above the panels: inside one, it covered bars.
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", bbox_to_anchor=(0.97, 0.995),
+               ncol=len(systems), fontsize=8, frameon=False)  # fmt: skip
+    bottom = axes[-1, 0]
+    bottom.set_xticks(list(xs.values()))
+    bottom.set_xticklabels([f"{h:.0%}" for _, h in xs], fontsize=8)
+    bottom.annotate("HOF ratio", (0, 0), xycoords="axes fraction", xytext=(-4, -4),
+                    textcoords="offset points", ha="right", va="top", fontsize=8)  # fmt: skip
+    for i, d in enumerate(deployments):
+        mid = i * (len(hofs) + gap) + (len(hofs) - 1) / 2
+        bottom.annotate(d, (mid, 0), xycoords=("data", "axes fraction"), xytext=(0, -20),
+                        textcoords="offset points", ha="center", va="top", fontsize=9)  # fmt: skip
+    fig.suptitle("Simulated ETTR (paper Fig. 14/15)", x=0.05, ha="left")
     return _save(fig, path)
 
 
