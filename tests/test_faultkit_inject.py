@@ -115,7 +115,7 @@ def test_a_fault_every_two_iterations_is_exact(verdict):
     # verifiers report draws from the marks: one injection and one recovery window each
     from pathlib import Path
 
-    from verifiers.report import recovery_windows
+    from verifiers.plots import recovery_windows
     from verifiers.trace import read_run
 
     (faulted,) = [d for d in Path(v["workdir"]).iterdir() if d.name.startswith("faulted-")]

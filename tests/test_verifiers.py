@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from leto.errors import InvalidInput
 from verifiers import EVENT_INJECTION, EVENT_RECOVERED, Recorder, compare, read_run, report
 from verifiers.cli import main
-from verifiers.report import recovery_windows, throughput_steps
+from verifiers.plots import recovery_windows, throughput_steps
 from verifiers.trace import load_tensors, trace_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

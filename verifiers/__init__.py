@@ -16,9 +16,9 @@ from verifiers.trace import EVENT_INJECTION, EVENT_RECOVERED, EVENT_ROLLED_BACK,
 
 
 def report(*args, **kwargs):
-    """``verifiers.report.report`` (imported on first use: matplotlib costs every
+    """``verifiers.plots.report`` (imported on first use: matplotlib costs every
     training process ~0.4 s of start-up, and only plots need it)."""
-    from verifiers.report import report as _report
+    from verifiers.plots import report as _report
 
     return _report(*args, **kwargs)
 

@@ -1,7 +1,7 @@
 """The trace file format: how a rank's records and marks are written and read back.
 
 Owns the on-disk format shared by the writer (``recorder.py``, inside each training
-rank) and the readers (``compare.py``, ``report.py``, in whatever process verifies).
+rank) and the readers (``compare.py``, ``plots.py``, in whatever process verifies).
 One file per rank, ``rank{r}.trace.jsonl``, one JSON object per line, appended only:
 
 * a *record* (``"kind": "record"``): one completed iteration: its loss (float and
