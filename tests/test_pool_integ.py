@@ -14,6 +14,8 @@ import signal
 import stat
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from leto.memory.client import PoolClient
 from leto.memory.config import AllocationKind
 from leto.memory.errors import AllocationMismatch, FencedError, PoolAuthError, PoolOwnedError
 from leto.memory.launch import private_dir, start_state_manager
+from leto.proc import alive
 from tests.pool_helpers import (
     PAGE,
     child_fill_then_scribble,
@@ -371,4 +374,29 @@ def test_a_stopped_state_manager_leaves_no_socket_directory():
     d = sm.socket_dir
     assert d.is_dir() and d.name.startswith("leto-pool-"), d
     sm.stop()
+    assert not d.exists(), f"{d} was left behind"
+
+
+def test_a_state_manager_outlives_no_launcher_killed_outright():
+    """A launcher SIGKILLed (no clean-up runs) closes the manager's lifeline: the manager
+    stops and removes its socket directory instead of holding the pool forever."""
+    code = (
+        "import sys, time\n"
+        "from leto.memory.launch import start_state_manager\n"
+        "from tests.pool_helpers import small_config\n"
+        "sm = start_state_manager(small_config())\n"
+        "print(sm.pid, sm.socket_dir, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid, d = launcher.stdout.readline().split()
+    pid, d = int(pid), Path(d)
+    assert d.is_dir()
+    launcher.kill()
+    launcher.wait(10)
+    launcher.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (alive(pid) or d.exists()):
+        time.sleep(0.05)
+    assert not alive(pid), "the state manager outlived its SIGKILLed launcher"
     assert not d.exists(), f"{d} was left behind"

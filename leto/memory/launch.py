@@ -30,6 +30,7 @@ class StateManagerProcess:
     token: str
     config: PoolConfig
     owns_dir: bool = False  # the socket directory was made for it: removed by stop()
+    lifeline: int | None = None  # write end of its lifeline pipe (see start_state_manager)
 
     @property
     def socket_path(self) -> Path:
@@ -58,6 +59,9 @@ class StateManagerProcess:
                 self.proc.wait(timeout_s)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        if self.lifeline is not None:
+            os.close(self.lifeline)
+            self.lifeline = None
         if self.owns_dir:
             # Only its socket lived there; left behind, every job added an empty
             # leto-pool-* directory to /tmp.
@@ -80,30 +84,45 @@ def start_state_manager(
     socket_dir = Path(socket_dir) if socket_dir else private_dir()
     token = token or secrets.token_hex(16)
     env = dict(os.environ, **{ENV_POOL_TOKEN: token})
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "leto.memory.state_manager",
-            "--socket-dir",
-            str(socket_dir),
-            "--config",
-            json.dumps(config.as_dict()),
-        ],
-        stdout=subprocess.PIPE,
-        env=env,
-        start_new_session=True,  # survives a signal sent to the trainer's process group
-    )
+    # The lifeline: only this process holds the write end (non-inheritable, so trainers
+    # started later do not), and its death — even by SIGKILL — closes it: the manager
+    # reads EOF and stops, instead of outliving a job killed outright.
+    life_r, life_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "leto.memory.state_manager",
+                "--socket-dir",
+                str(socket_dir),
+                "--config",
+                json.dumps(config.as_dict()),
+                "--lifeline-fd",
+                str(life_r),
+                *(["--owns-dir"] if owns_dir else []),
+            ],
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # survives a signal sent to the trainer's process group
+            pass_fds=(life_r,),
+        )
+    except BaseException:
+        os.close(life_w)
+        raise
+    finally:
+        os.close(life_r)
     ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
     line = proc.stdout.readline().strip() if ready else b""
     if line != b"READY":
         proc.kill()
         proc.wait(5)
         proc.stdout.close()
+        os.close(life_w)
         if owns_dir:
             shutil.rmtree(socket_dir, ignore_errors=True)
         raise PoolTimeout(
             f"state manager did not report READY within {timeout_s} s (exit code {proc.returncode}); "
             "see its stderr above"
         )
-    return StateManagerProcess(proc, socket_dir, token, config, owns_dir=owns_dir)
+    return StateManagerProcess(proc, socket_dir, token, config, owns_dir=owns_dir, lifeline=life_w)

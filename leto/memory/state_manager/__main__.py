@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,6 +26,16 @@ def main(argv: list[str] | None = None) -> int:
         "--socket-dir", required=True, help="private directory (mode 0700) for the socket"
     )
     ap.add_argument("--config", default="{}", help="PoolConfig fields as JSON")
+    ap.add_argument(
+        "--lifeline-fd",
+        type=int,
+        help="read end of a pipe the launcher holds: EOF (the launcher died) stops the manager",
+    )
+    ap.add_argument(
+        "--owns-dir",
+        action="store_true",
+        help="the socket directory was made for this manager: removed when it stops",
+    )
     args = ap.parse_args(argv)
     token = os.environ.get(ENV_POOL_TOKEN)
     if not token:
@@ -37,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         PoolConfig.from_dict(json.loads(args.config)), Path(args.socket_dir), token
     )
     print("READY", flush=True)  # the launcher waits for this line
-    manager.serve()
+    try:
+        manager.serve(args.lifeline_fd)
+    finally:
+        if args.owns_dir:  # the launcher may be gone: nothing else would remove it
+            shutil.rmtree(args.socket_dir, ignore_errors=True)
     return 0
 
 

@@ -48,6 +48,9 @@ from leto.proc import alive
 SOCKET_BUFFER_BYTES = 1 << 20
 
 
+_LIFELINE = object()  # the selector's tag for the launcher's lifeline pipe
+
+
 @dataclass
 class Peer:
     sock: socket.socket
@@ -109,13 +112,27 @@ class StateManager:
 
     # -- loop -----------------------------------------------------------------------
 
-    def serve(self) -> None:
+    def serve(self, lifeline: int | None = None) -> None:
+        """Serve until SHUTDOWN, SIGTERM, or — ``lifeline``, the read end of a pipe only
+        the launcher holds open — the launcher's death (even by SIGKILL: its end closes,
+        the read sees EOF), so a job killed outright leaves no state manager behind."""
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        if lifeline is not None:
+            self.sel.register(lifeline, selectors.EVENT_READ, _LIFELINE)
         try:
             while not self.stopping:
                 for key, _ in self.sel.select(timeout=0.5):
                     if key.data is None:
                         self._accept()
+                    elif key.data is _LIFELINE:
+                        if not os.read(lifeline, 64):  # EOF: the launcher is gone
+                            print(
+                                "state manager: its launcher is gone; stopping",
+                                file=sys.stderr,
+                                flush=True,
+                            )
+                            self.stopping = True
+                            break
                     else:
                         self._service(key.data)
         finally:
@@ -373,7 +390,7 @@ class StateManager:
 
     def close(self) -> None:
         for key in list(self.sel.get_map().values()):
-            if key.data is not None:
+            if isinstance(key.data, Peer):
                 key.data.sock.close()
         self.sel.close()
         self.listener.close()
