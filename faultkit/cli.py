@@ -328,7 +328,9 @@ PARALLEL_HELP = (
     "(examples/parallel/gpt_parallel_leto.py; each rank retains its shards) as fsdp "
     "(FSDP2), tp (tensor-parallel MLPs over every rank) or fsdp+tp (TP over pairs of "
     "ranks, FSDP2 across them: world size 4 or more), or pp (gpt_pipeline_leto.py: one "
-    "pipeline stage per rank, GPipe over 4 micro-batches)"
+    "pipeline stage per rank, GPipe over 4 micro-batches); dp-loader "
+    "(examples/porting/loader_leto.py: data parallel, batches from a shuffled two-worker "
+    "StatefulDataLoader handed to leto.Run(data=...))"
 )
 
 

@@ -63,14 +63,18 @@ MODES = ("kill", "copy-corrupt", "kernel-abort", *CORRUPT_MODES)
 # The job each parallelism runs: "dp" the example GPT with data parallelism; the others
 # examples/parallel, each rank retaining its shards: "fsdp" FSDP2 over every rank, "tp"
 # tensor-parallel MLPs over every rank, "fsdp+tp" FSDP2 x TP with TP over pairs of
-# ranks, "pp" one pipeline stage per rank (GPipe). -> (script, its flags for a world size)
+# ranks, "pp" one pipeline stage per rank (GPipe); "dp-loader" a data-parallel script
+# reading a shuffled two-worker StatefulDataLoader given to leto.Run(data=...).
+# -> (script, its flags for a world size)
 _PAR = Path(__file__).resolve().parents[1] / "examples" / "parallel"
+_PORTING = Path(__file__).resolve().parents[1] / "examples" / "porting"
 PARALLEL = {
     "dp": None,
     "fsdp": (_PAR / "gpt_parallel_leto.py", lambda world: ["--tp", "1"]),
     "tp": (_PAR / "gpt_parallel_leto.py", lambda world: ["--tp", str(world)]),
     "fsdp+tp": (_PAR / "gpt_parallel_leto.py", lambda world: ["--tp", "2"]),
     "pp": (_PAR / "gpt_pipeline_leto.py", lambda world: []),
+    "dp-loader": (_PORTING / "loader_leto.py", lambda world: []),
 }
 
 

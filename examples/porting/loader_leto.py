@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6, help="optimizer steps")
     ap.add_argument("--out", default="out", help="folder for params and samples")
     ap.add_argument("--workers", type=int, default=2, help="loader worker processes")
+    ap.add_argument("--seed", type=int, default=0, help="the shuffles' seed (faultkit's --seed)")
     args = ap.parse_args()
     ctx = leto.init()
     rank = ctx.rank
@@ -45,7 +46,7 @@ def main() -> None:
     dataset = torch.utils.data.TensorDataset(torch.arange(SAMPLES), tokens)
     loader = StatefulDataLoader(
         dataset, batch_size=BATCH, shuffle=True, num_workers=args.workers,
-        generator=torch.Generator().manual_seed(1000 + rank),  # each rank its own order
+        generator=torch.Generator().manual_seed(1000 + 100 * args.seed + rank),  # each rank its own order
     )  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     run = leto.Run(ctx, model, optimizer, data=loader)  # its position retained per iteration
