@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -193,22 +191,22 @@ def test_predict_replays_failures_at_their_progress_points():
     assert p["inputs"]["t_init_hof_s"] == 0.5 and p["inputs"]["t_init_s"] == 0.0, p
 
 
-def test_cli_rejects_bad_input_with_a_reason():
-    def leto(*argv):
-        return subprocess.run(
-            [sys.executable, "-m", "leto.cli", "bench", "ettr", *argv],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=REPO,
-        )
+def test_cli_rejects_bad_input_with_a_reason(capsys):
+    from leto.cli import main
 
-    p = leto("--iterations", "5")  # saves every 4: a 4-iteration warm-up and two saves
-    assert p.returncode == 2 and "use at least 14" in p.stderr, p.stderr
-    p = leto("--memory-dir", str(REPO))
-    assert p.returncode == 2 and "not a tmpfs" in p.stderr, p.stderr
-    p = leto("--hof-every", "0")
-    assert p.returncode == 2 and "--hof-every 0" in p.stderr, p.stderr
+    def leto(*argv) -> tuple[int, str]:
+        try:  # in-process: each refusal comes before anything runs
+            code = main(["bench", "ettr", *argv])
+        except SystemExit as e:
+            code = e.code
+        return code, capsys.readouterr().err
+
+    code, err = leto("--iterations", "5")  # saves every 4: a 4-iteration warm-up, two saves
+    assert code == 2 and "use at least 14" in err, err
+    code, err = leto("--memory-dir", str(REPO))
+    assert code == 2 and "not a tmpfs" in err, err
+    code, err = leto("--hof-every", "0")
+    assert code == 2 and "--hof-every 0" in err, err
 
 
 # -- end to end ----------------------------------------------------------------------------

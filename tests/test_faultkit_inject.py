@@ -48,19 +48,29 @@ def test_host_parity_pages_and_another_rank(verdict):
     assert v["exact"] and v["host_pages_rebuilt"] == v["pages_lost_host"] == 2
 
 
-def test_bad_options_are_refused_with_a_reason():
-    code, _, err = inject("--phase", "nowhere")
+def test_bad_options_are_refused_with_a_reason(capsys):
+    from faultkit.cli import main
+
+    def refused(*args: str) -> tuple[int, str, str]:
+        try:  # in-process: each refusal comes before anything runs (no torch start-up cost)
+            code = main(["inject", *args])
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, _, err = refused("--phase", "nowhere")
     assert code == 2 and "--phase 'nowhere'" in err
-    code, _, err = inject("--mode", "kernel-abort", "--phase", "sync")
+    code, _, err = refused("--mode", "kernel-abort", "--phase", "sync")
     assert code == 2 and "kernel-abort needs a phase that runs one of Leto's kernels" in err
-    code, _, err = inject("--mode", "copy-corrupt", "--phase", "update")
+    code, _, err = refused("--mode", "copy-corrupt", "--phase", "update")
     assert code == 2 and "needs a phase that copies parity" in err
-    code, _, err = inject("--every", "9", "--iterations", "6")
+    code, _, err = refused("--every", "9", "--iterations", "6")
     assert code == 2 and "--every 9" in err
-    code, _, err = inject("--pages", "65")
+    code, _, err = refused("--pages", "65")
     assert code == 2 and "--pages 65" in err and "D=64" in err, err
     # Under --json a refusal is a JSON object too.
-    code, out, _ = inject("--phase", "nowhere", "--json")
+    code, out, _ = refused("--phase", "nowhere", "--json")
     v = json.loads(out)
     assert code == 2 and v["refused"] and "--phase 'nowhere'" in v["error"], out
 
