@@ -352,6 +352,13 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
         # traceback's tail, the record all of it.
         first = stopped.splitlines()[0]
         print(f"leto run: the job stopped (exit code {code}): {first}", file=sys.stderr)
+    if summary.get("no_loss_ranks"):
+        print(
+            f"leto run: warning: {summary['no_loss_ranks']} trainer(s) committed iterations "
+            "without run.record_loss(loss): the --verify traces and loss logs hold NaN "
+            "losses, so the verifiers compare no loss (call it before optimizer.step())",
+            file=sys.stderr,
+        )
     if not summary["recoveries"]:
         if not stopped:
             print(head)  # no failure: no table of recoveries to print

@@ -90,7 +90,7 @@ def test_nanogpt_under_leto_run_is_byte_identical_to_torchrun_and_ddp(tmp_path):
     except subprocess.CalledProcessError as e:
         pytest.fail(f"torchrun of nanoGPT failed:\n{e.stdout[-2000:]}\n{e.stderr[-2000:]}")
     leto = _workdir(tmp_path / "leto")  # run_job starts leto run in this folder
-    run_job(
+    summary = run_job(
         2, TrainConfig(), leto, shadow_level="off", script=leto / "train_leto.py",
         script_args=[*ARGS, f"--out_dir={leto / 'out'}"],
     )  # fmt: skip
@@ -103,3 +103,5 @@ def test_nanogpt_under_leto_run_is_byte_identical_to_torchrun_and_ddp(tmp_path):
         log = (leto / "logs" / f"rank{r}.gen0.active.log").read_text()
         said = log.count("committed without a loss")
         assert said == 1 and "run.record_loss(loss)" in log, f"rank {r} said it {said} times"
+    # ... and the agent says it once on the console, from the record's count.
+    assert summary["no_loss_ranks"] == 2, summary["no_loss_ranks"]

@@ -392,6 +392,14 @@ class Agent:
         except Exception as e:  # the summary reports it; the run's outcome stands
             return {"rank": cl.rank, "error": f"{type(e).__name__}: {e}"}
 
+    def _no_loss(self) -> int:
+        if self.store is None:
+            return 0
+        try:
+            return int(self.store.add(keys.NO_LOSS, 0))
+        except Exception:  # noqa: BLE001 - the store may be gone at a stop; only a notice
+            return 0
+
     def summary(self, last_gen: int) -> dict:
         return {
             "measured": self.monitor.ettr() if self.monitor is not None else {"ettr": None},
@@ -409,6 +417,8 @@ class Agent:
             # of the parked shadows now (None: none fits)
             "shadow_level": self.shadows.level if self.shadows else None,
             # This agent's load on the job's TCPStore (every request it made).
+            # Trainers that committed iterations without run.record_loss under --verify.
+            "no_loss_ranks": self._no_loss(),
             "store_requests": self.store.requests if self.store is not None else 0,
             "store_requests_per_s": self.store.rate() if self.store is not None else 0.0,
         }

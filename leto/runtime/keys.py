@@ -13,6 +13,9 @@ from __future__ import annotations
 AGENTS = "leto/agents"  # agents that joined
 DONE = "leto/done"  # nodes whose trainers all finished
 COLLECTED = "leto/collected"  # agents that read the recovery records (node 0 then stops)
+# Trainers that committed an iteration without run.record_loss under --verify (agents
+# say so once on the console at the end).
+NO_LOSS = "leto/no_loss"
 
 
 def failures(gen: int) -> str:

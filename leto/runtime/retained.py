@@ -103,6 +103,7 @@ class RetainedTraining:
         self.loop = None  # leto.Run's loop record (checkpoints carry it)
         self.data = None  # leto.Run's data records (DataState; checkpoints carry them)
         self._said_no_loss = False  # the missing run.record_loss was reported
+        self.on_no_loss = None  # leto.Run: tell the agent too (it says so on the console)
         self.fresh = False  # resume initialized a fresh pool (no retained state, no checkpoint)
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
         self._loss_host: torch.Tensor | None = None  # pinned: the loss log's copy (GPU)
@@ -307,6 +308,8 @@ class RetainedTraining:
             file=sys.stderr,
             flush=True,
         )
+        if self.on_no_loss is not None:
+            self.on_no_loss()
 
     def _pinned_loss(self, loss: torch.Tensor):
         """A non-blocking copy of the loss to pinned host memory, and an event after it."""

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from leto import plugins
 from leto.errors import InvalidInput
 from leto.plugins import point
-from leto.runtime import data_state
+from leto.runtime import data_state, keys
 from leto.runtime.ddp_shape import DDPShaped
 from leto.runtime.loop_state import LoopState
 from leto.runtime.retained import RetainedTraining
@@ -189,6 +189,8 @@ class Run:
             scrub_requests=Path(ctx.env.log_dir) / SCRUB_REQUEST if ctx.env else None,
             data_parallel=data_parallel,
         )
+        if ctx.store is not None:
+            self.job.on_no_loss = lambda: ctx.store.add(keys.NO_LOSS, 1)
         self.loop = self.job.loop = self.job.up.loop
         if data is not None:
             early = self._data is not None
