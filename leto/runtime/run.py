@@ -67,6 +67,7 @@ from leto.runtime import data_state, keys
 from leto.runtime.ddp_shape import DDPShaped
 from leto.runtime.loop_state import LoopState
 from leto.runtime.retained import RetainedTraining
+from leto.runtime.rng_state import GlobalRNG
 from leto.update.rmu import UpdaterConfig
 from leto.update.scrub import REQUEST_FILE as SCRUB_REQUEST
 from leto.update.user_optim import UserOptimizer
@@ -110,7 +111,9 @@ class Run:
         ``leto.Run``)."""
         t0 = time.time()
         self.ctx = ctx
-        data = data_state.stateful(data) if data is not None else None
+        # The data position (data=) and the global generators, retained together.
+        self._rng = GlobalRNG(ctx.device)
+        data = [*(data_state.stateful(data) if data is not None else []), self._rng]
         self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         self.schedulers = (
             [] if scheduler is None
@@ -170,7 +173,7 @@ class Run:
         # The data records: before the updater maps the pool's groups when they may be
         # among them, else after its allocations (data_state.attach_first).
         self._data = None
-        if data is not None and data_state.attach_first(ctx.localization):
+        if data_state.attach_first(ctx.localization):
             self._data = data_state.DataState(ctx.pool, data)
         self.job = RetainedTraining(
             ctx.pool,
@@ -192,10 +195,9 @@ class Run:
         if ctx.store is not None:
             self.job.on_no_loss = lambda: ctx.store.add(keys.NO_LOSS, 1)
         self.loop = self.job.loop = self.job.up.loop
-        if data is not None:
-            early = self._data is not None
-            self._data = self._data or data_state.DataState(ctx.pool, data)
-            self._data.bind(self.job.up.views if early else None)
+        early = self._data is not None
+        self._data = self._data or data_state.DataState(ctx.pool, data)
+        self._data.bind(self.job.up.views if early else None)
         self.job.data = self._data
         self.model = DDPShaped(model, self)  # what the script uses where it had DDP(model)
         self.user.adopt(self.job.params)  # the optimizers now hold the retained parameters
@@ -247,6 +249,7 @@ class Run:
     def iterations(self, total: int):
         """The iterations still to run, up to ``total`` (exclusive): from where the job
         stands (0 on a fresh start; after a recovery, the first unfinished one)."""
+        self._rng.apply()  # after the script's own seeding: a recovery's generator states
         t = self.next_iteration
         while t < total:
             self._t, self._stepped, self._loss = t, False, None
