@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import pickle
 import random
 import sys
 import threading
@@ -237,6 +238,10 @@ def _exercise_torch() -> None:
     # What the script's LR scheduler and loss scaling construct.
     torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([p], lr=0.1), lambda t: 1.0)
     torch.amp.GradScaler("cpu", enabled=False)
+    # A recovery unpickles the data record (leto.Run's data=: a StatefulDataLoader's
+    # state holds its generator's tensor): a tensor's unpickling imports
+    # torch.utils.serialization.
+    pickle.loads(pickle.dumps(torch.zeros(1)))
 
 
 def import_all(names) -> tuple[list[str], list[str]]:

@@ -35,9 +35,11 @@ class GlobalRNG:
         self._pending: dict | None = None  # a recovery's states, until ``apply``
 
     def state_dict(self) -> dict:
-        out = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        # torch's states as bytes: a tensor in the record would make a recovery's
+        # unpickling import torch.utils.serialization on its way to training.
+        out = {"torch": _raw(torch.get_rng_state()), "python": random.getstate()}
         if self.device is not None:
-            out["cuda"] = torch.cuda.get_rng_state(self.device)
+            out["cuda"] = _raw(torch.cuda.get_rng_state(self.device))
         np = sys.modules.get("numpy")
         if np is not None:
             out["numpy"] = np.random.get_state()
@@ -55,11 +57,19 @@ class GlobalRNG:
         sd, self._pending = self._pending, None
         if sd is None:
             return
-        torch.set_rng_state(sd["torch"])
+        torch.set_rng_state(_tensor(sd["torch"]))
         random.setstate(sd["python"])
         if self.device is not None and "cuda" in sd:
-            torch.cuda.set_rng_state(sd["cuda"], self.device)
+            torch.cuda.set_rng_state(_tensor(sd["cuda"]), self.device)
         if "numpy" in sd:
             import numpy as np
 
             np.random.set_state(sd["numpy"])
+
+
+def _raw(state: torch.Tensor) -> bytes:
+    return state.numpy().tobytes()
+
+
+def _tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
