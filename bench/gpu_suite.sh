@@ -294,7 +294,7 @@ if [[ $what == plain-recovery ]]; then
   # and what the promoted trainer still imported (the goal: nothing); each trial with and
   # without the parked shadow's generic warm-up (the script gives none).
   python3 -m bench.plain_recovery --device cuda --nproc-per-node 1 --shadow-level L3 \
-    --trials ${LETO_PLAIN_TRIALS:-2} --iterations 8 --warmup both \
+    --trials ${LETO_PLAIN_TRIALS:-2} --iterations 8 --warmup ${LETO_PLAIN_WARMUP:-both} \
     --script-args="--n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 --seq 1024 --batch 16" \
     --json-out "$OUT/plain_recovery_h200.json" 2>&1 | tee "$OUT/plain_recovery_h200.txt" || rc=1
 fi
