@@ -47,6 +47,10 @@ POINTS = (
     "update.store",
     "update.tier2",
 )
+# Not a crash point (not in POINTS): where an update's new values are computed and its
+# parity has not absorbed them yet, per chunk, with the chunk's pages as ``dest`` — the
+# seam of faultkit's silent-data-corruption mode (a wrong computation parity agrees with).
+SDC_POINT = "update.computed"
 # Outside an iteration: "resume" (key 0) fires once per start, in the middle of a
 # recovery — after the pool's pages are rebuilt, before the ranks agree where to resume.
 ONCE_PER_ITERATION = frozenset(

@@ -43,8 +43,11 @@ def _run(tmp_path, at: str, mode: str, extra=()):
 
 def test_flipped_host_parity_is_found_by_the_scrub_and_repaired_in_place(reference, tmp_path):
     # Rank 0's tier 1 in iteration 2 after its scrub step: the update of 2 carries the
-    # errors along (it loads, updates and stores that parity); the background check at
-    # 3's start flags the group, and 4's start locates and repairs them. Rank 1's tier 2,
+    # errors along (it loads, updates and stores that parity), so rank 0's parity digest
+    # differs from rank 1's after that update (leto.update.replica); both ranks scrub the
+    # differing group, rank 0 locates and repairs them, and the digests agree again —
+    # not fatal. (With --no-replica-check the background check at 3's start flags the
+    # group and 4's start repairs them.) Rank 1's tier 2,
     # which every update encodes again from tier 1 (a flip mid-run is overwritten before
     # anything reads it), in the last iteration after the first group's refresh: the
     # scrub at the end of training finds it. One job.
@@ -60,7 +63,8 @@ def test_flipped_host_parity_is_found_by_the_scrub_and_repaired_in_place(referen
     flips = [json.loads(x) for x in (tmp_path / "aborts.jsonl").read_text().splitlines()]
     assert sorted(f["corrupt"] for f in flips) == ["tier1", "tier2"], flips
     for rank, tier, want, when in (
-        (0, "tier1", [0, 1], "scrub"), (1, "tier2", [-1], "at the end of training")
+        (0, "tier1", [0, 1], "replicas disagreed"),
+        (1, "tier2", [-1], "at the end of training"),
     ):  # fmt: skip
         log = tmp_path / "train" / f"rank{rank}.scrub.jsonl"
         found = [json.loads(x) for x in log.read_text().splitlines()]
@@ -92,8 +96,11 @@ def test_flipped_device_pages_are_named_and_the_job_falls_back_to_a_verified_che
     assert "silent corruption of retained state" in error["message"], error
     v = compare(reference, tmp_path / "train")
     assert v.exact, v.describe()
-    # What was trained on the corrupted state was recorded, then rolled back.
-    assert v.rolled_back >= 1, v
+    # Found in the iteration it happened: the update of 2 carried the flipped pages into
+    # parity that differs from the other replica's (leto.update.replica), whose scrub of
+    # the group named them before iteration 2's record was written — nothing trained on
+    # the corrupted state was recorded, so nothing had to be superseded.
+    assert v.rolled_back == 0, v
 
 
 def test_a_recovery_rebuilt_from_a_silently_corrupted_survivor_is_caught_by_verification(
@@ -127,12 +134,14 @@ def test_a_recovery_rebuilt_from_a_silently_corrupted_survivor_is_caught_by_veri
 
 
 def test_leto_pool_scrub_asks_a_running_job_and_reports_what_each_rank_found(tmp_path):
-    # No background scrub: rank 1's tier-1 pages flip at iteration 3 and stay wrong
-    # until `leto pool scrub` asks; every rank answers at its next iteration's start.
+    # No background scrub and no replica check (it would find the replicas' parity
+    # differing after iteration 3's update and have it repaired at once): rank 1's tier-1
+    # pages flip at iteration 3 and stay wrong until `leto pool scrub` asks; every rank
+    # answers at its next iteration's start.
     cfg = TrainConfig(iterations=80)
     plan = [{"generation": 0, "rank": 1, "at": "gather@3", "mode": "corrupt:tier1:2"}]
     (p,) = start_job(2, cfg, tmp_path, plan, shadow_level="off",
-                     extra=("--scrub-mib-per-iteration", "0"))  # fmt: skip
+                     extra=("--scrub-mib-per-iteration", "0", "--no-replica-check"))  # fmt: skip
     losses = tmp_path / "train" / "rank1.losses.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

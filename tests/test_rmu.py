@@ -181,12 +181,14 @@ def test_layerwise_muon_crash_with_lost_pages_is_exact(muon_pool, point):
 
 def test_an_iteration_reaches_every_updater_injection_point(pool):
     from faultkit import hooks
+    from leto.plugins import SDC_POINT
 
     client, up, model, t = h.start(pool, UpdaterConfig(chunk_units=1, adamw=h.ADAMW))
     try:
         seen = hooks.record()
         h.one_iteration(up, model, t)
-        assert set(seen) == set(h.POINTS), f"reached {sorted(set(seen))}"
+        # And the seam of faultkit's sdc-update (no crash point: not in POINTS).
+        assert set(seen) == {*h.POINTS, SDC_POINT}, f"reached {sorted(set(seen))}"
     finally:
         hooks.record(False)
         client.close()

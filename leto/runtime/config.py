@@ -151,6 +151,9 @@ class RunConfig:
     # 64 on CUDA (≈ 0.15 ms of codec time), 1 on the CPU, whose numpy codec is ~10^4x
     # slower.
     scrub_mib: float | None = None
+    # Data-parallel replicas compare a digest of their retained state after every update
+    # (leto.update.replica; a wrong computation on one rank is fatal to the iteration).
+    replica_check: bool = True
     checkpoint_dir: str = ""  # empty: <log_dir>/checkpoints
     checkpoint_interval: int = 0  # iterations; 0: Young's formula with the FF-only MTTF
     # --no-checkpoints: no saves at all; a fatal failure restarts the job from its first

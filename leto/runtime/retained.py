@@ -38,6 +38,7 @@ from leto.errors import FatalFailure, InvalidInput
 from leto.memory.client import PoolClient
 from leto.plugins import point
 from leto.runtime.buckets import GradBuckets
+from leto.update import replica
 from leto.update.marker import MarkerState, Phase
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
@@ -93,6 +94,14 @@ class RetainedTraining:
         self.scrub = Scrubber(self.up, log=self.out / f"rank{rank}.scrub.jsonl")
         self.scrub_requests = Path(scrub_requests) if scrub_requests else None
         self._served: str | None = None  # the last on-demand scrub this rank answered
+        # Wrong computations: replicas compare their state's digest after each update
+        # (leto.update.replica; collective — every rank decides alike). Sharded state
+        # (FSDP2, TP, pipeline stages, ZeRO-1's optimizer shards) has no replica.
+        self.replica = None
+        if world > 1 and self.replicated and self.up.state.shard is None and replica.enabled():
+            log = self.out / f"rank{rank}.replica.jsonl"
+            self.replica = replica.ReplicaCheck(rank, world, log=log)
+            self.up.digest_on = True
         # The recovery record's steps on the trainer's side (the agent adds its own).
         self.timings: dict[str, float] = {"map_retained_s": time.time() - t0}
         self.device = self.up.device
@@ -287,12 +296,25 @@ class RetainedTraining:
         self.up.protect_grads(t, loss=loss if later is not None else value)
         self.up.sync(t, group=dist.group.WORLD)
         self.up.update(t)
+        if self.replica is not None and self.up.digest_complete:
+            gids = [g.gid for g in self.up.groups]
+            self.replica.check(t, self.up.digests, gids, recheck=self._recheck)
         m = self.up.marker.state
         if later is not None:
             host, ev = later
             ev.synchronize()
             m = m.but(loss=float(host))
         self._log(t, m)
+
+    def _recheck(self, gis: list[int]) -> torch.Tensor:
+        """Groups whose digests differ between replicas, scrubbed (a wrong parity page is
+        repaired in place; a data page that disagrees with its parity is a fatal
+        ``CorruptState``), and every group's digest again, from host tier 1."""
+        self.scrub.full(gis, when="replicas disagreed")
+        out = self.up.digests.clone()
+        for gi in gis:
+            out[gi] = replica.group_digest(self.up._host_tier(self.up.groups[gi], 1))
+        return out
 
     def _no_loss(self, t: int) -> None:
         """Under verification, say once that the trace's losses are NaN: every run's

@@ -251,6 +251,7 @@ class Run:
         stands (0 on a fresh start; after a recovery, the first unfinished one)."""
         self._rng.apply()  # after the script's own seeding: a recovery's generator states
         t = self.next_iteration
+        t_first, t_loop = t, time.time()
         while t < total:
             self._t, self._stepped, self._loss = t, False, None
             self._called, self._inf, self._seen = set(), set(), set()
@@ -275,6 +276,20 @@ class Run:
             t += 1
             self.next_iteration = t
         self.ctx.loop_ended()
+        # What the loop and the replica check took, in the rank's log (the check's
+        # all_gather includes waiting for the slowest replica's update).
+        rc = self.job.replica
+        print(
+            f"rank {self.ctx.rank}: the loop ran {time.time() - t_loop:.2f} s for "
+            f"{t - t_first} iteration(s); replica check: "
+            + (
+                f"{rc.checks} updates compared, {1e3 * rc.check_s / rc.checks:.3f} ms each"
+                if rc is not None and rc.checks
+                else "off"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
         # Nothing leaves the loop unverified: a corruption the background pass has not
         # reached yet is found here (the fallback then redoes the iterations after it).
         self.job.scrub.full(when="at the end of training")

@@ -57,7 +57,7 @@ from leto.errors import FatalFailure
 from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.memory.lending import Lender
-from leto.plugins import point
+from leto.plugins import SDC_POINT, point
 from leto.update.chunk_pass import ChunkPass
 from leto.update.layout import RetainedModel
 from leto.update.loop_record import LoopRecord
@@ -71,6 +71,7 @@ from leto.update.optim import (
     clip_coefficient,
     muon_layer,
 )
+from leto.update.replica import group_digest
 from leto.update.schedule import WarmupCosine
 from nvbit_tools import tripwire
 
@@ -213,6 +214,17 @@ class Updater:
             self.state, user, h1, self.device
         )
         self._fused: ChunkPass | None = None
+        # Replica agreement (leto.update.replica): when on, each group's final tier-1
+        # parity of an update is reduced to one word on the device, in stream order.
+        self.digest_on = False
+        self.digests = torch.zeros(len(self.groups), dtype=torch.int64, device=self.device)
+        self._digested = [False] * len(self.groups)
+
+    @property
+    def digest_complete(self) -> bool:
+        """Whether the last update digested every state group (not when a recovery
+        finished it from a later group, nor in the in-place ablation)."""
+        return self.digest_on and all(self._digested)
 
     # -- helpers --------------------------------------------------------------------
 
@@ -432,6 +444,7 @@ class Updater:
 
     def update(self, iteration: int, resume: MarkerState | None = None) -> None:
         m = resume if resume is not None else self.marker.state
+        self._digested = [False] * len(self.groups)
         if m.phase is not Phase.UPDATE:
             m = m.but(
                 iteration=iteration,
@@ -532,6 +545,7 @@ class Updater:
                     else:  # resumed after the optimizer: copy now
                         self._copy(self._buf_flat[y], self._buf_flat[x])
                     point("update.parity", it)
+                    point(SDC_POINT, it, dest=pages)  # a wrong value here, parity agrees
                     first, _ = self.state.chunk_pages(gi, units)
                     code.tier1.update(
                         self._pages(y, self.buf[y]),
@@ -544,6 +558,11 @@ class Updater:
             point("update.commit", it)
             m = self._write(m.but(step=Step.START, chunk=j + 1, auth=y))
         if m.step in (Step.START, Step.STORE):
+            if self.digest_on:
+                # The group's whole tier-1 parity after its last chunk, read where it is:
+                # no state is read again.
+                self.digests[gi] = group_digest(self._buf_flat[m.auth])
+                self._digested[gi] = True
             if m.step is Step.START:
                 m = self._write(m.but(step=Step.STORE))
             with self._span("parity to host"):
@@ -568,12 +587,17 @@ class Updater:
         live = self._pages(("chunk", gi, j), pages).pages
 
         def parity_update(ys, col0, old, new):
+            point(SDC_POINT, it, dest=new)  # the CPU twin: computed, parity not updated yet
             code.tier1.update(ys, col0, old, new, group=self.groups[gi].gid)
 
         for k, part in enumerate([(0, mid), (mid, ue)] if mid else [(0, ue)]):
             if k == 1:
                 point("update.optimizer", it)  # a crash here leaves the chunk half updated
             self._fused.run(units, part, first, scratch, tables, live, parity_update)
+        if tables is not None:
+            # The CUDA kernel absorbs its values into parity as it computes them: a change
+            # made here disagrees with parity (the scrub names it), not a silent one.
+            point(SDC_POINT, it, dest=live)
         if not mid:
             point("update.optimizer", it)
         point("update.parity", it)

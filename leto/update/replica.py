@@ -1,0 +1,157 @@
+"""Replica agreement: data-parallel replicas compare a digest of their retained state
+after every update, so a wrong computation on one rank (a silent data corruption in
+the optimizer's arithmetic or in a gradient it read) is found in the iteration it
+happened, before a checkpoint or a later iteration trusts that state.
+
+Runs in the trainer, after the update of an iteration committed. The digest is taken
+from the tier-1 parity each rank keeps per protection group (``leto.update.rmu``): a
+linear function of every byte of the group's data pages, identical across replicas that
+hold identical bytes in identical layouts. The updater reduces each group's parity, on
+the device where it already is, to one 64-bit word (``group_digest``: the sum of its
+8-byte words, modulo 2^64); the ranks exchange the words in one ``all_gather`` of
+``8 x groups`` bytes on a gloo group of their own. Equal: training goes on. Different:
+the digest cannot tell a wrong parity page (harmless, repaired in place by the scrub)
+from wrong data, so every rank first scrubs the groups that differ (a parity error is
+repaired, a data page that disagrees with its parity is the scrub's own fatal
+``CorruptState``) and the ranks compare again; still different: ``ReplicaDisagreement``
+(a ``FatalFailure``): every rank exits fatal, the job falls back to the last verified
+checkpoint and redoes the iterations from there.
+
+Which rank is wrong: at world >= 3 the ranks outside the strict majority are named; at
+world 2 (or with no strict majority) both sides are, and naming one would need a third
+replica or a recomputation of the update (not built).
+
+Not covered: sharded state — FSDP2, tensor or pipeline parallel jobs and ZeRO-1
+shards have no replica, and the check is skipped there; an update that a recovery
+finished (its digest covers only the groups it redid; the next iteration's check covers
+the whole state again); a corruption that flips the same bits on every replica; a digest
+collision (a data flip changes H1 parity words, and their signed changes would have to
+sum to 0 modulo 2^64). On CUDA the check waits for the update to finish (one host
+synchronisation per iteration).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from leto.errors import FatalFailure
+
+ENV_REPLICA_CHECK = "LETO_REPLICA_CHECK"  # "0": leto run --no-replica-check
+
+
+def enabled() -> bool:
+    """Whether ``leto run`` left the check on (the default)."""
+    return os.environ.get(ENV_REPLICA_CHECK, "1") != "0"
+
+
+class ReplicaDisagreement(FatalFailure):
+    """Data-parallel replicas hold different state after an update: the iteration's
+    state is not trusted (the checkpoint fallback redoes it)."""
+
+
+def group_digest(parity: torch.Tensor) -> torch.Tensor:
+    """One group's tier-1 parity (a flat uint8 tensor, a multiple of 8 bytes) as a 0-d
+    int64 tensor on its device: the sum of its little-endian 8-byte words modulo 2^64
+    (torch's integer sum wraps). Every single-bit change of the parity changes it."""
+    return parity.view(torch.int64).sum()
+
+
+def group_digest_reference(parity: torch.Tensor) -> int:
+    """``group_digest``, slowly and obviously: Python integers, reduced to a signed
+    64-bit value."""
+    raw = bytes(parity.cpu().numpy().tobytes())
+    total = sum(int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8))
+    total %= 1 << 64
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+def suspects(digests: list[tuple[int, ...]]) -> tuple[list[int], bool]:
+    """The ranks to name for ``digests`` (one tuple per rank): ([], _) when all agree;
+    else (ranks outside a strict majority, True), or (every rank, False) when no strict
+    majority exists (world 2: one against one)."""
+    counts = Counter(digests)
+    if len(counts) == 1:
+        return [], True
+    top, n = counts.most_common(1)[0]
+    if 2 * n > len(digests):
+        return [r for r, d in enumerate(digests) if d != top], True
+    return list(range(len(digests))), False
+
+
+def _differing(rows: list[tuple[int, ...]]) -> list[int]:
+    """The positions (groups) where any rank's words differ."""
+    return [i for i, col in enumerate(zip(*rows, strict=True)) if len(set(col)) > 1]
+
+
+class ReplicaCheck:
+    def __init__(self, rank: int, world: int, log: Path | None = None, timeout_s: float = 600.0):
+        """Collective (makes a gloo group): every rank of the job, data parallel over all
+        of them. ``log``: a file each disagreement is appended to (one JSON line)."""
+        self.rank, self.world, self.log = rank, world, log
+        self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.checks = 0
+        self.check_s = 0.0  # time spent in check(), this process
+
+    def _gather(self, digests: torch.Tensor) -> list[tuple[int, ...]]:
+        mine = digests.to("cpu", torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.pg)
+        return [tuple(int(x) for x in d) for d in every]
+
+    def check(
+        self,
+        t: int,
+        digests: torch.Tensor,
+        gids: list[int],
+        recheck: Callable[[list[int]], torch.Tensor] | None = None,
+    ) -> None:
+        """Compare this rank's per-group ``digests`` (int64, one per state group) of
+        iteration ``t`` with every replica's; raise ``ReplicaDisagreement`` on any
+        difference (every rank raises: they all see the same words). ``recheck(groups)``
+        (indices into ``digests``): scrub those groups, return the digests again — called
+        on every rank alike when they differ, before the second comparison."""
+        t0 = time.perf_counter()
+        rows = self._gather(digests)
+        self.checks += 1
+        self.check_s += time.perf_counter() - t0
+        named, majority = suspects(rows)
+        if named and recheck is not None:
+            rows = self._gather(recheck(_differing(rows)))
+            named, majority = suspects(rows)
+        if not named:
+            return
+        differ = sorted(gids[i] for i in _differing(rows))
+        if majority:
+            who = (
+                f"rank(s) {named} disagree with the majority of the {self.world} replicas: "
+                f"they computed wrong"
+            )
+        else:
+            who = (
+                f"ranks {named} disagree and no majority names one (world {self.world}): a "
+                f"third replica or a recomputation of the update would be needed to tell "
+                f"which computed wrong"
+            )
+        if self.log is not None:
+            rec = {
+                "iteration": t, "named": named, "majority": majority, "groups": differ,
+                "world": self.world, "time": time.time(),
+            }  # fmt: skip
+            with open(self.log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        raise ReplicaDisagreement(
+            f"iteration {t}: data-parallel replicas hold different retained state after "
+            f"the update (tier-1 parity digests differ in state group(s) {differ}, also "
+            f"after a scrub of them): {who}. "
+            f"Nothing of this iteration is trusted; the job falls back to its last "
+            f"verified checkpoint and redoes the iterations from there"
+        )

@@ -1,0 +1,147 @@
+"""leto.update.replica without processes: the parity digest against its slow twin, that
+a single flipped bit of data or parity changes it, which ranks a disagreement names,
+and what ``ReplicaCheck.check`` raises and logs (the collective stood in for).
+
+The multi-process path — faultkit's ``sdc-update`` detected, named and EXACT under
+``leto run`` — is ``test_sdc_update_is_detected_in_its_iteration_and_ends_exact`` in
+tests/test_faultkit_inject.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leto.erasure import ReedSolomon
+from leto.errors import FatalFailure
+from leto.update import replica
+from leto.update.replica import ReplicaDisagreement, group_digest, group_digest_reference
+
+
+def random_bytes(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize("words", [1, 2, 7, 4096])
+def test_digest_matches_its_slow_twin_including_wrapping_sums(words):
+    raw = random_bytes(8 * words, words)
+    assert int(group_digest(raw)) == group_digest_reference(raw)
+    ones = torch.full((8 * words,), 0xFF, dtype=torch.uint8)  # every word -1: wraps below
+    assert int(group_digest(ones)) == group_digest_reference(ones) == -words
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 64), st.integers(0, 2**31), st.data())
+def test_one_flipped_parity_bit_changes_the_digest(words, seed, data):
+    raw = random_bytes(8 * words, seed)
+    byte = data.draw(st.integers(0, 8 * words - 1))
+    bit = data.draw(st.integers(0, 7))
+    flipped = raw.clone()
+    flipped[byte] ^= 1 << bit
+    assert int(group_digest(flipped)) != int(group_digest(raw)), (byte, bit)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 8), st.integers(0, 2**31), st.data())
+def test_one_flipped_data_bit_changes_the_groups_parity_digest(d, h, seed, data):
+    # What the check relies on: replicas with equal pages have equal parity, and one
+    # wrong bit in a data page (absorbed into consistent parity) changes the digest.
+    page_bytes = 64
+    pages = random_bytes(d * page_bytes, seed).view(d, page_bytes)
+    rs = ReedSolomon(d, h)
+    same = rs.encode(pages.clone())
+    parity = rs.encode(pages)
+    assert torch.equal(same, parity)
+    assert int(group_digest(same.reshape(-1))) == int(group_digest(parity.reshape(-1)))
+    wrong = pages.clone()
+    wrong[data.draw(st.integers(0, d - 1)), data.draw(st.integers(0, page_bytes - 1))] ^= 1 << (
+        data.draw(st.integers(0, 7))
+    )
+    other = rs.encode(wrong)
+    assert int(group_digest(other.reshape(-1))) != int(group_digest(parity.reshape(-1)))
+
+
+def test_suspects_name_the_minority_or_every_rank_without_a_majority():
+    a, b = (1, 2), (1, 3)
+    assert replica.suspects([a, a]) == ([], True)
+    assert replica.suspects([a]) == ([], True)
+    assert replica.suspects([a, a, b]) == ([2], True)
+    assert replica.suspects([b, a, a, a]) == ([0], True)
+    assert replica.suspects([a, b]) == ([0, 1], False)  # world 2: one against one
+    assert replica.suspects([a, a, b, b]) == ([0, 1, 2, 3], False)
+
+
+def _check(monkeypatch, tmp_path, rank: int, rows: list[list[int]]):
+    """``ReplicaCheck.check`` on ``rank`` with the all_gather standing in: it hands back
+    ``rows`` (one per rank), as gloo would."""
+    monkeypatch.setattr(replica.dist, "new_group", lambda **kw: None)
+
+    def all_gather(out, mine, group=None):
+        assert torch.equal(mine, torch.tensor(rows[rank])), "this rank's own words are sent"
+        for o, r in zip(out, rows, strict=True):
+            o.copy_(torch.tensor(r))
+
+    monkeypatch.setattr(replica.dist, "all_gather", all_gather)
+    log = tmp_path / f"rank{rank}.replica.jsonl"
+    rc = replica.ReplicaCheck(rank, len(rows), log=log)
+    return rc, log
+
+
+def test_agreeing_replicas_pass_and_log_nothing(monkeypatch, tmp_path):
+    rc, log = _check(monkeypatch, tmp_path, 1, [[5, -7], [5, -7], [5, -7]])
+    rc.check(3, torch.tensor([5, -7]), gids=[0, 1])
+    assert rc.checks == 1 and not log.exists()
+
+
+def test_a_minority_rank_is_named_and_the_iteration_is_fatal(monkeypatch, tmp_path):
+    rc, log = _check(monkeypatch, tmp_path, 0, [[5, -7], [5, -7], [5, 8]])
+    with pytest.raises(ReplicaDisagreement, match=r"iteration 3: .*group\(s\) \[11\].*\[2\]") as e:
+        rc.check(3, torch.tensor([5, -7]), gids=[10, 11])
+    assert isinstance(e.value, FatalFailure), "the runtime's fatal path: checkpoint fallback"
+    (rec,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert rec["iteration"] == 3 and rec["named"] == [2] and rec["majority"], rec
+    assert rec["groups"] == [11], rec
+
+
+def test_at_world_2_both_ranks_are_named_and_the_message_says_why(monkeypatch, tmp_path):
+    rc, log = _check(monkeypatch, tmp_path, 1, [[1], [2]])
+    with pytest.raises(ReplicaDisagreement, match="no majority names one") as e:
+        rc.check(0, torch.tensor([2]), gids=[0])
+    assert "third replica or a recomputation" in str(e.value)
+    (rec,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert rec["named"] == [0, 1] and not rec["majority"], rec
+
+
+def test_the_check_is_on_unless_leto_run_turned_it_off(monkeypatch):
+    monkeypatch.delenv(replica.ENV_REPLICA_CHECK, raising=False)
+    assert replica.enabled()
+    monkeypatch.setenv(replica.ENV_REPLICA_CHECK, "0")
+    assert not replica.enabled()
+
+
+def test_a_disagreement_the_scrub_resolves_is_not_fatal(monkeypatch, tmp_path):
+    # A wrong tier-1 page on one rank (harmless: the scrub repairs it) makes its digest
+    # differ too: the ranks scrub the differing groups and compare again.
+    rows = [[5, -7], [5, 9]]
+    rc, log = _check(monkeypatch, tmp_path, 0, rows)
+    asked = []
+
+    def recheck(groups):
+        asked.append(groups)
+        rows[1] = [5, -7]  # what every rank's second all_gather returns: repaired
+        return torch.tensor(rows[0])
+
+    rc.check(2, torch.tensor([5, -7]), gids=[0, 1], recheck=recheck)
+    assert asked == [[1]] and not log.exists()
+    rows[1] = [5, 9]
+
+    def still(groups):
+        return torch.tensor(rows[0])  # the other rank's words still differ
+
+    with pytest.raises(ReplicaDisagreement, match=r"group\(s\) \[1\], also after a scrub"):
+        rc.check(3, torch.tensor([5, -7]), gids=[0, 1], recheck=still)
