@@ -67,6 +67,7 @@ def _config(args: argparse.Namespace):
         shadow_level=args.shadow_level,
         abort_after_blocks=getattr(args, "abort_after_blocks", 3),
         parallel=getattr(args, "parallel", "dp"),
+        replica_check=not getattr(args, "no_replica_check", False),
     )
 
 
@@ -315,12 +316,30 @@ def _verdict_table(v: dict, title: str) -> int:
         )
     if v["mode"].startswith("corrupt"):
         rows.append(("scrub", v.get("scrub") or _unseen(v)[3:]))
+    if v["mode"].startswith("sdc"):
+        rows.append(("replica check", _replica_row(v)))
     if v["fatal_detail"]:
         rows.append(("fatal", v["fatal_detail"]))
     for k, val in rows:
         t.add_row(k, str(val))
     Console().print(t)
     return 0 if v["exact"] else 1
+
+
+def _replica_row(v: dict) -> str:
+    if not v.get("detected"):
+        return "nothing detected" + (
+            "" if v["config"].get("replica_check", True) else " (--no-replica-check)"
+        )
+    who = (
+        f"rank {v['named_rank']} named"
+        if v["named_rank"] is not None
+        else f"ranks {v['suspects']} disagree (no majority names one)"
+    )
+    return (
+        f"detected after the update of iteration {v['detected_at']}: {who}; rolled back to "
+        f"iteration {v['rolled_back']}"
+    )
 
 
 PARALLEL_HELP = (
@@ -386,7 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
         "kernels stops after --abort-after-blocks blocks and the rank dies with it in "
         "flight; phases grad-parity, update, parity, parity-copy, tier2), corrupt-data or "
         "corrupt-parity (flip one bit in each of --pages retained pages — device pages of the "
-        "last group, or the first group's host tier 1 — silently: no death, no loss)",
+        "last group, or the first group's host tier 1 — silently: no death, no loss), or "
+        "sdc-update (phase update: one bit of the rank's freshly updated parameters flipped "
+        "before parity absorbs them — a wrong computation; the verdict says whether the "
+        "replica check detected it)",
+    )
+    p.add_argument(
+        "--no-replica-check",
+        action="store_true",
+        help="run the job with leto run --no-replica-check (sdc-update must then end NOT "
+        "EXACT: what shows the check is what finds it)",
     )
     p.add_argument(
         "--abort-after-blocks",
@@ -434,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         default="kill,copy-corrupt",
         help="comma-separated modes: kill, copy-corrupt, kernel-abort, corrupt-data, "
-        "corrupt-parity (corrupt modes: 1 and H1 flipped pages, no loss)",
+        "corrupt-parity (corrupt modes: 1 and H1 flipped pages, no loss), sdc-update (one "
+        "case, at phase update)",
     )
     p.add_argument(
         "--corrupt-pages",

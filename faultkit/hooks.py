@@ -22,7 +22,10 @@ Mode ``corrupt:TARGET:K[:GROUP]`` flips one bit in each of K pages of this train
 retained state and lets it run on — silent corruption, no unmap, no death: TARGET
 ``data`` (device pages of state group GROUP, default 0, -1 the last: parameters,
 optimizer state) or ``tier1`` / ``tier2`` (its host parity pages). Each page's bit sits in a different codeword, so
-the scrub can locate every one. What was flipped goes to the abort log
+the scrub can locate every one. TARGET ``computed``, armed at ``leto.plugins.SDC_POINT``
+(``update.computed``), flips one bit in the chunk's freshly computed values before its
+parity absorbs them: a wrong computation, which parity agrees with and the scrub cannot
+see (faultkit's ``sdc-update``; on the CPU, and in the unfused steps on CUDA). What was flipped goes to the abort log
 (``LETO_TRIPWIRE_LOG``); whether and how Leto noticed is the verdict's business.
 
 Mode ``kernel-abort`` arms the trip-wire (``nvbit_tools.tripwire``) instead: the next
@@ -42,7 +45,7 @@ from leto.plugins import ONCE_PER_ITERATION, POINTS
 ENV_FAULT_AT = "LETO_FAULT_AT"
 ENV_FAULT_MODE = "LETO_FAULT_MODE"  # kill (default), kill-synced, copy-corrupt, ...
 MODES = ("raise", "kill", "kill-synced", "copy-corrupt", "kernel-abort", "hang", "corrupt")
-CORRUPT_TARGETS = ("data", "tier1", "tier2")
+CORRUPT_TARGETS = ("data", "tier1", "tier2", "computed")
 
 __all__ = ["ONCE_PER_ITERATION", "POINTS", "arm", "disarm", "parse", "point", "record"]
 
@@ -126,7 +129,14 @@ def point(name: str, iteration: int, dest=None) -> None:
         tripwire.arm(blocks)  # the next of Leto's kernels stops, then the process dies
         return
     if mode.startswith("corrupt"):
-        _flip(f"{name}@{iteration}#{nth}", *corrupt_spec(mode))
+        at = f"{name}@{iteration}#{nth}"
+        target, k, group = corrupt_spec(mode)
+        if target == "computed":
+            if dest is None:
+                raise InjectedCrash(f"{at} passes no computed values: arm {plugins.SDC_POINT}")
+            _flip_computed(at, list(getattr(dest, "pages", dest)))
+        else:
+            _flip(at, target, k, group)
         return  # silent: the trainer runs on
     if mode == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)  # stopped, not dead: only a monitor notices
@@ -194,6 +204,33 @@ def _flip(at: str, target: str, k: int, group: int) -> None:
     log = os.environ.get(ENV_LOG)
     if log:
         rec = {"corrupt": target, "group": g.gid, "at": at, "pages": flipped, "time": time.time()}
+        with open(log, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def _flip_computed(at: str, pages: list) -> None:
+    """One bit of the first page of the chunk being updated (its lowest bytes: the
+    parameters' low mantissa bits, a small wrong value that training carries on with)."""
+    import json
+    import time
+
+    import torch
+
+    from nvbit_tools.tripwire import ENV_LOG
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    page = pages[0] if pages[0].dtype == torch.uint8 else pages[0].view(torch.uint8)
+    byte = 1000 % page.numel()
+    page[byte] ^= 1
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    log = os.environ.get(ENV_LOG)
+    if log:
+        rec = {
+            "corrupt": "computed", "group": None, "at": at,
+            "pages": [{"page": 0, "byte": byte, "bit": 0}], "time": time.time(),
+        }  # fmt: skip
         with open(log, "a") as f:
             f.write(json.dumps(rec) + "\n")
 

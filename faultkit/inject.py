@@ -20,6 +20,13 @@ Modes ``corrupt-data`` / ``corrupt-parity`` flip one bit in each of ``pages`` re
 pages of the rank, silently (no death, no loss): the verdict also says what the scrub
 did (parity repaired in place; device pages named and the checkpoint fallback; or
 nothing found, when the bytes were overwritten before anything read them).
+Mode ``sdc-update`` is a wrong computation: one bit of the rank's freshly updated
+parameters flipped inside the update of the middle iteration (its first chunk), after
+the optimizer computed them and before parity absorbs them — parity agrees, the scrub
+cannot see it, nothing dies. The verdict says whether the replica check
+(``leto.update.replica``) detected it, in which iteration, which rank it named, where
+the job rolled back to, and whether the run still ended EXACT (``replica_check=False``
+runs the job with ``--no-replica-check``: then it must not).
 
 Not covered: kernel-abort of torch's own kernels (forward, backward, all-reduce): use
 kill on ``--device cuda``.
@@ -59,7 +66,9 @@ KERNEL_PHASES = ("grad-parity", "update", "parity", "parity-copy", "tier2")
 # group (corrupt-data: parameters, optimizer state) or the first group's host tier 1
 # (corrupt-parity); ``pages`` says how many pages (one bit each; at least 1).
 CORRUPT_MODES = ("corrupt-data", "corrupt-parity")
-MODES = ("kill", "copy-corrupt", "kernel-abort", *CORRUPT_MODES)
+# A wrong computation (no death, no loss): a bit of the updated values, parity agreeing.
+SDC_MODES = ("sdc-update",)
+MODES = ("kill", "copy-corrupt", "kernel-abort", *CORRUPT_MODES, *SDC_MODES)
 # The job each parallelism runs: "dp" the example GPT with data parallelism; the others
 # examples/parallel, each rank retaining its shards: "fsdp" FSDP2 over every rank, "tp"
 # tensor-parallel MLPs over every rank, "fsdp+tp" FSDP2 x TP with TP over pairs of
@@ -96,6 +105,7 @@ class InjectConfig:
     shadow_level: str = "L2"  # leto run's shadows (off: cold restarts in place)
     abort_after_blocks: int = 3  # kernel-abort: blocks of the kernel that run
     parallel: str = "dp"  # the job's parallelism: one of PARALLEL
+    replica_check: bool = True  # False: the job runs with leto run --no-replica-check
 
 
 def _phase(cfg: InjectConfig, phase: str, salt: int = 0) -> str:
@@ -190,7 +200,12 @@ def check_fault(phase: str, mode: str) -> None:
 def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
     check_job(cfg)
     check_fault(phase, mode)
-    if mode in CORRUPT_MODES and cfg.every:
+    if mode in SDC_MODES and phase not in ("update", "any"):
+        raise ValueError(
+            f"--mode {mode} strikes inside the update (after the optimizer computed a "
+            f"chunk, before its parity absorbed it): give --phase update, not {phase!r}"
+        )
+    if mode in (*CORRUPT_MODES, *SDC_MODES) and cfg.every:
         raise ValueError(f"--mode {mode} injects one fault: --every is not for it")
     if mode == "corrupt-parity" and cfg.pages > cfg.tier1_pages:
         raise _outside(
@@ -236,9 +251,10 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
         "script_args": ["--iterations", str(cfg.iterations), "--seed", str(cfg.seed),
                         *par[1](cfg.world_size), "--out", str(Path(out) / "train")],
     }  # fmt: skip
+    extra = () if cfg.replica_check else ("--no-replica-check",)
     got = run_job(
         cfg.world_size, train, out, faults, pool=pool, device=cfg.device,
-        shadow_level=cfg.shadow_level, allow_failure=bool(faults), env=env,
+        shadow_level=cfg.shadow_level, allow_failure=bool(faults), env=env, extra=extra,
         # The agent's lines only when someone shows them (the CLI's progress).
         watch=_agent_line if log.isEnabledFor(logging.INFO) else None, **job,
     )  # fmt: skip
@@ -298,6 +314,17 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
     else:
         detail = None
     scrub = _scrub_outcome(Path(got["out"])) if ok else None
+    replica = _replica_outcome(Path(got["out"]))
+    back_to = min(back) if ff and back else None
+    if replica is not None and ff:
+        named = replica["named"]
+        detail = (
+            f"the replica check found ranks' states disagreeing after the update of "
+            f"iteration {replica['iteration']} (named: rank(s) {named}"
+            + ("" if replica["majority"] else ", no majority to tell which")
+            + f"); every rank restarted on fresh pools from the verified checkpoint, at "
+            f"iteration {back_to if back_to is not None else '?'}"
+        )
     if scrub and ff:
         detail = (
             f"the scrub found silently corrupted state ({scrub}); every rank restarted on "
@@ -330,6 +357,14 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         "verdict": verdict.as_dict() if verdict else None,
         "recovery_s": max(recovery) if recovery else None,
         "scrub": scrub,
+        # The replica check (leto.update.replica): whether it found a disagreement, in
+        # which iteration, the rank it named (None when no majority names one: world 2),
+        # the ranks it suspected, and the iteration the job rolled back to.
+        "detected": replica is not None,
+        "detected_at": replica["iteration"] if replica else None,
+        "named_rank": replica["named"][0] if replica and replica["majority"] else None,
+        "suspects": replica["named"] if replica else [],
+        "rolled_back": back_to,
         # What faultkit flipped: target, group, [page, byte, bit] of each page.
         "flipped": [{k: x[k] for k in ("corrupt", "group", "at", "pages")} for x in flips],
         "reference_run_s": ref.get("run_s"),
@@ -347,7 +382,20 @@ def _hook_mode(cfg: InjectConfig) -> str:
         return f"corrupt:data:{k}:-1"
     if cfg.mode == "corrupt-parity":
         return f"corrupt:tier1:{k}:0"
+    if cfg.mode == "sdc-update":
+        return "corrupt:computed:1"
     return cfg.mode
+
+
+def _replica_outcome(train_out: Path) -> dict | None:
+    """The first disagreement the replica check logged (``rank<r>.replica.jsonl``, every
+    rank writes the same), or None. A fallback's redone iterations log nothing new."""
+    found = [
+        json.loads(x)
+        for f in sorted(train_out.glob("rank*.replica.jsonl"))
+        for x in f.read_text().splitlines()
+    ]
+    return min(found, key=lambda x: x["iteration"]) if found else None
 
 
 def _scrub_outcome(train_out: Path) -> str | None:
@@ -372,10 +420,18 @@ def _iterations(cfg: InjectConfig) -> list[int]:
     return [cfg.iterations // 2]
 
 
+def _point(cfg: InjectConfig, salt: int) -> str:
+    """The point a fault of ``cfg`` strikes at: its phase's, or for a wrong computation
+    the update's seam between computing a chunk and its parity absorbing it."""
+    if cfg.mode in SDC_MODES:
+        return plugins.SDC_POINT
+    return PHASES[_phase(cfg, cfg.phase, salt)]
+
+
 def inject(cfg: InjectConfig, workdir: Path | None = None, reference: dict | None = None) -> dict:
     """One faulted run against the fault-free reference (run first unless given), in
     ``workdir`` (default: a new temporary directory, left for the caller)."""
-    phase = _phase(cfg, cfg.phase)
+    phase = "update" if cfg.mode in SDC_MODES else _phase(cfg, cfg.phase)
     _check(cfg, phase, cfg.mode)
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-"))
     ref = reference or reference_run(cfg, work)
@@ -383,10 +439,12 @@ def inject(cfg: InjectConfig, workdir: Path | None = None, reference: dict | Non
         # nth=1: the first chunk/group, reached whatever the model's size and page size
         JobFault(
             cfg.rank,
-            f"{PHASES[_phase(cfg, cfg.phase, k)]}@{it}#1",
+            f"{_point(cfg, k)}@{it}#1",
             _hook_mode(cfg),
-            lose_pages=0 if cfg.mode in CORRUPT_MODES else cfg.pages,
-            host_parity_pages=0 if cfg.mode in CORRUPT_MODES else cfg.host_parity_pages,
+            lose_pages=0 if cfg.mode in (*CORRUPT_MODES, *SDC_MODES) else cfg.pages,
+            host_parity_pages=(
+                0 if cfg.mode in (*CORRUPT_MODES, *SDC_MODES) else cfg.host_parity_pages
+            ),
         )
         for k, it in enumerate(_iterations(cfg))
     ]
@@ -438,6 +496,10 @@ def matrix_cases(
             if mode == "copy-corrupt" and phase not in COPY_PHASES:
                 continue
             if mode == "kernel-abort" and phase not in KERNEL_PHASES:
+                continue
+            if mode in SDC_MODES:  # one flipped bit inside the update: its own phase only
+                if phase == "update":
+                    cases.append((phase, mode, 0, 0))
                 continue
             if mode in CORRUPT_MODES:  # 1 and H1 flipped pages, no loss
                 counts = (1, base.tier1_pages)

@@ -79,6 +79,7 @@ def inject_reference(tmp_path_factory):
             every=0,
             abort_after_blocks=InjectConfig.abort_after_blocks,
             shadow_level="off",
+            replica_check=True,  # the fault-free bytes are the same either way
         )
         if job not in cache:
             cache[job] = reference_run(job, Path(tmp_path_factory.mktemp("injref")))

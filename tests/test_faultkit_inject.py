@@ -48,6 +48,28 @@ def test_host_parity_pages_and_another_rank(verdict):
     assert v["exact"] and v["host_pages_rebuilt"] == v["pages_lost_host"] == 2
 
 
+@pytest.mark.integ
+def test_sdc_update_is_detected_in_its_iteration_and_ends_exact(verdict):
+    # One bit of rank 1's freshly updated parameters, before parity absorbs it: the scrub
+    # cannot see it; the replica check must, after that very update, and the checkpoint
+    # fallback redoes the iterations. World 2: both ranks are suspects, none named.
+    v = verdict(mode="sdc-update", phase="update", rank=1)
+    (flip,) = v["flipped"]
+    it = int(flip["at"].split("@")[1].split("#")[0])
+    assert v["detected"] and v["detected_at"] == it, v["fatal_detail"]
+    assert v["suspects"] == [0, 1] and v["named_rank"] is None, v["suspects"]
+    assert v["rolled_back"] is not None and v["rolled_back"] <= it, v["rolled_back"]
+    assert v["exact"], v["first_divergence"]
+
+
+@pytest.mark.integ
+def test_sdc_update_without_the_replica_check_ends_not_exact(verdict):
+    # What shows the check is what finds it: without it nothing does.
+    v = verdict(mode="sdc-update", phase="update", rank=1, replica_check=False)
+    assert len(v["flipped"]) == 1 and not v["detected"] and v["scrub"] is None, v
+    assert not v["exact"] and "'param' differs" in v["first_divergence"], v["first_divergence"]
+
+
 def test_bad_options_are_refused_with_a_reason(capsys):
     from faultkit.cli import main
 
@@ -67,6 +89,8 @@ def test_bad_options_are_refused_with_a_reason(capsys):
     assert code == 2 and "needs a phase that copies parity" in err
     code, _, err = refused("--every", "9", "--iterations", "6")
     assert code == 2 and "--every 9" in err
+    code, _, err = refused("--mode", "sdc-update", "--phase", "sync")
+    assert code == 2 and "sdc-update strikes inside the update" in err, err
     code, _, err = refused("--pages", "65")
     assert code == 2 and "--pages 65" in err and "D=64" in err, err
     # Under --json a refusal is a JSON object too.
@@ -201,6 +225,13 @@ def test_the_ci_corrupt_cut_covers_every_phase_and_both_counts(monkeypatch, tmp_
     assert all(c.host_parity_pages == 0 for c in cut)
     with pytest.raises(ValueError, match="--corrupt-pages 'some'"):
         fi.matrix(base, tmp_path, modes=modes, corrupt_pages="some")
+
+
+def test_a_matrix_runs_sdc_update_once_at_the_update_phase():
+    import faultkit.inject as fi
+
+    cases = fi.matrix_cases(InjectConfig(), modes=("kill", "sdc-update"), losses="alternate")
+    assert [c for c in cases if c[1] == "sdc-update"] == [("update", "sdc-update", 0, 0)]
 
 
 def test_the_ci_loss_cuts_run_every_phase_and_every_loss(monkeypatch, tmp_path):
