@@ -135,7 +135,12 @@ def test_a_hung_trainer_is_detected_by_its_heartbeat_and_recovered(reference, tm
     t0 = time.monotonic()
     (summary,) = leto_run(tmp_path, "L2", faults, extra=("--hang-timeout-s", "3"))
     took = time.monotonic() - t0
-    assert summary["failures"] == 1 and summary["recoveries"][0]["failed_ranks"] == [1], summary
+    # Rank 1 hangs inside iteration 2's update. Rank 0, its update done, waits for it in
+    # that iteration's replica agreement (leto.update.replica) at the same heartbeat, so
+    # the monitor cannot tell them apart and reports both (it reports only the ranks
+    # with the oldest beat); rank 1 must be among them, and one recovery clears it.
+    failed = summary["recoveries"][0]["failed_ranks"] if summary["recoveries"] else []
+    assert summary["failures"] == 1 and 1 in failed, summary
     assert took < 60, (
         f"the hang took {took:.0f} s to clear: the collective timeout, not the monitor"
     )
