@@ -20,7 +20,8 @@ def _state(device: str) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("device", DEVICES)  # cuda: on a GPU machine (bash bench/gpu_suite.sh userpath)
+# cuda: on a GPU machine (bash bench/gpu_suite.sh userpath)
+@pytest.mark.parametrize("device", DEVICES)
 def test_staged_bytes_are_the_state_at_staging_and_buffers_are_kept(device):
     state = _state(device)
     stager = HostStager(state)
