@@ -1,15 +1,13 @@
 """karpathy/nanoGPT's own ``train.py`` and ``model.py`` (``examples/porting/nanogpt``,
-vendored with only its CPU edits) and their Leto port: the port changes at most 8
+vendored with only its CPU edits) and their Leto port: the port changes at most 9
 lines, and keeps nanoGPT's micro-step loop as written — its
 ``model.require_backward_grad_sync`` toggle skips the reduction of every micro-step
-but the last, as under DDP. A tiny config on synthetic tokens, two gloo ranks: the
+but the last, as under DDP — and its data path: ``run.batches(get_batch)`` retains its
+prefetch. A tiny config on synthetic tokens, two gloo ranks, ``leto run``'s default
+shadow level, a rank killed in iteration 2's second micro-batch with pages lost: the
 checkpoint nanoGPT saves (model and AdamW state after the last evaluation) is
 byte-identical under torchrun + DDP and under ``leto run``. nanoGPT records no loss for
 Leto, so the ``--verify`` run's trainers each say so once.
-
-Not covered here: nanoGPT under faults. Its batches come from the global torch RNG,
-which a promoted trainer re-seeds at start-up: a recovered run draws other batches
-(give Leto the data through a stateful loader instead: tests/test_data_state_integ.py).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from faultkit.job import run_job
+from faultkit.job import JobFault, run_job
 from leto.workload.train import TrainConfig
 from tests.test_porting import changed_lines
 
@@ -42,9 +40,9 @@ ARGS = [
 ]  # fmt: skip
 
 
-def test_the_nanogpt_port_changes_at_most_8_lines():
+def test_the_nanogpt_port_changes_at_most_9_lines():
     changed = changed_lines(HERE / "train.py", HERE / "train_leto.py")
-    assert 0 < changed <= 8, f"{changed} lines changed"
+    assert 0 < changed <= 9, f"{changed} lines changed"
 
 
 def _workdir(root: Path) -> Path:
@@ -78,7 +76,7 @@ def _differs(a: dict, b: dict, what: str) -> str | None:
 
 @pytest.mark.integ
 @pytest.mark.timeout(240)
-def test_nanogpt_under_leto_run_is_byte_identical_to_torchrun_and_ddp(tmp_path):
+def test_nanogpt_under_leto_run_is_byte_identical_to_torchrun_and_ddp_after_a_kill(tmp_path):
     ddp = _workdir(tmp_path / "ddp")
     try:
         subprocess.run(
@@ -90,18 +88,26 @@ def test_nanogpt_under_leto_run_is_byte_identical_to_torchrun_and_ddp(tmp_path):
     except subprocess.CalledProcessError as e:
         pytest.fail(f"torchrun of nanoGPT failed:\n{e.stdout[-2000:]}\n{e.stderr[-2000:]}")
     leto = _workdir(tmp_path / "leto")  # run_job starts leto run in this folder
+    # Killed after the forward of its second micro-batch (before that micro-batch's
+    # prefetch), pages lost: iteration 2 is redone from 1's record, and the promoted
+    # trainer's pre-loop get_batch must return the batch 1 prefetched.
     summary = run_job(
-        2, TrainConfig(), leto, shadow_level="off", script=leto / "train_leto.py",
-        script_args=[*ARGS, f"--out_dir={leto / 'out'}"],
+        2, TrainConfig(), leto, [JobFault(1, "compute.backward@2#2", lose_pages=2)],
+        script=leto / "train_leto.py", script_args=[*ARGS, f"--out_dir={leto / 'out'}"],
     )  # fmt: skip
+    assert summary["injections"] == 1, summary["recoveries"]
     want = torch.load(ddp / "out" / "ckpt.pt", weights_only=False)
     got = torch.load(leto / "out" / "ckpt.pt", weights_only=False)
     assert want["iter_num"] == got["iter_num"] == 3, (want["iter_num"], got["iter_num"])
     assert (why := _differs(want["model"], got["model"], "model")) is None, why
     assert (why := _differs(want["optimizer"], got["optimizer"], "optimizer")) is None, why
-    for r in range(2):
-        log = (leto / "logs" / f"rank{r}.gen0.active.log").read_text()
-        said = log.count("committed without a loss")
-        assert said == 1 and "run.record_loss(loss)" in log, f"rank {r} said it {said} times"
-    # ... and the agent says it once on the console, from the record's count.
-    assert summary["no_loss_ranks"] == 2, summary["no_loss_ranks"]
+    # Every trainer (the first two and the shadows promoted in the recovery) says it
+    # once in its log, and the agent once on the console, counting them.
+    said = {
+        log.name: log.read_text().count("committed without a loss")
+        for log in sorted((leto / "logs").glob("rank*.log"))
+    }
+    assert all(n <= 1 for n in said.values()), said
+    assert said["rank0.gen0.active.log"] == said["rank1.gen0.active.log"] == 1, said
+    assert summary["no_loss_ranks"] == sum(said.values()), (summary["no_loss_ranks"], said)
+    assert "run.record_loss(loss)" in (leto / "logs" / "rank0.gen0.active.log").read_text()

@@ -19,8 +19,10 @@ A slot: magic, iteration, length, CRC-32, then the pickled list of state dicts.
 Not in the loop record: a ``StatefulDataLoader``'s state with its generator pickles to
 ~6 KB, more than the loop record's page.
 
-Not covered: a loop that draws the next iteration's batch before ``optimizer.step()``
-(its record is a batch ahead: draw at the top of the iteration); an iterator made
+Not covered: a loop that draws the next iteration's batch from a loader before
+``optimizer.step()`` (its record is a batch ahead: draw at the top of the iteration; a
+batch *function* that prefetches is ``run.batches``'s, ``leto.runtime.batch_fn``); an
+iterator made
 before ``leto.Run`` (a ``StatefulDataLoader`` loads a state into its next iterator);
 states larger than the record (``capacity``: the error says how large).
 """

@@ -55,8 +55,11 @@ class GlobalRNG:
         """Set the states a recovery loaded (``run.iterations()``, before the first
         iteration); nothing on a fresh start."""
         sd, self._pending = self._pending, None
-        if sd is None:
-            return
+        if sd is not None:
+            self.set_now(sd)
+
+    def set_now(self, sd: dict) -> None:
+        """Set the generators to ``sd`` (a ``state_dict()``) now."""
         torch.set_rng_state(_tensor(sd["torch"]))
         random.setstate(sd["python"])
         if self.device is not None and "cuda" in sd:

@@ -64,6 +64,7 @@ from leto import plugins
 from leto.errors import InvalidInput
 from leto.plugins import point
 from leto.runtime import data_state, keys
+from leto.runtime.batch_fn import BatchFunctions
 from leto.runtime.ddp_shape import DDPShaped
 from leto.runtime.loop_state import LoopState
 from leto.runtime.retained import RetainedTraining
@@ -113,7 +114,8 @@ class Run:
         self.ctx = ctx
         # The data position (data=) and the global generators, retained together.
         self._rng = GlobalRNG(ctx.device)
-        data = [*(data_state.stateful(data) if data is not None else []), self._rng]
+        self._batches = BatchFunctions(self._rng)  # run.batches()
+        data = [*(data_state.stateful(data) if data is not None else []), self._rng, self._batches]
         self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         self.schedulers = (
             [] if scheduler is None
@@ -249,6 +251,7 @@ class Run:
     def iterations(self, total: int):
         """The iterations still to run, up to ``total`` (exclusive): from where the job
         stands (0 on a fresh start; after a recovery, the first unfinished one)."""
+        self._batches.start()
         self._rng.apply()  # after the script's own seeding: a recovery's generator states
         t = self.next_iteration
         t_first, t_loop = t, time.time()
@@ -311,6 +314,18 @@ class Run:
     @state.setter
     def state(self, value: dict) -> None:
         self._loop.state = value
+
+    def batches(self, fn):
+        """The script's batch function (a function of its arguments and the global
+        generators, e.g. nanoGPT's ``get_batch``), wrapped so that a recovery's call before
+        the loop returns the batch the failed trainer drew last with the same arguments —
+        the next iteration's prefetch: ``get_batch = run.batches(get_batch)``, before the
+        first call (``leto.runtime.batch_fn``)."""
+        if not callable(fn):
+            raise InvalidInput(f"run.batches() takes the script's batch function, not {fn!r}")
+        if self._batches.started:
+            raise InvalidInput("run.batches() is called before run.iterations() starts")
+        return self._batches.wrap(fn)
 
     def no_sync(self):
         """Context for the backward of every micro-batch but the last (DDP's

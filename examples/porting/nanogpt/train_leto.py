@@ -1,6 +1,6 @@
 """
 Leto port of train.py (karpathy/nanoGPT's, commit 3adf61e, MIT: LICENSE in this
-folder): 8 changed lines (docs/porting.md). Start it as torchrun started train.py, from
+folder): 9 changed lines (docs/porting.md). Start it as torchrun started train.py, from
 this folder (configurator.py and data/ are read from the working directory):
 $ leto run --nproc-per-node 2 train_leto.py --device=cpu --compile=False
 Upstream's docstring follows.
@@ -219,6 +219,7 @@ if ddp:
     for p in model.parameters(): torch.distributed.broadcast(p.detach(), 0) # as DDP(model) did
     run = leto.Run(leto_ctx, model, optimizer)
     model = run.model
+    get_batch = run.batches(get_batch) # its prefetch, retained
 
 # helps estimate an arbitrarily accurate loss over either split using many batches
 @torch.no_grad()
