@@ -17,15 +17,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import math
 import sys
 
 import torch
 
 import leto
-from leto.update.schedule import WarmupCosine
 from leto.workload.corpus import batch, corpus
 from leto.workload.gpt import GPT, init_weights
 from leto.workload.train import add_arguments, from_args
+
+
+def lr_shape(t: int, total: int) -> float:
+    """The LR factor of the paper's appendix A.1: linear warm-up over the first 10 % of
+    the iterations, then cosine decay to a tenth of the peak at the end."""
+    warm = max(1, int(total * 0.10))
+    if t < warm:
+        return (t + 1) / warm
+    progress = min(1.0, (t - warm) / max(1, total - warm))
+    return 0.1 + 0.5 * (1.0 - 0.1) * (1 + math.cos(math.pi * progress))
 
 
 def main() -> int:
@@ -73,8 +84,10 @@ def main() -> int:
     impl = {"foreach": False} if cfg.optimizer == "single" else {"fused": True}
     adamw = torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.95), eps=1e-8, **impl)
     optimizers = [*muon, adamw]
-    shape = WarmupCosine(peak_lr=1.0, total_iters=cfg.iterations)
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, shape) for o in optimizers]
+    schedulers = [
+        torch.optim.lr_scheduler.LambdaLR(o, functools.partial(lr_shape, total=cfg.iterations))
+        for o in optimizers
+    ]
     # fp16 needs loss scaling; disabled, the scaler passes everything through.
     scaler = torch.amp.GradScaler(
         ctx.device.type, init_scale=cfg.init_scale, enabled=cfg.autocast == "fp16"
