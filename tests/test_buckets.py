@@ -53,6 +53,28 @@ def test_buckets_are_contiguous_and_cut_at_parameter_boundaries():
     assert len(b.ranges) > 1, "the test model should need several buckets"
 
 
+def test_rank_local_parameters_are_in_no_bucket_and_are_not_divided(monkeypatch):
+    # An expert in the middle of the buffer and one at its start (offset 0).
+    model, state = _model_on_flat()
+    local = frozenset({"0.weight", "1.weight"})
+    b = GradBuckets(dict(model.named_parameters()), state, bucket_mib=64, rank_local=local)
+    spans = {s.name: (s.offset, s.offset + s.numel) for s in state.slots}
+    for a, e in b.ranges:
+        for name in local:
+            lo, hi = spans[name]
+            assert e <= lo or hi <= a, f"bucket [{a}, {e}) spans {name} at [{lo}, {hi})"
+    covered = {n for n, (lo, hi) in spans.items() if any(a <= lo and hi <= e for a, e in b.ranges)}
+    assert covered == set(spans) - local, b.ranges
+    # finish() divides the buckets only (no process group: the sums are skipped).
+    state.grad.fill_(6.0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: SimpleNamespace(wait=lambda: None))
+    b.finish()
+    for name, (lo, hi) in spans.items():
+        want = 6.0 if name in local else 3.0
+        assert bool((state.grad[lo:hi] == want).all()), f"{name}: {state.grad[lo:hi][:3]}"
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)

@@ -20,6 +20,10 @@ Exactness: the fault-free run and every recovered run cut the same buckets and s
 with the same collective, so their bytes agree; with two ranks a bucket's sum is the
 whole buffer's sum (a + b either way).
 
+Rank-local parameters (``rank_local``: a mixture of experts' experts, each on one rank
+under expert parallelism; DDP's ignore list names them) are left out: a bucket never
+spans one, and their gradients are neither summed nor divided.
+
 Not covered: gradient parity per bucket as it is reduced (the parity groups do not
 follow the buckets; parity is encoded after ``finish``); overlapping the reduction with
 the optimizer of the previous iteration.
@@ -42,8 +46,12 @@ class GradBuckets:
         state: RetainedModel,
         bucket_mib: float,
         at_backward_end: bool = False,
+        rank_local: frozenset[str] = frozenset(),
     ):
-        """``params``: the retained parameters by name (``RetainedModel.bind``)."""
+        """``params``: the retained parameters by name (``RetainedModel.bind``).
+        ``rank_local``: parameters whose gradients are this rank's own (a mixture of
+        experts' experts under expert parallelism): never reduced nor divided, and no
+        bucket spans one."""
         grad = state.grad
         esize = grad.element_size()
         limit = max(1, int(bucket_mib * 2**20) // esize)
@@ -56,6 +64,12 @@ class GradBuckets:
         count = 0
         start = end
         for slot in reversed(slots):
+            if slot.name in rank_local:  # closes the bucket below it
+                if count:
+                    self.ranges.append((start, end))
+                    self._members.append(count)
+                end, count = slot.offset, 0
+                continue
             start = slot.offset
             bucket_of[slot.name] = len(self.ranges)
             count += 1
@@ -64,8 +78,9 @@ class GradBuckets:
                 self._members.append(count)
                 end, count = start, 0
         if count:
-            self.ranges.append((0, end))
+            self.ranges.append((start if rank_local else 0, end))
             self._members.append(count)
+        self._whole = not rank_local  # the buckets cover the whole buffer
         self._ready = [0] * len(self.ranges)
         self._next = 0  # the next bucket to launch (index order)
         self._works: list = []
@@ -126,7 +141,12 @@ class GradBuckets:
             self._ready = [0] * len(self.ranges)
             self._next = 0
             self._queued = False
-        self.grad.div_(dist.get_world_size())
+        world = dist.get_world_size()
+        if self._whole:
+            self.grad.div_(world)
+        else:
+            for a, e in self.ranges:
+                self.grad[a:e].div_(world)
         self.reduced = True
 
     def begin(self) -> None:

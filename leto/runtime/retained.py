@@ -18,9 +18,14 @@ A parallelized model (FSDP2, tensor parallel, FSDP2 x TP): the retained state is
 rank's shards and the parallelism's own reductions fill the retained gradients
 (``leto.update.shards``); under FSDP2 use ``set_requires_gradient_sync`` for
 micro-batches instead of ``no_sync``. A pipeline stage (``data_parallel=False``) has no
-replicas: nothing is reduced across ranks.
+replicas: nothing is reduced across ranks. A mixture of experts under expert parallelism
+(experts sharded by rank, the rest replicated): the parameters DDP's ignore list names
+(``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``) are this rank's
+own, as they are for DDP — retained like the rest, their gradients never reduced, left
+out of the identical-start check — and the others are data parallel.
 
-Not covered: pipeline x data parallelism.
+Not covered: pipeline x data parallelism; the replica check with rank-local parameters
+(their state shares protection groups with the replicated state: the check is off).
 """
 
 from __future__ import annotations
@@ -76,6 +81,17 @@ class RetainedTraining:
         self.model = model
         self.init_fn = init_fn
         shard = (rank, world) if zero1 else None
+        # Parameters DDP would ignore (a MoE's experts under expert parallelism): this
+        # rank's own. Read before binding replaces the parameter objects.
+        self.rank_local = frozenset(
+            n for n, p in model.named_parameters() if getattr(p, "_ddp_ignored", False)
+        )
+        if self.rank_local and zero1:
+            raise InvalidInput(
+                f"parameter {min(self.rank_local)} is ignored by DDP (rank-local, e.g. an "
+                f"expert under expert parallelism): ZeRO-1 shards replicated state only — "
+                f"nothing was retained"
+            )
         t0 = time.time()
         self.up = Updater(
             client, model, schedule, updater or UpdaterConfig(), shard=shard, user=user
@@ -85,7 +101,9 @@ class RetainedTraining:
         # parameters: a parallelized model reduces its own (FSDP2's reduce-scatter, TP's
         # collectives) into the retained shards, and a pipeline stage has no replicas.
         shards = self.up.state.shards
-        self.replicated = shards is None and data_parallel
+        self.replicated = (
+            shards is None and data_parallel and len(self.rank_local) < len(self.params)
+        )
         self.fsdp = bool(shards) and any(sh.owner is not None for sh in shards.values())
         # Which code updates the chunks (the fused pass's kernel or twin, or the unfused
         # steps and why), in the rank's log.
@@ -96,9 +114,13 @@ class RetainedTraining:
         self._served: str | None = None  # the last on-demand scrub this rank answered
         # Wrong computations: replicas compare their state's digest after each update
         # (leto.update.replica; collective — every rank decides alike). Sharded state
-        # (FSDP2, TP, pipeline stages, ZeRO-1's optimizer shards) has no replica.
+        # (FSDP2, TP, pipeline stages, ZeRO-1's optimizer shards) has no replica, and
+        # rank-local experts share protection groups (their digests) with replicated state.
         self.replica = None
-        if world > 1 and self.replicated and self.up.state.shard is None and replica.enabled():
+        if (
+            world > 1 and self.replicated and self.up.state.shard is None
+            and not self.rank_local and replica.enabled()
+        ):  # fmt: skip
             log = self.out / f"rank{rank}.replica.jsonl"
             self.replica = replica.ReplicaCheck(rank, world, log=log)
             self.up.digest_on = True
@@ -117,12 +139,18 @@ class RetainedTraining:
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
         self._loss_host: torch.Tensor | None = None  # pinned: the loss log's copy (GPU)
         # Gradients reduced in buckets while backward runs (as DDP does); 0: one
-        # all-reduce of the whole retained buffer after backward.
+        # all-reduce of the whole retained buffer after backward (with rank-local
+        # parameters: buckets around them, however large).
+        if self.rank_local and bucket_mib <= 0:
+            bucket_mib = float("inf")
         self.buckets = (
-            GradBuckets(self.params, self.up.state, bucket_mib, at_backward_end=user is not None)
+            GradBuckets(
+                self.params, self.up.state, bucket_mib, at_backward_end=user is not None,
+                rank_local=self.rank_local,
+            )
             if world > 1 and bucket_mib > 0 and self.replicated
             else None
-        )
+        )  # fmt: skip
 
     def resume(
         self,

@@ -547,14 +547,16 @@ class Run:
 
     def _check_identical(self) -> None:
         """Every data-parallel rank starts from the same parameters (DDP broadcasts rank
-        0's; Leto checks, so different seeds per rank are an error, not a silent fork)."""
+        0's; Leto checks, so different seeds per rank are an error, not a silent fork).
+        Rank-local parameters (DDP's ignore list: experts) differ by design."""
         st = self.job.up.state
+        slots = [s for s in st.slots if s.name not in self.job.rank_local]
         sums = torch.stack(
             [
                 st.param_full[s.offset : s.offset + s.numel]
                 .view(torch.int16 if st.param_full.element_size() == 2 else torch.int32)
                 .sum(dtype=torch.int64)
-                for s in st.slots
+                for s in slots
             ]
         )
         every = [torch.empty_like(sums) for _ in range(self.ctx.world_size)]
@@ -562,7 +564,7 @@ class Run:
         for r, other in enumerate(every):
             differ = (other != every[0]).nonzero()
             if differ.numel():
-                name = st.slots[int(differ[0])].name
+                name = slots[int(differ[0])].name
                 raise InvalidInput(
                     f"parameter {name} differs between rank 0 and rank {r} at the start: "
                     f"initialize the model identically on every data-parallel rank (same "
