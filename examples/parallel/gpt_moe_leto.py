@@ -1,0 +1,189 @@
+"""The same script as ``gpt_moe.py``, under Leto: each rank retains its experts (weights,
+gradients, AdamW state: its own, as DDP's ignore list says) and the replicated rest
+(data parallel: Leto reduces its gradients, as DDP did), and recovers them in place; the
+all-to-alls of a redone iteration are redone with the same splits.
+
+leto run --nproc-per-node 2 examples/parallel/gpt_moe_leto.py --out leto-out
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import leto
+
+BATCH, SEQ, VOCAB, DIM, HEADS, LAYERS = 4, 32, 257, 64, 2, 2
+EXPERTS, TOP_K, HIDDEN, AUX_WEIGHT = 8, 2, 128, 0.01
+
+
+def tokens(rank: int, it: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1_000_003 * it + 1_009 * rank)
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+
+
+class Experts(nn.Module):
+    """This rank's experts of one layer: GELU MLPs, weights stacked by expert. Built whole
+    on every rank from the same seed, then sliced: the slice equals the full model's."""
+
+    def __init__(self, rank: int, world: int):
+        super().__init__()
+        local = EXPERTS // world
+        w1 = torch.randn(EXPERTS, DIM, HIDDEN) * DIM**-0.5
+        w2 = torch.randn(EXPERTS, HIDDEN, DIM) * HIDDEN**-0.5
+        self.w1 = nn.Parameter(w1[rank * local : (rank + 1) * local].clone())
+        self.w2 = nn.Parameter(w2[rank * local : (rank + 1) * local].clone())
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x``: tokens grouped by local expert, ``counts[e]`` of them for expert e (an
+        expert with none still takes part: its gradient is zero, never missing)."""
+        out = [
+            F.gelu(h @ self.w1[e]) @ self.w2[e]
+            for e, h in enumerate(x.split(counts))
+        ]  # fmt: skip
+        return torch.cat(out)
+
+
+class MoE(nn.Module):
+    """A replicated router (top-2 of 8) and the rank's experts, tokens exchanged with the
+    other ranks by two all-to-alls each way (the counts, then the tokens)."""
+
+    def __init__(self, rank: int, world: int, group):
+        super().__init__()
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.experts = Experts(rank, world)
+        self.world, self.group = world, group
+        self.aux = torch.zeros(())  # the load-balancing loss of the last forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, x = x.shape, x.reshape(-1, DIM)
+        probs = self.router(x).softmax(-1)
+        # Top-k with ties to the lower expert index: a stable descending sort.
+        chosen = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :TOP_K]
+        weights = probs.gather(-1, chosen)
+        weights = weights / weights.sum(-1, keepdim=True)
+        # Switch Transformer's balance loss: experts' token shares times their mean
+        # router probabilities.
+        counts = torch.bincount(chosen.flatten(), minlength=EXPERTS)
+        self.aux = EXPERTS * (counts.float() / chosen.numel() * probs.mean(0)).sum()
+        # Dispatch: the (token, choice) slots grouped by expert — by destination rank,
+        # then by its local expert.
+        order = torch.argsort(chosen.flatten(), stable=True)
+        slots = x[order // TOP_K]
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=self.group)  # [source rank][local expert]
+        local = EXPERTS // self.world
+        send = counts.view(self.world, local).sum(1).tolist()
+        recv = got.view(self.world, local).sum(1).tolist()
+        rows = all_to_all_single_autograd(slots, recv, send, self.group)
+        # Received rows come by source rank; the experts take theirs from every source.
+        expert_of = torch.arange(local).repeat(self.world).repeat_interleave(got)
+        by_expert = torch.argsort(expert_of, stable=True)
+        y = self.experts(rows[by_expert], got.view(self.world, local).sum(0).tolist())
+        y = y[torch.argsort(by_expert)]
+        # Combine: back to the sending ranks, back into slot order, weighted per token.
+        back = all_to_all_single_autograd(y, send, recv, self.group)
+        back = back[torch.argsort(order)].view(-1, TOP_K, DIM)
+        return (back * weights.unsqueeze(-1)).sum(1).view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, rank: int, world: int, group):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.ln2 = nn.LayerNorm(DIM)
+        self.moe = MoE(rank, world, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, HEADS, C // HEADS).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.moe(self.ln2(x))
+
+
+class MoEGPT(nn.Module):
+    def __init__(self, rank: int, world: int, group):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Embedding(SEQ, DIM)
+        self.blocks = nn.ModuleList(Block(rank, world, group) for _ in range(LAYERS))
+        self.ln = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln(x))
+        loss = F.cross_entropy(logits.view(-1, VOCAB), targets.reshape(-1))
+        return loss + AUX_WEIGHT * sum(b.moe.aux for b in self.blocks)
+
+
+def expert_params(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters() if ".experts." in n]
+
+
+def finish_grads(model: nn.Module, max_norm: float) -> None:
+    """The experts' gradients averaged as DDP averages the replicated ones, then every
+    gradient clipped by the whole model's norm: the replicated part's (the same on every
+    rank) plus the squares of every rank's experts."""
+    world = dist.get_world_size()
+    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    experts = [g for n, g in named if ".experts." in n]
+    for g in experts:
+        g.div_(world)
+    sq = torch.nn.utils.get_total_norm(experts) ** 2
+    dist.all_reduce(sq)
+    sq += torch.nn.utils.get_total_norm([g for n, g in named if ".experts." not in n]) ** 2
+    torch.nn.utils.clip_grads_with_norm_([g for _, g in named], max_norm, sq.sqrt())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    ctx = leto.init()  # the process group (a shadow parks in here)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")  # (the all-to-alls run on gloo)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    if EXPERTS % world:
+        raise SystemExit(f"{EXPERTS} experts cannot be split over {world} ranks")
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
+    torch.manual_seed(args.seed)  # the same full model on every rank; each keeps its experts
+    model = MoEGPT(rank, world, mesh.get_group("ep")).to(device)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_params(model))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
+    run = leto.Run(ctx, model, optimizer, scheduler)  # the experts: DDP's ignore list
+    model = run.model
+    for it in run.iterations(args.iterations):
+        x = tokens(rank, it).to(device)
+        loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        finish_grads(model, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    os.makedirs(args.out, exist_ok=True)
+    state = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    torch.save(state, os.path.join(args.out, f"rank{rank}.params.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
