@@ -347,7 +347,9 @@ PARALLEL_HELP = (
     "(examples/parallel/gpt_parallel_leto.py; each rank retains its shards) as fsdp "
     "(FSDP2), tp (tensor-parallel MLPs over every rank) or fsdp+tp (TP over pairs of "
     "ranks, FSDP2 across them: world size 4 or more), or pp (gpt_pipeline_leto.py: one "
-    "pipeline stage per rank, GPipe over 4 micro-batches); dp-loader "
+    "pipeline stage per rank, GPipe over 4 micro-batches), ep (gpt_moe_leto.py: a "
+    "mixture of experts, 8 experts a layer sharded over the ranks and tokens dispatched by "
+    "all-to-all, the rest data parallel; a world size dividing 8); dp-loader "
     "(examples/porting/loader_leto.py: data parallel, batches from a shuffled two-worker "
     "StatefulDataLoader handed to leto.Run(data=...))"
 )

@@ -72,8 +72,10 @@ MODES = ("kill", "copy-corrupt", "kernel-abort", *CORRUPT_MODES, *SDC_MODES)
 # The job each parallelism runs: "dp" the example GPT with data parallelism; the others
 # examples/parallel, each rank retaining its shards: "fsdp" FSDP2 over every rank, "tp"
 # tensor-parallel MLPs over every rank, "fsdp+tp" FSDP2 x TP with TP over pairs of
-# ranks, "pp" one pipeline stage per rank (GPipe); "dp-loader" a data-parallel script
-# reading a shuffled two-worker StatefulDataLoader given to leto.Run(data=...).
+# ranks, "pp" one pipeline stage per rank (GPipe); "ep" a mixture of experts, 8 experts
+# a layer sharded over the ranks (expert parallel, all-to-all dispatch), the rest data
+# parallel; "dp-loader" a data-parallel script reading a shuffled two-worker
+# StatefulDataLoader given to leto.Run(data=...).
 # -> (script, its flags for a world size)
 _PAR = Path(__file__).resolve().parents[1] / "examples" / "parallel"
 _PORTING = Path(__file__).resolve().parents[1] / "examples" / "porting"
@@ -83,6 +85,7 @@ PARALLEL = {
     "tp": (_PAR / "gpt_parallel_leto.py", lambda world: ["--tp", str(world)]),
     "fsdp+tp": (_PAR / "gpt_parallel_leto.py", lambda world: ["--tp", "2"]),
     "pp": (_PAR / "gpt_pipeline_leto.py", lambda world: []),
+    "ep": (_PAR / "gpt_moe_leto.py", lambda world: []),
     "dp-loader": (_PORTING / "loader_leto.py", lambda world: []),
 }
 
@@ -150,6 +153,11 @@ def check_job(cfg: InjectConfig) -> None:
         raise ValueError(
             f"--parallel fsdp+tp puts TP over pairs of ranks and FSDP2 across the pairs: "
             f"it needs an even world size of at least 4, not {cfg.world_size}"
+        )
+    if cfg.parallel == "ep" and 8 % cfg.world_size:
+        raise ValueError(
+            f"--parallel ep shards 8 experts a layer over the ranks: the world size must "
+            f"divide 8 (1, 2, 4 or 8), not {cfg.world_size}"
         )
     if not 0 <= cfg.rank < cfg.world_size:
         raise _outside("--rank", cfg.rank, 0, cfg.world_size - 1, "the ranks of --world-size")
