@@ -9,7 +9,8 @@ Leto cannot retain are refused by name. End to end (``leto run``): the parallel 
 under Leto is bit-identical to the same script under torchrun — FSDP2 and TP on two
 ranks, FSDP2 x TP on four, pipeline stages on two and four (GPipe, 1F1B) — also after a rank
 is killed (in the optimizer step, or mid-schedule) with parameter, moment, gradient and
-host-parity pages lost on every rank.
+host-parity pages lost on every rank; so is the mixture-of-experts example (experts
+sharded by rank, all-to-all dispatch, the rest data parallel) on two ranks.
 """
 
 from __future__ import annotations
@@ -169,6 +170,9 @@ CASES = {
     "pp-gpipe": ("gpt_pipeline", ["--schedule", "gpipe"], 2, "compute.forward@2#3", 1),
     "pp-1f1b": ("gpt_pipeline", ["--schedule", "1f1b"], 2, "update.optimizer@2#1", 0),
     "pp-4-stages": ("gpt_pipeline", ["--schedule", "1f1b"], 4, "compute.backward@2#2", 2),
+    # A mixture of experts: experts sharded by rank, all-to-all dispatch, the rest data
+    # parallel (the experts' gradients and moments are on one rank only: parity alone).
+    "ep": ("gpt_moe", [], 2, "update.optimizer@2#1", 1),
 }
 
 
@@ -206,9 +210,23 @@ def test_the_parallel_examples_under_leto_are_bit_identical_to_torchrun_after_a_
             a, b = first[r][k].contiguous(), leto[r][k].contiguous()
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"rank {r}: {k}"
     # Training moved the weights (a run that trained nothing would also "match").
-    before = _initial(4 if script == "gpt_pipeline" else 2)["blocks.0.fc.weight"]
-    after = leto[0]["blocks.0.fc.weight"]
+    key = "blocks.0.moe.experts.w1" if script == "gpt_moe" else "blocks.0.fc.weight"
+    before = (_moe_initial(world) if script == "gpt_moe" else
+              _initial(4 if script == "gpt_pipeline" else 2))[key]  # fmt: skip
+    after = leto[0][key]
     assert not torch.equal(after, before[: after.shape[0], : after.shape[1]])
+
+
+def _moe_initial(world: int) -> dict[str, torch.Tensor]:
+    """Rank 0's initial parameters of the mixture-of-experts example."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpt_moe", EXAMPLES / "gpt_moe.py")
+    moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe)
+    torch.manual_seed(0)
+    m = moe.MoEGPT(0, world, None)
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
 
 
 def _initial(layers: int) -> dict[str, torch.Tensor]:
