@@ -155,6 +155,14 @@ def test_fsdp2_shards_params_and_reduce_scattered_grads_live_in_retained_memory(
         assert "0.weight is sharded on dim 1; Leto retains Shard(0) shards only" in cols
 
 
+def test_the_moe_port_changes_no_more_lines_than_the_fsdp2_port():
+    from tests.test_porting import changed_lines
+
+    fsdp = changed_lines(EXAMPLES / "gpt_parallel.py", EXAMPLES / "gpt_parallel_leto.py")
+    moe = changed_lines(EXAMPLES / "gpt_moe.py", EXAMPLES / "gpt_moe_leto.py")
+    assert 0 < moe <= fsdp <= 7, f"the MoE port changes {moe} lines, the FSDP2 port {fsdp}"
+
+
 def _params(out: Path, world: int) -> list[dict]:
     return [torch.load(out / f"rank{r}.params.pt", map_location="cpu") for r in range(world)]
 

@@ -22,7 +22,9 @@ world 2 (or with no strict majority) both sides are, and naming one would need a
 replica or a recomputation of the update (not built).
 
 Not covered: sharded state — FSDP2, tensor or pipeline parallel jobs and ZeRO-1
-shards have no replica, and the check is skipped there; an update that a recovery
+shards have no replica, and the check is skipped there; nor is it run for a mixture of
+experts with rank-local experts (DDP's ignore list): their pages share protection groups
+with the replicated state, so no group's digest is comparable across ranks; an update that a recovery
 finished (its digest covers only the groups it redid; the next iteration's check covers
 the whole state again); a corruption that flips the same bits on every replica; a digest
 collision (a data flip changes H1 parity words, and their signed changes would have to
