@@ -20,7 +20,9 @@ replicated ones (torchtitan divides its experts' gradients the same way).
 """
 
 import argparse
+import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -162,7 +164,7 @@ def finish_grads(model: nn.Module, max_norm: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=6)
-    ap.add_argument("--out", default="out")
+    ap.add_argument("--out", default="out", help="folder for iterations.jsonl and params")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -180,7 +182,12 @@ def main() -> None:
         model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
+    # Rank 0's iteration times (bench.user_path); appended to: a restarted process (a
+    # promoted Leto shadow) runs this set-up again.
+    os.makedirs(args.out, exist_ok=True)
+    log = open(os.path.join(args.out, "iterations.jsonl"), "a") if rank == 0 else None
     model = DDP(model)
+    t_end = time.perf_counter()
     for it in range(args.iterations):
         x = tokens(rank, it).to(device)
         loss = model(x[:, :-1], x[:, 1:])
@@ -189,7 +196,11 @@ def main() -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    os.makedirs(args.out, exist_ok=True)
+        t_prev, t_end = t_end, time.perf_counter()
+        if log is not None:
+            line = {"iteration": it, "wall_s": t_end - t_prev, "loss": loss.item()}
+            log.write(json.dumps(line) + "\n")
+            log.flush()
     state = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     torch.save(state, os.path.join(args.out, f"rank{rank}.params.pt"))
     del model  # DDP's reducer must not hold the last reference to the process group
