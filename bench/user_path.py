@@ -31,6 +31,12 @@ table, writes ``--json``; the exit code is nonzero if any run failed.
     python -m bench.user_path --preset cpu-small --json out/user_path_cpu.json
     python -m bench.user_path --preset h200-1b --iterations 12 --skip 4 \\
         --leto-variant "no-shadow=--shadow-level off"
+    python -m bench.user_path --job moe --device cpu --nproc-per-node 2 --iterations 30
+
+``--job moe`` runs the mixture-of-experts pair instead (``examples/parallel/gpt_moe.py``
+under torchrun, ``gpt_moe_leto.py`` under leto run: experts sharded over the ranks,
+all-to-all dispatch); its model is fixed (no shape flags), so the presets' shapes do not
+apply to it.
 
 Not covered: recovery (bench/recovery_speed.py), multi-node jobs, the leto run
 flags' effects one by one (give them as variants), host memory.
@@ -60,6 +66,12 @@ REPO = Path(__file__).resolve().parents[1]
 PORTING = REPO / "examples" / "porting"
 TORCHRUN_SCRIPT = PORTING / "gpt_torchrun.py"
 LETO_SCRIPT = PORTING / "gpt_leto.py"
+# --job: the pair of scripts (torchrun, leto run) each run starts.
+PARALLEL = REPO / "examples" / "parallel"
+JOBS = {
+    "gpt": (TORCHRUN_SCRIPT, LETO_SCRIPT),
+    "moe": (PARALLEL / "gpt_moe.py", PARALLEL / "gpt_moe_leto.py"),
+}
 TORCHRUN = "torchrun"
 LETO = "leto run"
 
@@ -149,6 +161,19 @@ def parameters(shape: dict) -> int:
         return sum(p.numel() for p in mod.GPT(cfg).parameters())
 
 
+def moe_size(nproc: int) -> dict:
+    """The mixture-of-experts example's parameters (every expert once) and tokens per
+    iteration over ``nproc`` ranks."""
+    spec = importlib.util.spec_from_file_location("gpt_moe", PARALLEL / "gpt_moe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    whole = mod.MoEGPT(0, 1, None)  # one rank holding all the experts
+    return {
+        "parameters": sum(p.numel() for p in whole.parameters()),
+        "tokens_per_iteration": nproc * mod.BATCH * mod.SEQ,
+    }
+
+
 def leto_device_flags(device: str) -> list[str]:
     """``--device`` for leto run only where its default would not pick ``device``: older
     versions default to cpu; newer ones (default None) pick cuda when torch sees a GPU,
@@ -160,12 +185,13 @@ def leto_device_flags(device: str) -> list[str]:
 
 
 def command(
-    launch: Launch, nproc: int, device: str, script_args: list[str], out: Path
+    launch: Launch, nproc: int, device: str, script_args: list[str], out: Path, job: str = "gpt"
 ) -> list[str]:
     """The command line a user would type (through this interpreter)."""
+    plain, port = JOBS[job]
     if launch.launcher == TORCHRUN:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(nproc), str(TORCHRUN_SCRIPT), *script_args,
+                "--nproc-per-node", str(nproc), str(plain), *script_args,
                 "--out", str(out)]  # fmt: skip
     from leto.runtime.store import free_port
 
@@ -173,7 +199,7 @@ def command(
     # machine; torchrun --standalone picks a free one too. It changes nothing else.
     return [sys.executable, "-m", "leto.cli", "run", "--json", "--nproc-per-node", str(nproc),
             "--master-port", str(free_port()), *leto_device_flags(device), *launch.leto_flags,
-            str(LETO_SCRIPT), *script_args, "--out", str(out)]  # fmt: skip
+            str(port), *script_args, "--out", str(out)]  # fmt: skip
 
 
 class DeviceMemory:
@@ -249,13 +275,14 @@ def run_one(
     device: str,
     script_args: list[str],
     timeout_s: float,
+    job: str = "gpt",
 ) -> dict:
     """Start one job in ``work`` (its cwd: leto run's default log folder and checkpoints
     land there) and wait for it; what it measured, as a dict. ``script_args`` hold
     everything but ``--out`` (``work/out``)."""
     work.mkdir(parents=True, exist_ok=True)
     out = work / "out"
-    cmd = command(launch, nproc, device, script_args, out)
+    cmd = command(launch, nproc, device, script_args, out, job)
     env = dict(os.environ)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the scripts take a GPU whenever they see one
@@ -447,6 +474,7 @@ def run_all(
     keep_work: bool = True,
     json_path: str | None = None,
     res: dict | None = None,
+    job: str = "gpt",
 ) -> list[dict]:
     """Run ``launches`` (torchrun first) ``repeats`` times, every other time in reverse
     order, each in ``work/rep{i}/<name>``; summarize each run and compare it with the
@@ -463,7 +491,9 @@ def run_all(
         done = []
         for launch in order:
             slug = "".join(c if c.isalnum() else "_" for c in launch.name).strip("_")
-            r = run_one(launch, work / f"rep{rep}" / slug, nproc, device, script_args, timeout_s)
+            r = run_one(
+                launch, work / f"rep{rep}" / slug, nproc, device, script_args, timeout_s, job
+            )
             _prune(Path(r["work"]))
             r["repeat"] = rep
             r.update(summarize(r.pop("records"), skip))
@@ -510,6 +540,13 @@ def run_all(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), help="device, ranks, model and batch")
+    ap.add_argument(
+        "--job",
+        choices=sorted(JOBS),
+        default="gpt",
+        help="gpt: the nanoGPT-style pair (examples/porting); moe: the mixture-of-experts "
+        "pair (examples/parallel/gpt_moe*.py; its model is fixed: no preset or shape flags)",
+    )
     ap.add_argument(
         "--device", choices=("cpu", "cuda"), help="default: the preset's, else cuda if seen"
     )
@@ -560,7 +597,10 @@ def main(argv: list[str] | None = None) -> int:
     iterations = args.iterations or preset.get("iterations", 10)
     if args.skip >= iterations:
         ap.error(f"--skip {args.skip} leaves none of {iterations} iterations to measure")
-    shape, passthrough = split_script_args(args.script_args, {**SHAPE, **preset.get("shape", {})})
+    if args.job == "moe" and args.preset:
+        ap.error("--job moe has a fixed model: give --device, --nproc-per-node, not --preset")
+    shapes = {**SHAPE, **preset.get("shape", {})} if args.job == "gpt" else {}
+    shape, passthrough = split_script_args(args.script_args, shapes)
     script_args = [*shape_flags(shape), "--iterations", str(iterations), *passthrough]
     names = [v.name for v in args.leto_variant]
     if len(set(names)) != len(names):
@@ -580,8 +620,15 @@ def main(argv: list[str] | None = None) -> int:
         "shape": shape,
         "script_args": script_args,
         "deterministic": "--deterministic" in passthrough,
-        "parameters": parameters(shape),
-        "tokens_per_iteration": nproc * shape["accum"] * shape["batch"] * shape["seq"],
+        "job": args.job,
+        **(
+            {
+                "parameters": parameters(shape),
+                "tokens_per_iteration": nproc * shape["accum"] * shape["batch"] * shape["seq"],
+            }
+            if args.job == "gpt"
+            else moe_size(nproc)
+        ),
         "iterations": iterations,
         "skip": args.skip,
         "work_dir": str(work),
@@ -594,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     res["runs"] = run_all(
         launches, work, nproc, args.device, script_args, iterations, args.skip,
-        args.timeout_s, args.repeats, args.keep_work, args.json_path, res,
+        args.timeout_s, args.repeats, args.keep_work, args.json_path, res, args.job,
     )  # fmt: skip
     res["summary"] = _summary(res["runs"])
     res["load_avg_1_5_15_at_end"] = os.getloadavg()
