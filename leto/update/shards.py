@@ -14,6 +14,11 @@ Runs in the trainer. Two kinds of sharded parameter, both DTensors:
   accumulates into an existing DTensor ``.grad`` in place.
 * **FSDP2 × TP** (a 2-D mesh, FSDP2 on the data-parallel dimension): FSDP2's shard of
   the TP-local tensor, as for FSDP2.
+* **Expert parallelism × FSDP2**: a DTensor parameter left out of every ``fully_shard``
+  unit (``ignored_params``) and sharded over every rank by its own parallelism — a
+  mixture of experts' experts, ``Shard(0)`` by expert over the ep mesh — is retained as
+  the rank's local tensor, as for TP; its gradient is the script's (the all-to-all
+  brings every rank's tokens to the expert).
 
 Every sharded parameter gets a DTensor gradient over retained memory, zeroed at each
 iteration's start, so the reduced gradient lands there without a copy; it is not
@@ -131,7 +136,10 @@ def local_shards(model: torch.nn.Module, world: int) -> dict[int, LocalShard]:
     for name, p in model.named_parameters():
         if id(p) in out:
             continue
-        if fsdp:
+        # A DTensor outside every fully_shard unit (FSDP2's ignored_params) is sharded by
+        # its own parallelism over every rank — a mixture of experts' experts under expert
+        # parallelism beside FSDP2 — and retained as the rank's shard, as for TP.
+        if fsdp and not isinstance(p, DTensor):
             raise InvalidInput(
                 f"parameter {name} is not sharded by fully_shard; apply fully_shard to the "
                 f"root module too (Leto retains FSDP2 shards and does no data-parallel "
