@@ -3,7 +3,10 @@ gradients, AdamW state: its own, as DDP's ignore list says) and the replicated r
 (data parallel: Leto reduces its gradients, as DDP did), and recovers them in place; the
 all-to-alls of a redone iteration are redone with the same splits.
 
-leto run --nproc-per-node 2 examples/parallel/gpt_moe_leto.py --out leto-out
+leto run --nproc-per-node 2 examples/parallel/gpt_moe_leto.py [--fsdp] --out leto-out
+
+With ``--fsdp`` the experts are DTensors outside every ``fully_shard`` unit: Leto retains
+them as the rank's shards, the rest as FSDP2 shards.
 """
 
 import argparse
@@ -17,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import leto
@@ -45,8 +50,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x``: tokens grouped by local expert, ``counts[e]`` of them for expert e (an
         expert with none still takes part: its gradient is zero, never missing)."""
+        w1, w2 = local(self.w1), local(self.w2)
         out = [
-            F.gelu(h @ self.w1[e]) @ self.w2[e]
+            F.gelu(h @ w1[e]) @ w2[e]
             for e, h in enumerate(x.split(counts))
         ]  # fmt: skip
         return torch.cat(out)
@@ -131,22 +137,47 @@ class MoEGPT(nn.Module):
         return loss + AUX_WEIGHT * sum(b.moe.aux for b in self.blocks)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (with --fsdp the experts are DTensors); else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def expert_params(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters() if ".experts." in n]
 
 
-def finish_grads(model: nn.Module, max_norm: float) -> None:
-    """The experts' gradients averaged as DDP averages the replicated ones, then every
-    gradient clipped by the whole model's norm: the replicated part's (the same on every
-    rank) plus the squares of every rank's experts."""
+def shard(model: nn.Module, mesh) -> None:
+    """--fsdp: each layer's experts become DTensors sharded on dim 0 (the expert) over the
+    ep mesh, outside every fully_shard unit; the rest is sharded by FSDP2 over the ranks."""
+    experts = set()
+    for b in model.blocks:
+        for name in ("w1", "w2"):
+            w = getattr(b.moe.experts, name).detach()
+            w = nn.Parameter(DTensor.from_local(w, mesh, [Shard(0)], run_check=False))
+            setattr(b.moe.experts, name, w)
+            experts.add(w)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, ignored_params=experts)
+    fully_shard(model, mesh=mesh, ignored_params=experts)
+
+
+def finish_grads(model: nn.Module, max_norm: float, sharded: bool) -> None:
+    """The experts' gradients averaged as DDP (FSDP2) averages the replicated ones, then
+    every gradient clipped by the whole model's norm: the squares of every rank's experts
+    (and, sharded, of its FSDP2 shards) summed over the ranks, plus the replicated part's
+    (the same on every rank) when it is not sharded."""
     world = dist.get_world_size()
-    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    named = [(n, local(p.grad)) for n, p in model.named_parameters() if p.grad is not None]
     experts = [g for n, g in named if ".experts." in n]
+    rest = [g for n, g in named if ".experts." not in n]
     for g in experts:
         g.div_(world)
     sq = torch.nn.utils.get_total_norm(experts) ** 2
+    if sharded:
+        sq += torch.nn.utils.get_total_norm(rest) ** 2
     dist.all_reduce(sq)
-    sq += torch.nn.utils.get_total_norm([g for n, g in named if ".experts." not in n]) ** 2
+    if not sharded:
+        sq += torch.nn.utils.get_total_norm(rest) ** 2
     torch.nn.utils.clip_grads_with_norm_([g for _, g in named], max_norm, sq.sqrt())
 
 
@@ -155,6 +186,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--out", default="out", help="folder for iterations.jsonl and params")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 over the replicated parts, not DDP")
     args = ap.parse_args()
     ctx = leto.init()  # the process group (a shadow parks in here)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -166,10 +198,20 @@ def main() -> None:
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("ep",))
     torch.manual_seed(args.seed)  # the same full model on every rank; each keeps its experts
     model = MoEGPT(rank, world, mesh.get_group("ep")).to(device)
-    DDP._set_params_and_buffers_to_ignore_for_model(model, expert_params(model))
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True
-    )
+    if args.fsdp:
+        shard(model, mesh)
+    else:  # DDP leaves the experts alone
+        DDP._set_params_and_buffers_to_ignore_for_model(model, expert_params(model))
+    # Fused AdamW steps a parameter group in one call, which cannot mix DTensors and plain
+    # tensors (--fsdp: the norms' and biases' shards are DTensors too): a group for each.
+    params = list(model.parameters())
+    groups = [
+        {"params": g}
+        for g in ([p for p in params if isinstance(p, DTensor)],
+                  [p for p in params if not isinstance(p, DTensor)])
+        if g
+    ]  # fmt: skip
+    optimizer = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
     # Rank 0's iteration times (bench.user_path); appended to: a restarted process (a
     # promoted Leto shadow) runs this set-up again.
@@ -182,7 +224,7 @@ def main() -> None:
         x = tokens(rank, it).to(device)
         loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
-        finish_grads(model, 1.0)
+        finish_grads(model, 1.0, args.fsdp)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -191,7 +233,8 @@ def main() -> None:
             line = {"iteration": it, "wall_s": t_end - t_prev, "loss": loss.item()}
             log.write(json.dumps(line) + "\n")
             log.flush()
-    state = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    plain = getattr(model, "module", model)  # (DDP's, or Leto's run.model)
+    state = {n: local(p).detach().clone() for n, p in plain.named_parameters()}
     torch.save(state, os.path.join(args.out, f"rank{rank}.params.pt"))
     dist.destroy_process_group()
 
