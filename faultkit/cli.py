@@ -349,7 +349,8 @@ PARALLEL_HELP = (
     "ranks, FSDP2 across them: world size 4 or more), or pp (gpt_pipeline_leto.py: one "
     "pipeline stage per rank, GPipe over 4 micro-batches), ep (gpt_moe_leto.py: a "
     "mixture of experts, 8 experts a layer sharded over the ranks and tokens dispatched by "
-    "all-to-all, the rest data parallel; a world size dividing 8); dp-loader "
+    "all-to-all, the rest data parallel; a world size dividing 8) or ep+fsdp (the same, "
+    "the rest sharded by FSDP2, the experts DTensors outside it); dp-loader "
     "(examples/porting/loader_leto.py: data parallel, batches from a shuffled two-worker "
     "StatefulDataLoader handed to leto.Run(data=...))"
 )

@@ -74,7 +74,7 @@ MODES = ("kill", "copy-corrupt", "kernel-abort", *CORRUPT_MODES, *SDC_MODES)
 # tensor-parallel MLPs over every rank, "fsdp+tp" FSDP2 x TP with TP over pairs of
 # ranks, "pp" one pipeline stage per rank (GPipe); "ep" a mixture of experts, 8 experts
 # a layer sharded over the ranks (expert parallel, all-to-all dispatch), the rest data
-# parallel; "dp-loader" a data-parallel script reading a shuffled two-worker
+# parallel, "ep+fsdp" the same with FSDP2 over the rest; "dp-loader" a data-parallel script reading a shuffled two-worker
 # StatefulDataLoader given to leto.Run(data=...).
 # -> (script, its flags for a world size)
 _PAR = Path(__file__).resolve().parents[1] / "examples" / "parallel"
@@ -86,6 +86,7 @@ PARALLEL = {
     "fsdp+tp": (_PAR / "gpt_parallel_leto.py", lambda world: ["--tp", "2"]),
     "pp": (_PAR / "gpt_pipeline_leto.py", lambda world: []),
     "ep": (_PAR / "gpt_moe_leto.py", lambda world: []),
+    "ep+fsdp": (_PAR / "gpt_moe_leto.py", lambda world: ["--fsdp"]),
     "dp-loader": (_PORTING / "loader_leto.py", lambda world: []),
 }
 
@@ -154,9 +155,9 @@ def check_job(cfg: InjectConfig) -> None:
             f"--parallel fsdp+tp puts TP over pairs of ranks and FSDP2 across the pairs: "
             f"it needs an even world size of at least 4, not {cfg.world_size}"
         )
-    if cfg.parallel == "ep" and 8 % cfg.world_size:
+    if cfg.parallel in ("ep", "ep+fsdp") and 8 % cfg.world_size:
         raise ValueError(
-            f"--parallel ep shards 8 experts a layer over the ranks: the world size must "
+            f"--parallel {cfg.parallel} shards 8 experts a layer over the ranks: the world size must "
             f"divide 8 (1, 2, 4 or 8), not {cfg.world_size}"
         )
     if not 0 <= cfg.rank < cfg.world_size:

@@ -10,7 +10,7 @@ under Leto is bit-identical to the same script under torchrun — FSDP2 and TP o
 ranks, FSDP2 x TP on four, pipeline stages on two and four (GPipe, 1F1B) — also after a rank
 is killed (in the optimizer step, or mid-schedule) with parameter, moment, gradient and
 host-parity pages lost on every rank; so is the mixture-of-experts example (experts
-sharded by rank, all-to-all dispatch, the rest data parallel) on two ranks.
+sharded by rank, all-to-all dispatch, the rest data parallel or FSDP2) on two ranks.
 """
 
 from __future__ import annotations
@@ -181,6 +181,9 @@ CASES = {
     # A mixture of experts: experts sharded by rank, all-to-all dispatch, the rest data
     # parallel (the experts' gradients and moments are on one rank only: parity alone).
     "ep": ("gpt_moe", [], 2, "update.optimizer@2#1", 1),
+    # The same with FSDP2 over the rest (the experts DTensors outside it), killed between
+    # the forward (its all-to-alls done) and the backward.
+    "ep+fsdp": ("gpt_moe", ["--fsdp"], 2, "compute.backward@2#1", 0),
 }
 
 
