@@ -217,7 +217,7 @@ def main() -> None:
     # promoted Leto shadow) runs this set-up again.
     os.makedirs(args.out, exist_ok=True)
     log = open(os.path.join(args.out, "iterations.jsonl"), "a") if rank == 0 else None
-    run = leto.Run(ctx, model, optimizer, scheduler)  # the experts: DDP's ignore list
+    run = leto.Run(ctx, model, optimizer, scheduler)  # experts: each rank its own
     model = run.model
     t_end = time.perf_counter()
     for it in run.iterations(args.iterations):
