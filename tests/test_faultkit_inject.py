@@ -93,6 +93,8 @@ def test_bad_options_are_refused_with_a_reason(capsys):
     assert code == 2 and "sdc-update strikes inside the update" in err, err
     code, _, err = refused("--pages", "65")
     assert code == 2 and "--pages 65" in err and "D=64" in err, err
+    code, _, err = refused("--parallel", "ep", "--world-size", "3")
+    assert code == 2 and "must divide 8" in err, err
     # Under --json a refusal is a JSON object too.
     code, out, _ = refused("--phase", "nowhere", "--json")
     v = json.loads(out)
