@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import tempfile
 import time
@@ -99,7 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         for kind in kinds:  # side by side, trial by trial
             os.environ["LETO_GENERIC_WARMUP"] = "0" if kind == "none" else "1"
             t0 = time.time()
-            row = trial(args, work / f"trial{i}-{kind}")
+            out = work / f"trial{i}-{kind}"
+            row = trial(args, out)
+            # Only the logs and the loss logs stay: a 1 B job's checkpoints are ~13 GB
+            # each, and a few trials filled the H200 machine's 64 GB disk.
+            for d in out.iterdir():
+                if d.is_dir() and d.name not in ("logs", "train"):
+                    shutil.rmtree(d, ignore_errors=True)
             row.update(trial=i, warmup=kind, job_s=time.time() - t0)
             rows.append(row)
             print(json.dumps(row), flush=True)
