@@ -48,6 +48,8 @@ from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
 from leto.runtime.monitor import Failure, FailureKind, Monitor
 from leto.runtime.recovery import Recovery, RecoveryRecord
 from leto.runtime.shadows import Shadows
+from leto.runtime.zygote import Zygote
+from leto.runtime.zygote import enabled as zygote_enabled
 
 log = logging.getLogger("leto.agent")
 
@@ -145,15 +147,19 @@ class Agent:
         store = self.store = self._connect()
         cells: list[Cell] = []
         self.cells = cells
-        shadows = recovery = None
+        shadows = recovery = zygote = None
         gen = 0
         code = 0
         try:
+            # Importing torch while the state managers start: every trainer and shadow
+            # is forked from it (leto.runtime.zygote).
+            zygote = Zygote(c.timeout_s) if zygote_enabled() else None
             store.add(keys.AGENTS, 1)
             job_store.wait_count(store, keys.AGENTS, c.nnodes, c.timeout_s, "every node's agent")
             first = c.node_rank * c.nproc_per_node
             for lr in range(c.nproc_per_node):  # each starts its state manager
                 cells.append(Cell(c, lr, first + lr, self.command, self._pool(lr)))
+                cells[-1].zygote = zygote
             self._write_pools()
             shadows = self.shadows = Shadows(c, cells)
             self.monitor = Monitor(
@@ -288,6 +294,8 @@ class Agent:
             self.pools = [self._pool_status(cl) for cl in cells]
             for cl in cells:
                 cl.stop()
+            if zygote is not None:
+                zygote.close()
             self._pools_file().unlink(missing_ok=True)  # the pools are gone
             try:
                 if recovery is not None:

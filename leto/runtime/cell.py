@@ -44,6 +44,7 @@ class Cell:
         self, cfg: RunConfig, local_rank: int, rank: int, command: list[str], pool: PoolConfig
     ):
         self.cfg, self.local_rank, self.rank, self.command = cfg, local_rank, rank, command
+        self.zygote = None  # the node's (leto.runtime.zygote), set by the agent
         self.pool = pool
         self.sm = start_state_manager(pool)
         self.active: subprocess.Popen | None = None
@@ -120,13 +121,16 @@ class Cell:
         with self._log(generation, "active") as log:
             # Its own session and process group (as torch elastic starts workers): the
             # fence kills the group, so nothing the trainer started outlives it.
-            self.active = subprocess.Popen(
-                [sys.executable, *self.command],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            if self.zygote is not None:  # forked with torch imported (leto.runtime.zygote)
+                self.active = self.zygote.spawn(self.command, env, log.fileno())
+            else:
+                self.active = subprocess.Popen(
+                    [sys.executable, *self.command],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         self.active_generation = generation
         self.active_role = "active"
 
@@ -134,16 +138,23 @@ class Cell:
         r, w = os.pipe()
         env = self._env("shadow", generation, level)
         env[ENV_PROMOTE_FD] = str(r)
-        with self._log(generation, "shadow") as log:
-            self.shadow = subprocess.Popen(
-                [sys.executable, *self.command],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                pass_fds=(r,),
-                start_new_session=True,
-            )
-        os.close(r)
+        try:
+            with self._log(generation, "shadow") as log:
+                if self.zygote is not None:
+                    self.shadow = self.zygote.spawn(
+                        self.command, env, log.fileno(), {ENV_PROMOTE_FD: r}
+                    )
+                else:
+                    self.shadow = subprocess.Popen(
+                        [sys.executable, *self.command],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        pass_fds=(r,),
+                        start_new_session=True,
+                    )
+        finally:
+            os.close(r)
         self._shadow_pipe = w
         self.shadow_generation = generation
 

@@ -1,0 +1,121 @@
+"""The node's zygote (``leto.runtime.zygote``): a trainer forked from it behaves as the
+same script started as ``python script.py``: its arguments, environment, working
+directory and ``sys.path``; its log on stdout and stderr; a passed descriptor; its exit
+code for ``sys.exit``, an uncaught exception (through ``sys.excepthook``) and SIGKILL;
+non-daemon threads joined and ``atexit`` run before it exits; its own session. One
+zygote for the module (its torch import is the slow part)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import textwrap
+import time
+
+import pytest
+
+from leto.runtime.zygote import Zygote
+
+pytestmark = [pytest.mark.integ, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote(60)
+    yield z
+    z.close()
+    assert z.proc.returncode == 0
+
+
+def _spawn(z: Zygote, tmp_path, body: str, *args: str, env=None, fds=None):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    log = tmp_path / "log.txt"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        p = z.spawn([str(script), *args], dict(os.environ, **(env or {})), fd, fds)
+    finally:
+        os.close(fd)
+    return p, log
+
+
+def test_a_forked_script_sees_what_python_script_py_would(zygote, tmp_path):
+    r, w = os.pipe()
+    body = """
+        import os, sys
+        print(sys.argv[1:], os.environ["LETO_T"], os.getcwd(), sys.path[0])
+        print("session leader", os.getsid(0) == os.getpid())
+        print("cmdline", open("/proc/self/cmdline", "rb").read().split(b"\\0")[1:4])
+        print("environ", b"LETO_T=x" in open("/proc/self/environ", "rb").read().split(b"\\0"))
+        os.write(int(os.environ["LETO_T_FD"]), b"through the pipe")
+        print("to stderr", file=sys.stderr)
+    """
+    try:
+        p, log = _spawn(zygote, tmp_path, body, "a", "--b=1", env={"LETO_T": "x"},
+                        fds={"LETO_T_FD": w})  # fmt: skip
+    finally:
+        os.close(w)
+    assert p.wait(30) == 0
+    assert os.read(r, 100) == b"through the pipe"
+    os.close(r)
+    out = log.read_text()
+    assert f"['a', '--b=1'] x {os.getcwd()} {tmp_path}" in out, out
+    assert "session leader True" in out and "to stderr" in out, out
+    # ps and pkill -f see the script, tools reading /proc/PID/environ the trainer's
+    # environment, as for python script.py
+    assert f"cmdline [b'{tmp_path / 'script.py'}', b'a', b'--b=1']" in out, out
+    assert "environ True" in out, out
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ("import sys; sys.exit(3)", 3),
+        ("raise SystemExit('a reason')", 1),
+        ("raise ValueError('boom')", 1),
+        ("print('ok')", 0),
+    ],
+)
+def test_exit_codes_are_the_interpreters(zygote, tmp_path, body, code):
+    p, log = _spawn(zygote, tmp_path, body)
+    assert p.wait(30) == code
+    if "boom" in body:
+        assert "ValueError: boom" in log.read_text()  # sys.excepthook's traceback
+    if "reason" in body:
+        assert "a reason" in log.read_text()
+
+
+def test_a_killed_child_reports_the_signal_and_waits_time_out(zygote, tmp_path):
+    p, _ = _spawn(zygote, tmp_path, "import time; time.sleep(60)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(0.3)
+    assert p.poll() is None
+    os.killpg(p.pid, signal.SIGKILL)  # as the fence does
+    assert p.wait(30) == -signal.SIGKILL
+
+
+def test_threads_are_joined_and_atexit_runs_before_the_exit(zygote, tmp_path):
+    body = """
+        import atexit, threading, time
+        atexit.register(lambda: print("atexit ran", flush=True))
+        def late():
+            time.sleep(0.3)
+            print("thread done", flush=True)
+        threading.Thread(target=late).start()
+    """
+    p, log = _spawn(zygote, tmp_path, body)
+    assert p.wait(30) == 0
+    assert log.read_text().splitlines() == ["thread done", "atexit ran"]
+
+
+def test_a_zygote_that_died_is_named_when_asked_to_fork(tmp_path):
+    z = Zygote(60)
+    z.proc.kill()
+    z.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while not z._lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError, match="zygote .* is not running.*LETO_ZYGOTE=0"):
+        _spawn(z, tmp_path, "print(1)")
+    z.close()
