@@ -30,6 +30,11 @@ BATCH, SEQ, VOCAB, DIM, HEADS, LAYERS = 4, 32, 257, 64, 2, 2
 EXPERTS, TOP_K, HIDDEN, AUX_WEIGHT = 8, 2, 128, 0.01
 
 
+# Deterministic cuBLAS on a GPU (torch.use_deterministic_algorithms below), set before
+# anything initializes it.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
 def tokens(rank: int, it: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1_000_003 * it + 1_009 * rank)
     return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
@@ -78,7 +83,8 @@ class MoE(nn.Module):
         weights = weights / weights.sum(-1, keepdim=True)
         # Switch Transformer's balance loss: experts' token shares times their mean
         # router probabilities.
-        counts = torch.bincount(chosen.flatten(), minlength=EXPERTS)
+        # (Integer sums of one-hot rows: bincount has no deterministic CUDA kernel.)
+        counts = F.one_hot(chosen.flatten(), EXPERTS).sum(0)
         self.aux = EXPERTS * (counts.float() / chosen.numel() * probs.mean(0)).sum()
         # Dispatch: the (token, choice) slots grouped by expert — by destination rank,
         # then by its local expert.
@@ -91,7 +97,7 @@ class MoE(nn.Module):
         recv = got.view(self.world, local).sum(1).tolist()
         rows = all_to_all_single_autograd(slots, recv, send, self.group)
         # Received rows come by source rank; the experts take theirs from every source.
-        expert_of = torch.arange(local).repeat(self.world).repeat_interleave(got)
+        expert_of = torch.arange(local, device=got.device).repeat(self.world).repeat_interleave(got)
         by_expert = torch.argsort(expert_of, stable=True)
         y = self.experts(rows[by_expert], got.view(self.world, local).sum(0).tolist())
         y = y[torch.argsort(by_expert)]
@@ -188,9 +194,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 over the replicated parts, not DDP")
     args = ap.parse_args()
+    cuda = torch.cuda.is_available()
     ctx = leto.init()  # the process group (a shadow parks in here)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")  # (the all-to-alls run on gloo)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:  # (NCCL's all-to-alls)
+        torch.cuda.set_device(device)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     if EXPERTS % world:
