@@ -259,6 +259,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             verify=args.verify,
             scrub_mib=args.scrub_mib_per_iteration,
             replica_check=not args.no_replica_check,
+            loss_guard=not args.no_loss_guard,
             beat_poll_s=args.beat_poll_s,
             device_memory_bytes=args.device_memory_bytes,
             preinit_footprints=args.preinit_footprints,
@@ -512,6 +513,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not compare the data-parallel replicas' retained state after each update "
         "(a digest of each group's tier-1 parity, one all_gather of 8 bytes a group: a "
         "wrong computation on one rank is then not found; sharded jobs skip it anyway)",
+    )
+    p.add_argument(
+        "--no-loss-guard",
+        action="store_true",
+        help="do not fail an iteration whose recorded loss is NaN or infinite on any rank "
+        "(by default the job then falls back to its last verified checkpoint and redoes "
+        "it; the flag rides in the replica check's all_gather: no extra cost; off anyway "
+        "under a GradScaler)",
     )
     p.add_argument(
         "--checkpoint-interval",

@@ -76,15 +76,18 @@ def test_suspects_name_the_minority_or_every_rank_without_a_majority():
     assert replica.suspects([a, a, b, b]) == ([0, 1, 2, 3], False)
 
 
-def _check(monkeypatch, tmp_path, rank: int, rows: list[list[int]]):
+def _check(monkeypatch, tmp_path, rank: int, rows: list[list[int]], flags=None):
     """``ReplicaCheck.check`` on ``rank`` with the all_gather standing in: it hands back
-    ``rows`` (one per rank), as gloo would."""
+    ``rows`` (one per rank), each with its rank's loss-guard flag after it, as gloo
+    would."""
     monkeypatch.setattr(replica.dist, "new_group", lambda **kw: None)
+    flags = flags or [0] * len(rows)
 
     def all_gather(out, mine, group=None):
-        assert torch.equal(mine, torch.tensor(rows[rank])), "this rank's own words are sent"
-        for o, r in zip(out, rows, strict=True):
-            o.copy_(torch.tensor(r))
+        sent = torch.tensor([*rows[rank], flags[rank]])
+        assert torch.equal(mine, sent), "this rank's own words are sent"
+        for o, r, f in zip(out, rows, flags, strict=True):
+            o.copy_(torch.tensor([*r, f]))
 
     monkeypatch.setattr(replica.dist, "all_gather", all_gather)
     log = tmp_path / f"rank{rank}.replica.jsonl"
@@ -115,6 +118,18 @@ def test_at_world_2_both_ranks_are_named_and_the_message_says_why(monkeypatch, t
     assert "third replica or a recomputation" in str(e.value)
     (rec,) = [json.loads(x) for x in log.read_text().splitlines()]
     assert rec["named"] == [0, 1] and not rec["majority"], rec
+
+
+def test_the_loss_guards_flag_travels_in_the_same_gather_and_names_its_ranks(monkeypatch, tmp_path):
+    # Rank 2's loss was NaN: every rank learns it from the one all_gather, and the
+    # digests (here differing too) are not judged — the caller fails the iteration.
+    rc, log = _check(monkeypatch, tmp_path, 0, [[5, -7], [5, -7], [5, 8]], flags=[0, 0, 1])
+    assert rc.check(3, torch.tensor([5, -7]), gids=[0, 1], flag=0) == [2]
+    assert not log.exists()
+    rc, _ = _check(monkeypatch, tmp_path, 1, [[5], [5]], flags=[1, 1])
+    assert rc.check(3, torch.tensor([5]), gids=[0], flag=1) == [0, 1]
+    rc, _ = _check(monkeypatch, tmp_path, 1, [[5], [5]])
+    assert rc.check(3, torch.tensor([5]), gids=[0]) == []
 
 
 def test_the_check_is_on_unless_leto_run_turned_it_off(monkeypatch):

@@ -35,6 +35,7 @@ from leto.runtime.config import (
     ENV_TIMEOUT_S,
     RunConfig,
 )
+from leto.runtime.loss_guard import ENV_LOSS_GUARD
 from leto.update.replica import ENV_REPLICA_CHECK
 from leto.update.scrub import ENV_SCRUB_MIB
 
@@ -91,6 +92,7 @@ class Cell:
                 ENV_LOG_DIR: os.path.abspath(cfg.log_dir),
                 ENV_SCRUB_MIB: str(cfg.scrub_mib),
                 ENV_REPLICA_CHECK: "1" if cfg.replica_check else "0",
+                ENV_LOSS_GUARD: "1" if cfg.loss_guard else "0",
             }
         )
         env.update(self.extra_env)

@@ -154,6 +154,8 @@ class RunConfig:
     # Data-parallel replicas compare a digest of their retained state after every update
     # (leto.update.replica; a wrong computation on one rank is fatal to the iteration).
     replica_check: bool = True
+    # A NaN or infinite recorded loss on any rank fails the iteration (leto.runtime.loss_guard).
+    loss_guard: bool = True
     checkpoint_dir: str = ""  # empty: <log_dir>/checkpoints
     checkpoint_interval: int = 0  # iterations; 0: Young's formula with the FF-only MTTF
     # --no-checkpoints: no saves at all; a fatal failure restarts the job from its first

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from leto.errors import FatalFailure, InvalidInput
 from leto.memory.client import PoolClient
 from leto.plugins import point
+from leto.runtime import loss_guard
 from leto.runtime.buckets import GradBuckets
 from leto.update import replica
 from leto.update.marker import MarkerState, Phase
@@ -68,6 +70,7 @@ class RetainedTraining:
         user=None,
         scrub_requests: Path | None = None,
         data_parallel: bool = True,
+        guard_loss: bool = True,
     ):
         """``model`` may live on the meta device: its parameters become views of pool
         memory. ``init_fn()`` initializes them on a fresh pool (first start only).
@@ -116,6 +119,12 @@ class RetainedTraining:
         # (leto.update.replica; collective — every rank decides alike). Sharded state
         # (FSDP2, TP, pipeline stages, ZeRO-1's optimizer shards) has no replica, and
         # rank-local experts share protection groups (their digests) with replicated state.
+        # A non-finite loss on any rank fails the iteration on every rank
+        # (leto.runtime.loss_guard): agreed in the replica check's all_gather, else in
+        # its own. Off under a GradScaler (its skipped steps) and --no-loss-guard.
+        self.guard = (
+            loss_guard.LossGuard(rank, world) if guard_loss and loss_guard.enabled() else None
+        )
         self.replica = None
         if (
             world > 1 and self.replicated and self.up.state.shard is None
@@ -324,14 +333,24 @@ class RetainedTraining:
         self.up.protect_grads(t, loss=loss if later is not None else value)
         self.up.sync(t, group=dist.group.WORLD)
         self.up.update(t)
-        if self.replica is not None and self.up.digest_complete:
-            gids = [g.gid for g in self.up.groups]
-            self.replica.check(t, self.up.digests, gids, recheck=self._recheck)
-        m = self.up.marker.state
-        if later is not None:
+        if later is not None:  # the pinned copy: waits for backward, not for the update
             host, ev = later
             ev.synchronize()
-            m = m.but(loss=float(host))
+            value = float(host)
+        bad = self.guard is not None and loss is not None and not math.isfinite(value)
+        flagged = []
+        if self.replica is not None and self.up.digest_complete:
+            gids = [g.gid for g in self.up.groups]
+            flagged = self.replica.check(
+                t, self.up.digests, gids, recheck=self._recheck, flag=int(bad)
+            )
+        elif self.guard is not None:
+            flagged = self.guard.agree(bad)
+        if flagged:
+            self.guard.fail(t, flagged, value)
+        m = self.up.marker.state
+        if later is not None:
+            m = m.but(loss=value)
         self._log(t, m)
 
     def _recheck(self, gis: list[int]) -> torch.Tensor:

@@ -193,6 +193,7 @@ class Run:
             user=self.user,
             scrub_requests=Path(ctx.env.log_dir) / SCRUB_REQUEST if ctx.env else None,
             data_parallel=data_parallel,
+            guard_loss=self.scaler is None,  # (fp16: the scaler skips non-finite steps)
         )
         if ctx.store is not None:
             self.job.on_no_loss = lambda: ctx.store.add(keys.NO_LOSS, 1)

@@ -103,11 +103,16 @@ class ReplicaCheck:
         self.checks = 0
         self.check_s = 0.0  # time spent in check(), this process
 
-    def _gather(self, digests: torch.Tensor) -> list[tuple[int, ...]]:
-        mine = digests.to("cpu", torch.int64)
+    def _gather(self, digests: torch.Tensor, flag: int = 0):
+        """Every rank's digests, and every rank's ``flag`` (one more word: the loss
+        guard's, ``leto.runtime.loss_guard``)."""
+        mine = torch.cat(
+            [digests.to("cpu", torch.int64).reshape(-1), torch.tensor([flag], dtype=torch.int64)]
+        )
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.pg)
-        return [tuple(int(x) for x in d) for d in every]
+        rows = [tuple(int(x) for x in d) for d in every]
+        return [r[:-1] for r in rows], [r[-1] for r in rows]
 
     def check(
         self,
@@ -115,22 +120,27 @@ class ReplicaCheck:
         digests: torch.Tensor,
         gids: list[int],
         recheck: Callable[[list[int]], torch.Tensor] | None = None,
-    ) -> None:
+        flag: int = 0,
+    ) -> list[int]:
         """Compare this rank's per-group ``digests`` (int64, one per state group) of
         iteration ``t`` with every replica's; raise ``ReplicaDisagreement`` on any
         difference (every rank raises: they all see the same words). ``recheck(groups)``
         (indices into ``digests``): scrub those groups, return the digests again — called
-        on every rank alike when they differ, before the second comparison."""
+        on every rank alike when they differ, before the second comparison. ``flag``
+        travels in the same collective: the ranks whose flag is set are returned (and
+        the digests not compared: the caller fails the iteration on every rank)."""
         t0 = time.perf_counter()
-        rows = self._gather(digests)
+        rows, flags = self._gather(digests, flag)
         self.checks += 1
         self.check_s += time.perf_counter() - t0
+        if any(flags):
+            return [r for r, f in enumerate(flags) if f]
         named, majority = suspects(rows)
         if named and recheck is not None:
-            rows = self._gather(recheck(_differing(rows)))
+            rows, _ = self._gather(recheck(_differing(rows)))
             named, majority = suspects(rows)
         if not named:
-            return
+            return []
         differ = sorted(gids[i] for i in _differing(rows))
         if majority:
             who = (
