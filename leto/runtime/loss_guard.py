@@ -14,8 +14,9 @@ not for the update): the guard adds no synchronisation.
 
 Flagged anywhere: ``NonFiniteLoss`` (a ``FatalFailure``) on every rank — the job falls
 back to its last verified checkpoint and redoes the iterations from there (a transient
-fault does not recur). If it recurs at the same iteration, the training itself diverged
-and ``leto run`` stops the job (its rule for a fatal failure that repeats).
+fault does not recur). The same failure again falls back to an older checkpoint, and a
+third time ``leto run`` stops the job (its rule for a fatal failure that repeats): then
+the training itself diverged.
 
 Off under a ``torch.amp.GradScaler`` (fp16: infinite gradients are its business, and it
 skips those steps) and with ``leto run --no-loss-guard``. Not covered: non-finite
@@ -74,6 +75,7 @@ class LossGuard:
             f"iteration {t}: the loss is not finite on rank(s) {ranks}{mine}: a wrong "
             f"computation, or the model diverging. Nothing of this iteration is trusted; "
             f"the job falls back to its last verified checkpoint and redoes the iterations "
-            f"from there (at the same iteration again, the training itself diverged and "
-            f"the job stops). leto run --no-loss-guard turns this check off"
+            f"from there (the same failure again falls back further, a third time stops the "
+            f"job: the training itself diverged). leto run --no-loss-guard turns this "
+            f"check off"
         )
