@@ -7,8 +7,9 @@ four more after each recovery. The zygote imports torch once — while the state
 start — and forks each trainer and shadow from there, so they begin with torch in
 memory (shared copy-on-write), as torch elastic's workers never do. Nothing of CUDA is
 initialized in the zygote (torch's import does not), so a forked child initializes the
-device as a fresh process would; nothing of Leto is imported in it either, so no module
-reads a trainer's environment before the trainer's own is set.
+device as a fresh process would; of Leto only this module (and ``leto.proc``) is
+imported in it, so no module reads a trainer's environment before the trainer's own is
+set.
 
 Protocol: a ``SOCK_SEQPACKET`` socket pair, one JSON message per packet. The agent sends
 ``{"argv", "env", "cwd", "fd_env"}`` with file descriptors attached (the log first, then
@@ -37,6 +38,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from leto.proc import alive
 
 ENV_ZYGOTE = "LETO_ZYGOTE"
 MAX_FDS = 8
@@ -130,6 +133,10 @@ def _child(req: dict, fds: list[int]) -> None:
             write_through=unbuffered,
             errors="backslashreplace",
         )
+        if env.get("PYTHONFAULTHANDLER"):  # what a fresh interpreter would enable
+            import faulthandler
+
+            faulthandler.enable()
         import runpy
 
         try:
@@ -302,7 +309,7 @@ class ForkedProcess:
             with z._cv:
                 if self.pid in z._exits:
                     self.returncode = z._exits.pop(self.pid)
-                elif z._lost and not _alive(self.pid):
+                elif z._lost and not alive(self.pid):
                     self.returncode = 255  # its zygote is gone: the code is unknown
         return self.returncode
 
@@ -323,13 +330,3 @@ class ForkedProcess:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
