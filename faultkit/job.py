@@ -259,6 +259,17 @@ def _tail(path: Path, watch: Callable[[str], None], stop: threading.Event) -> No
         watch(buf)
 
 
+PORT_ATTEMPTS = 3
+
+
+def _port_taken(out: Path) -> bool:
+    try:
+        text = (out / "leto-run.log").read_text()
+    except OSError:
+        return False
+    return "is in use" in text and "nothing started" in text
+
+
 def run_job(
     world: int,
     cfg: TrainConfig,
@@ -287,12 +298,17 @@ def run_job(
     out.mkdir(parents=True, exist_ok=True)
     if plan is None:
         plan = plan_of(faults, pool)
-    procs = start_job(
-        world, cfg, out, plan, pool, device, shadow_level, extra, env, nnodes,
-        script=script, script_args=script_args, pressure=pressure, save_state=save_state,
-    )  # fmt: skip
-    nodes = finish_job(procs, timeout_s, watch)
-    code = next((c for c, _ in nodes if c != 0), 0)
+    for attempt in range(PORT_ATTEMPTS):
+        procs = start_job(
+            world, cfg, out, plan, pool, device, shadow_level, extra, env, nnodes,
+            script=script, script_args=script_args, pressure=pressure, save_state=save_state,
+        )  # fmt: skip
+        nodes = finish_job(procs, timeout_s, watch)
+        code = next((c for c, _ in nodes if c != 0), 0)
+        # The free port it picked was taken before leto run bound it (a job beside this
+        # one, or an outgoing connection's ephemeral port): nothing started; another.
+        if code != 2 or attempt == PORT_ATTEMPTS - 1 or not _port_taken(out):
+            break
     summary = nodes[0][1]
     p = subprocess.CompletedProcess([], code)
     if p.returncode != 0 and not allow_failure:
