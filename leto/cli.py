@@ -27,6 +27,7 @@ import leto
 from leto.bench_cli import register as register_bench
 from leto.erasure import FIELD_POLY
 from leto.errors import InvalidInput
+from leto.runtime.config import REPLAY_EVERY_DEFAULT as DEFAULT_REPLAY_EVERY
 from leto.sim.cli import register as register_sim
 
 ENV_OMP = "OMP_NUM_THREADS"
@@ -260,6 +261,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             scrub_mib=args.scrub_mib_per_iteration,
             replica_check=not args.no_replica_check,
             loss_guard=not args.no_loss_guard,
+            replay_every=DEFAULT_REPLAY_EVERY if args.replay_every is None else args.replay_every,
             beat_poll_s=args.beat_poll_s,
             device_memory_bytes=args.device_memory_bytes,
             preinit_footprints=args.preinit_footprints,
@@ -513,6 +515,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not compare the data-parallel replicas' retained state after each update "
         "(a digest of each group's tier-1 parity, one all_gather of 8 bytes a group: a "
         "wrong computation on one rank is then not found; sharded jobs skip it anyway)",
+    )
+    p.add_argument(
+        "--replay-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="every K-th iteration, each rank's first micro-batch is recomputed on the next "
+        "rank and the gradients compared bit for bit (a wrong gradient or activation is "
+        "found before the update; the iteration is redone in place); 0: off; default "
+        f"{DEFAULT_REPLAY_EVERY}: one micro-batch's forward and backward every "
+        f"{DEFAULT_REPLAY_EVERY} iterations. Data-parallel jobs of 2+ ranks with "
+        "torch.use_deterministic_algorithms(True) only",
     )
     p.add_argument(
         "--no-loss-guard",

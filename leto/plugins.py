@@ -51,6 +51,10 @@ POINTS = (
 # parity has not absorbed them yet, per chunk, with the chunk's pages as ``dest`` — the
 # seam of faultkit's silent-data-corruption mode (a wrong computation parity agrees with).
 SDC_POINT = "update.computed"
+# Also not a crash point: a rank's local gradient (a bucket of it, or the whole buffer)
+# just before it is reduced — after backward, before the all-reduce — with the tensor as
+# ``dest``: the seam of faultkit's ``sdc-grad``.
+SDC_GRAD_POINT = "grad.computed"
 # Outside an iteration: "resume" (key 0) fires once per start, in the middle of a
 # recovery — after the pool's pages are rebuilt, before the ranks agree where to resume.
 ONCE_PER_ITERATION = frozenset(
@@ -71,6 +75,7 @@ PHASES = {
 }
 
 _retained: Callable | None = None  # () -> the trainer's state groups (GroupView list)
+_model: Callable | None = None  # () -> the trainer's model (leto.Run's)
 _observer_factory: Callable | None = None
 _shadow_warmups: list[Callable] = []
 _point_handler: Callable | None = None
@@ -134,6 +139,19 @@ def expose_retained(fn: Callable | None) -> None:
 def retained_groups() -> list:
     """The state groups the updater of this process exposed (empty before it exists)."""
     return _retained() if _retained is not None else []
+
+
+def expose_model(fn: Callable | None) -> None:
+    """``leto.Run`` says which model the trainer trains: ``fn()`` returns it. Fault tools
+    hook its modules to make a wrong computation (faultkit's ``sdc-activation``); Leto
+    never calls it."""
+    global _model
+    _model = fn
+
+
+def exposed_model():
+    """The model ``leto.Run`` exposed in this process, or None."""
+    return _model() if _model is not None else None
 
 
 def install_point_handler(fn: Callable | None) -> None:

@@ -92,6 +92,9 @@ class GradBuckets:
         self._at_end = at_backward_end
         self._queued = False
         self.reduced = False  # this iteration's gradients are summed and averaged
+        # Called with each bucket's view just before its all-reduce launches (the local
+        # gradient's last moment: a wrong-computation seam and gradient replay's digest).
+        self.before_launch = None
         self._hooks = []
         for name, b in bucket_of.items():
             self._hooks.append(params[name].register_post_accumulate_grad_hook(self._hook(b)))
@@ -116,6 +119,8 @@ class GradBuckets:
 
     def _launch(self, b: int) -> None:
         a, e = self.ranges[b]
+        if self.before_launch is not None:
+            self.before_launch(self.grad[a:e])
         self._works.append(dist.all_reduce(self.grad[a:e], async_op=True))
         self._next = b + 1
 

@@ -36,6 +36,7 @@ from leto.runtime.config import (
     RunConfig,
 )
 from leto.runtime.loss_guard import ENV_LOSS_GUARD
+from leto.runtime.replay import ENV_REPLAY_EVERY
 from leto.update.replica import ENV_REPLICA_CHECK
 from leto.update.scrub import ENV_SCRUB_MIB
 
@@ -93,6 +94,7 @@ class Cell:
                 ENV_SCRUB_MIB: str(cfg.scrub_mib),
                 ENV_REPLICA_CHECK: "1" if cfg.replica_check else "0",
                 ENV_LOSS_GUARD: "1" if cfg.loss_guard else "0",
+                ENV_REPLAY_EVERY: str(cfg.replay_every),
             }
         )
         env.update(self.extra_env)

@@ -40,6 +40,11 @@ ENV_TRAIN_DIR = "LETO_TRAIN_DIR"
 LEVELS = ("off", "L1", "L2", "L3")
 
 
+# Gradient replay's K (leto.runtime.replay): one micro-batch's forward and backward more
+# every 200 iterations is at most 0.5 % of an iteration of one micro-batch.
+REPLAY_EVERY_DEFAULT = 200
+
+
 @dataclass(frozen=True)
 class TrainerEnv:
     """Everything ``leto run`` tells a trainer (or shadow) through its environment, read
@@ -156,6 +161,8 @@ class RunConfig:
     replica_check: bool = True
     # A NaN or infinite recorded loss on any rank fails the iteration (leto.runtime.loss_guard).
     loss_guard: bool = True
+    # Gradient replay every K iterations (leto.runtime.replay; 0: off).
+    replay_every: int = REPLAY_EVERY_DEFAULT
     checkpoint_dir: str = ""  # empty: <log_dir>/checkpoints
     checkpoint_interval: int = 0  # iterations; 0: Young's formula with the FF-only MTTF
     # --no-checkpoints: no saves at all; a fatal failure restarts the job from its first
@@ -196,6 +203,8 @@ class RunConfig:
             object.__setattr__(self, "scrub_mib", 64.0 if self.device == "cuda" else 1.0)
         if not self.scrub_mib >= 0:
             raise ValueError(f"--scrub-mib-per-iteration {self.scrub_mib}: expected >= 0")
+        if self.replay_every < 0:
+            raise ValueError(f"--replay-every {self.replay_every}: expected >= 0 (0: off)")
         if self.device_memory_bytes < 0:
             raise ValueError(f"--device-memory-bytes {self.device_memory_bytes} is negative")
         if self.shadow_level == "auto":

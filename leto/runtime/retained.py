@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from leto.errors import FatalFailure, InvalidInput
 from leto.memory.client import PoolClient
-from leto.plugins import point
+from leto.plugins import SDC_GRAD_POINT, point
 from leto.runtime import loss_guard
 from leto.runtime.buckets import GradBuckets
 from leto.update import replica
@@ -160,6 +160,26 @@ class RetainedTraining:
             if world > 1 and bucket_mib > 0 and self.replicated
             else None
         )  # fmt: skip
+        if self.buckets is not None:
+            self.buckets.before_launch = self._local_grad
+        # Gradient replay (leto.runtime.replay): leto.Run sets it when the job can replay.
+        self.replay = None
+        self._t: int | None = None  # the iteration in progress
+
+    def can_replay(self) -> bool:
+        """Whether another rank holds every parameter this rank computes gradients of
+        (data parallel, nothing sharded or rank-local): gradient replay's premise."""
+        return (
+            self.world > 1 and self.replicated and self.up.state.shards is None
+            and not self.rank_local
+        )  # fmt: skip
+
+    def _local_grad(self, view: torch.Tensor) -> None:
+        """``view`` (a bucket, or the whole buffer) holds this rank's local gradient, about
+        to be reduced: faultkit's ``sdc-grad`` seam, then gradient replay's digest."""
+        point(SDC_GRAD_POINT, self._t, dest=[view])
+        if self.replay is not None:
+            self.replay.local(view)
 
     def resume(
         self,
@@ -248,6 +268,9 @@ class RetainedTraining:
         if self.buckets is not None:
             self.buckets.begin()
         self.up.begin(t)
+        self._t = t
+        if self.replay is not None:
+            self.replay.begin(t)
 
     def _scrub_on_demand(self, t: int) -> None:
         """A full scrub when ``leto pool scrub`` asked (a new request id), answered in
@@ -310,9 +333,13 @@ class RetainedTraining:
         if self.buckets is not None:
             if not self.buckets.reduced:
                 self.buckets.finish()  # the buckets backward launched, then any it did not
-        elif self.world > 1 and self.replicated:
-            dist.all_reduce(self.up.state.grad)
-            self.up.state.grad.div_(self.world)
+        else:
+            self._local_grad(self.up.state.grad)
+            if self.world > 1 and self.replicated:
+                dist.all_reduce(self.up.state.grad)
+                self.up.state.grad.div_(self.world)
+        if self.replay is not None:  # before the update reads the gradients
+            self.replay.verify(t)
 
     def step(self, t: int, loss: torch.Tensor | float | None) -> None:
         """``loss``: a float or a tensor; None: the script gave none (logged as NaN). A

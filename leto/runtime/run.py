@@ -63,7 +63,7 @@ import torch.distributed as dist
 from leto import plugins
 from leto.errors import InvalidInput
 from leto.plugins import point
-from leto.runtime import data_state, keys
+from leto.runtime import data_state, keys, replay
 from leto.runtime.batch_fn import BatchFunctions
 from leto.runtime.ddp_shape import DDPShaped
 from leto.runtime.loop_state import LoopState
@@ -210,6 +210,16 @@ class Run:
         self._watch_grads()
         model.register_forward_pre_hook(lambda *_: self._point("compute.forward"))
         model.register_forward_hook(lambda *_: self._point("compute.backward"))
+        plugins.expose_model(lambda: model)
+        # Gradient replay (leto.runtime.replay): every K-th iteration each rank's first
+        # micro-batch recomputed by the next rank (collective: every rank decides alike).
+        k = replay.every()
+        if k > 0 and self.job.can_replay():
+            self.job.replay = replay.GradReplay(
+                model, self.job.params, self.job.up.state.grad, ctx.rank, ctx.world_size, k,
+                log=self.out / f"rank{ctx.rank}.replay.jsonl",
+            )  # fmt: skip
+            self.job.replay.buckets = self.job.buckets
         self._t: int | None = None  # the iteration in progress
         self._stepped = False
         self._called: set[int] = set()  # optimizers whose step() this iteration called
@@ -282,13 +292,21 @@ class Run:
         self.ctx.loop_ended()
         # What the loop and the replica check took, in the rank's log (the check's
         # all_gather includes waiting for the slowest replica's update).
-        rc = self.job.replica
+        rc, rp = self.job.replica, self.job.replay
         print(
             f"rank {self.ctx.rank}: the loop ran {time.time() - t_loop:.2f} s for "
             f"{t - t_first} iteration(s); replica check: "
             + (
                 f"{rc.checks} updates compared, {1e3 * rc.check_s / rc.checks:.3f} ms each"
                 if rc is not None and rc.checks
+                else "off"
+            )
+            + "; gradient replay: "
+            + (
+                f"{rp.replays} micro-batches replayed, {1e3 * rp.replay_s / rp.replays:.1f} ms each"
+                if rp is not None and rp.replays
+                else f"every {rp.k} iterations, none due"
+                if rp is not None
                 else "off"
             ),
             file=sys.stderr,
@@ -529,7 +547,7 @@ class Run:
         return st.flat[state][a : a + slot.numel].view(slot.shape)
 
     def _point(self, name: str) -> None:
-        if self._t is not None:
+        if self._t is not None and not (self.job.replay is not None and self.job.replay.replaying):
             point(name, self._t)
 
     # -- resume ---------------------------------------------------------------------
