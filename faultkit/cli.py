@@ -68,6 +68,7 @@ def _config(args: argparse.Namespace):
         abort_after_blocks=getattr(args, "abort_after_blocks", 3),
         parallel=getattr(args, "parallel", "dp"),
         replica_check=not getattr(args, "no_replica_check", False),
+        replay=not getattr(args, "no_replay", False),
     )
 
 
@@ -317,7 +318,7 @@ def _verdict_table(v: dict, title: str) -> int:
     if v["mode"].startswith("corrupt"):
         rows.append(("scrub", v.get("scrub") or _unseen(v)[3:]))
     if v["mode"].startswith("sdc"):
-        rows.append(("replica check", _replica_row(v)))
+        rows.append(("detection", _replica_row(v)))
     if v["fatal_detail"]:
         rows.append(("fatal", v["fatal_detail"]))
     for k, val in rows:
@@ -327,18 +328,26 @@ def _verdict_table(v: dict, title: str) -> int:
 
 
 def _replica_row(v: dict) -> str:
+    cfg = v["config"]
     if not v.get("detected"):
-        return "nothing detected" + (
-            "" if v["config"].get("replica_check", True) else " (--no-replica-check)"
-        )
+        off = [
+            f for f, on in (("--no-replica-check", cfg.get("replica_check", True)),
+                            ("--replay-every 0", cfg.get("replay", True))) if not on
+        ]  # fmt: skip
+        return "nothing detected" + (f" ({', '.join(off)})" if off else "")
     who = (
         f"rank {v['named_rank']} named"
         if v["named_rank"] is not None
         else f"ranks {v['suspects']} disagree (no majority names one)"
     )
+    if v.get("detected_by") == "replay":
+        return (
+            f"gradient replay, in iteration {v['detected_at']} before its update: {who}; "
+            f"the iteration was redone in place"
+        )
     return (
-        f"detected after the update of iteration {v['detected_at']}: {who}; rolled back to "
-        f"iteration {v['rolled_back']}"
+        f"replica check, after the update of iteration {v['detected_at']}: {who}; rolled "
+        f"back to iteration {v['rolled_back']}"
     )
 
 
@@ -409,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
         "flight; phases grad-parity, update, parity, parity-copy, tier2), corrupt-data or "
         "corrupt-parity (flip one bit in each of --pages retained pages — device pages of the "
         "last group, or the first group's host tier 1 — silently: no death, no loss), or "
+        "sdc-grad (phase allreduce: one bit of the rank's local gradient flipped before the "
+        "all-reduce; world 2+: the job replays the struck iteration), sdc-activation (phase "
+        "compute: one bit of the model's first nn.Linear output flipped in the rank's "
+        "forward; world 2+, replayed the same way), or "
         "sdc-update (phase update: one bit of the rank's freshly updated parameters flipped "
         "before parity absorbs them — a wrong computation; the verdict says whether the "
         "replica check detected it)",
@@ -418,6 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the job with leto run --no-replica-check (sdc-update must then end NOT "
         "EXACT: what shows the check is what finds it)",
+    )
+    p.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="sdc-grad / sdc-activation: run the job with leto run --replay-every 0 (the "
+        "run must then end NOT EXACT: what shows the replay is what finds it)",
     )
     p.add_argument(
         "--abort-after-blocks",
@@ -465,8 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         default="kill,copy-corrupt",
         help="comma-separated modes: kill, copy-corrupt, kernel-abort, corrupt-data, "
-        "corrupt-parity (corrupt modes: 1 and H1 flipped pages, no loss), sdc-update (one "
-        "case, at phase update)",
+        "corrupt-parity (corrupt modes: 1 and H1 flipped pages, no loss), sdc-update, "
+        "sdc-grad, sdc-activation (one case each, at its own phase: update, allreduce, "
+        "compute; the last two at world 2+)",
     )
     p.add_argument(
         "--corrupt-pages",

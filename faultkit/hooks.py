@@ -25,7 +25,12 @@ optimizer state) or ``tier1`` / ``tier2`` (its host parity pages). Each page's b
 the scrub can locate every one. TARGET ``computed``, armed at ``leto.plugins.SDC_POINT``
 (``update.computed``), flips one bit in the chunk's freshly computed values before its
 parity absorbs them: a wrong computation, which parity agrees with and the scrub cannot
-see (faultkit's ``sdc-update``; on the CPU, and in the unfused steps on CUDA). What was flipped goes to the abort log
+see (faultkit's ``sdc-update``; on the CPU, and in the unfused steps on CUDA); armed at
+``leto.plugins.SDC_GRAD_POINT`` it flips a bit of the local gradient before its
+all-reduce (``sdc-grad``). TARGET ``activation``, armed at ``compute.forward``, flips one
+bit of the output of the model's first ``nn.Linear`` in that forward (``sdc-activation``).
+The gradient's and the activation's flip is an element's top mantissa bit (a value off by
+up to half of it; a lowest bit often vanishes in the all-reduce's rounding). What was flipped goes to the abort log
 (``LETO_TRIPWIRE_LOG``); whether and how Leto noticed is the verdict's business.
 
 Mode ``kernel-abort`` arms the trip-wire (``nvbit_tools.tripwire``) instead: the next
@@ -45,7 +50,7 @@ from leto.plugins import ONCE_PER_ITERATION, POINTS
 ENV_FAULT_AT = "LETO_FAULT_AT"
 ENV_FAULT_MODE = "LETO_FAULT_MODE"  # kill (default), kill-synced, copy-corrupt, ...
 MODES = ("raise", "kill", "kill-synced", "copy-corrupt", "kernel-abort", "hang", "corrupt")
-CORRUPT_TARGETS = ("data", "tier1", "tier2", "computed")
+CORRUPT_TARGETS = ("data", "tier1", "tier2", "computed", "activation")
 
 __all__ = ["ONCE_PER_ITERATION", "POINTS", "arm", "disarm", "parse", "point", "record"]
 
@@ -131,10 +136,17 @@ def point(name: str, iteration: int, dest=None) -> None:
     if mode.startswith("corrupt"):
         at = f"{name}@{iteration}#{nth}"
         target, k, group = corrupt_spec(mode)
-        if target == "computed":
+        if target == "computed" and name == plugins.SDC_GRAD_POINT:
+            _flip_value(at, dest[0], "gradient")
+        elif target == "computed":
             if dest is None:
-                raise InjectedCrash(f"{at} passes no computed values: arm {plugins.SDC_POINT}")
+                raise InjectedCrash(
+                    f"{at} passes no computed values: arm {plugins.SDC_POINT} or "
+                    f"{plugins.SDC_GRAD_POINT}"
+                )
             _flip_computed(at, list(getattr(dest, "pages", dest)))
+        elif target == "activation":
+            _flip_activation(at)
         else:
             _flip(at, target, k, group)
         return  # silent: the trainer runs on
@@ -208,9 +220,10 @@ def _flip(at: str, target: str, k: int, group: int) -> None:
             f.write(json.dumps(rec) + "\n")
 
 
-def _flip_computed(at: str, pages: list) -> None:
-    """One bit of the first page of the chunk being updated (its lowest bytes: the
-    parameters' low mantissa bits, a small wrong value that training carries on with)."""
+def _flip_computed(at: str, pages: list, what: str = "computed") -> None:
+    """One bit of the first of ``pages`` — the chunk being updated, a bucket of a local
+    gradient, a GEMM's output (``what``) — byte 1000 of it, bit 0: a low mantissa bit, a
+    small wrong value that training carries on with."""
     import json
     import time
 
@@ -220,7 +233,7 @@ def _flip_computed(at: str, pages: list) -> None:
 
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    page = pages[0] if pages[0].dtype == torch.uint8 else pages[0].view(torch.uint8)
+    page = (pages[0] if pages[0].dtype == torch.uint8 else pages[0].view(torch.uint8)).view(-1)
     byte = 1000 % page.numel()
     page[byte] ^= 1
     if torch.cuda.is_initialized():
@@ -228,11 +241,65 @@ def _flip_computed(at: str, pages: list) -> None:
     log = os.environ.get(ENV_LOG)
     if log:
         rec = {
-            "corrupt": "computed", "group": None, "at": at,
+            "corrupt": what, "group": None, "at": at,
             "pages": [{"page": 0, "byte": byte, "bit": 0}], "time": time.time(),
         }  # fmt: skip
         with open(log, "a") as f:
             f.write(json.dumps(rec) + "\n")
+
+
+def _flip_value(at: str, x, what: str) -> None:
+    """The top mantissa bit of one element of the floating-point tensor ``x`` (element
+    250, or the last): a value off by up to half of itself — what a wrong GEMM or a wrong
+    gradient leaves, and too large to vanish in the rounding of a later sum (a flipped
+    lowest bit of a gradient often does, in the all-reduce)."""
+    import json
+    import time
+
+    import torch
+
+    from nvbit_tools.tripwire import ENV_LOG
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    words = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    flat = x.view(words).view(-1)
+    i = min(250, flat.numel() - 1)
+    mantissa = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.float64: 52}
+    bit = mantissa[x.dtype] - 1
+    flat[i] ^= 1 << bit
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    log = os.environ.get(ENV_LOG)
+    if log:
+        rec = {
+            "corrupt": what, "group": None, "at": at,
+            "pages": [{"page": 0, "element": i, "bit": bit}], "time": time.time(),
+        }  # fmt: skip
+        with open(log, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def _flip_activation(at: str) -> None:
+    """One bit of the output of the model's first ``nn.Linear`` in the forward now
+    starting (the point is the model's forward pre-hook): a wrong GEMM result that the
+    rest of the forward, the loss and every gradient carry on with."""
+    import torch
+
+    model = plugins.exposed_model()
+    if model is None:
+        raise InjectedCrash(f"corrupt at {at}: this process exposes no model (leto.Run)")
+    linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
+    if linear is None:
+        raise InjectedCrash(f"corrupt at {at}: the model has no nn.Linear")
+    handle = None
+
+    def flip(_module, _args, out):
+        handle.remove()  # once: this forward only
+        with torch.no_grad():
+            _flip_value(at, out.detach(), "activation")
+
+    handle = linear.register_forward_hook(flip)
 
 
 def _arm_spec(spec: str, mode: str) -> None:

@@ -26,7 +26,14 @@ the optimizer computed them and before parity absorbs them — parity agrees, th
 cannot see it, nothing dies. The verdict says whether the replica check
 (``leto.update.replica``) detected it, in which iteration, which rank it named, where
 the job rolled back to, and whether the run still ended EXACT (``replica_check=False``
-runs the job with ``--no-replica-check``: then it must not).
+runs the job with ``--no-replica-check``: then it must not). Modes ``sdc-grad`` (one
+bit of the rank's local gradient flipped after backward, before the all-reduce) and
+``sdc-activation`` (one bit of the output of the model's first ``nn.Linear`` flipped in
+the rank's first forward of the iteration) are wrong computations that every replica
+then shares: the job runs with ``--replay-every`` set so that the struck iteration is
+replayed (``leto.runtime.replay``), and the verdict says whether the replay found it,
+which rank it named, and that the iteration was redone in place (``replay=False``: the
+job runs with ``--replay-every 0``, and the run must end NOT EXACT).
 
 Not covered: kernel-abort of torch's own kernels (forward, backward, all-reduce): use
 kill on ``--device cuda``.
@@ -66,8 +73,11 @@ KERNEL_PHASES = ("grad-parity", "update", "parity", "parity-copy", "tier2")
 # group (corrupt-data: parameters, optimizer state) or the first group's host tier 1
 # (corrupt-parity); ``pages`` says how many pages (one bit each; at least 1).
 CORRUPT_MODES = ("corrupt-data", "corrupt-parity")
-# A wrong computation (no death, no loss): a bit of the updated values, parity agreeing.
-SDC_MODES = ("sdc-update",)
+# A wrong computation (no death, no loss): a bit of the updated values, parity agreeing;
+# of a rank's local gradient before the reduction; of a forward GEMM's output. Each
+# strikes at its own phase.
+SDC_PHASE = {"sdc-update": "update", "sdc-grad": "allreduce", "sdc-activation": "compute"}
+SDC_MODES = tuple(SDC_PHASE)
 MODES = ("kill", "copy-corrupt", "kernel-abort", *CORRUPT_MODES, *SDC_MODES)
 # The job each parallelism runs: "dp" the example GPT with data parallelism; the others
 # examples/parallel, each rank retaining its shards: "fsdp" FSDP2 over every rank, "tp"
@@ -110,6 +120,7 @@ class InjectConfig:
     abort_after_blocks: int = 3  # kernel-abort: blocks of the kernel that run
     parallel: str = "dp"  # the job's parallelism: one of PARALLEL
     replica_check: bool = True  # False: the job runs with leto run --no-replica-check
+    replay: bool = True  # False: sdc-grad / sdc-activation jobs run with --replay-every 0
 
 
 def _phase(cfg: InjectConfig, phase: str, salt: int = 0) -> str:
@@ -209,10 +220,22 @@ def check_fault(phase: str, mode: str) -> None:
 def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
     check_job(cfg)
     check_fault(phase, mode)
-    if mode in SDC_MODES and phase not in ("update", "any"):
+    if mode == "sdc-update" and phase not in ("update", "any"):
         raise ValueError(
             f"--mode {mode} strikes inside the update (after the optimizer computed a "
             f"chunk, before its parity absorbed it): give --phase update, not {phase!r}"
+        )
+    if mode in SDC_MODES and phase not in (SDC_PHASE[mode], "any"):
+        raise ValueError(
+            f"--mode {mode} strikes at phase {SDC_PHASE[mode]} ("
+            + ("the local gradient, before the all-reduce" if mode == "sdc-grad"
+               else "a forward GEMM's output")
+            + f"): give --phase {SDC_PHASE[mode]}, not {phase!r}"
+        )  # fmt: skip
+    if mode in ("sdc-grad", "sdc-activation") and cfg.world_size < 2:
+        raise ValueError(
+            f"--mode {mode}: gradient replay recomputes a rank's micro-batch on another "
+            "rank, so it needs --world-size 2 or more"
         )
     if mode in (*CORRUPT_MODES, *SDC_MODES) and cfg.every:
         raise ValueError(f"--mode {mode} injects one fault: --every is not for it")
@@ -261,6 +284,9 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
                         *par[1](cfg.world_size), "--out", str(Path(out) / "train")],
     }  # fmt: skip
     extra = () if cfg.replica_check else ("--no-replica-check",)
+    if cfg.mode in ("sdc-grad", "sdc-activation") and faults:
+        # The struck iteration replayed (and the first), or nothing replayed at all.
+        extra += ("--replay-every", str(max(1, cfg.iterations // 2) if cfg.replay else 0))
     got = run_job(
         cfg.world_size, train, out, faults, pool=pool, device=cfg.device,
         shadow_level=cfg.shadow_level, allow_failure=bool(faults), env=env, extra=extra,
@@ -334,6 +360,8 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
             + f"); every rank restarted on fresh pools from the verified checkpoint, at "
             f"iteration {back_to if back_to is not None else '?'}"
         )
+    # (gradient replay's redo is in place: the verdict's detection fields say it)
+    replay = _replay_outcome(Path(got["out"]))
     if scrub and ff:
         detail = (
             f"the scrub found silently corrupted state ({scrub}); every rank restarted on "
@@ -369,11 +397,20 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         # The replica check (leto.update.replica): whether it found a disagreement, in
         # which iteration, the rank it named (None when no majority names one: world 2),
         # the ranks it suspected, and the iteration the job rolled back to.
-        "detected": replica is not None,
-        "detected_at": replica["iteration"] if replica else None,
-        "named_rank": replica["named"][0] if replica and replica["majority"] else None,
-        "suspects": replica["named"] if replica else [],
-        "rolled_back": back_to,
+        # Gradient replay (leto.runtime.replay), for sdc-grad / sdc-activation: the same,
+        # and the iteration it redid in place.
+        **(
+            _sdc_fields(replay)
+            if replay is not None
+            else {
+                "detected": replica is not None,
+                "detected_at": replica["iteration"] if replica else None,
+                "named_rank": replica["named"][0] if replica and replica["majority"] else None,
+                "suspects": replica["named"] if replica else [],
+                "rolled_back": back_to,
+            }
+        ),
+        "detected_by": "replay" if replay else "replica check" if replica else None,
         # What faultkit flipped: target, group, [page, byte, bit] of each page.
         "flipped": [{k: x[k] for k in ("corrupt", "group", "at", "pages")} for x in flips],
         "reference_run_s": ref.get("run_s"),
@@ -391,8 +428,10 @@ def _hook_mode(cfg: InjectConfig) -> str:
         return f"corrupt:data:{k}:-1"
     if cfg.mode == "corrupt-parity":
         return f"corrupt:tier1:{k}:0"
-    if cfg.mode == "sdc-update":
+    if cfg.mode in ("sdc-update", "sdc-grad"):
         return "corrupt:computed:1"
+    if cfg.mode == "sdc-activation":
+        return "corrupt:activation:1"
     return cfg.mode
 
 
@@ -405,6 +444,34 @@ def _replica_outcome(train_out: Path) -> dict | None:
         for x in f.read_text().splitlines()
     ]
     return min(found, key=lambda x: x["iteration"]) if found else None
+
+
+def _replay_outcome(train_out: Path) -> dict | None:
+    """The first mismatch gradient replay logged (``rank<r>.replay.jsonl``, every rank
+    writes the same), or None."""
+    found = [
+        json.loads(x)
+        for f in sorted(train_out.glob("rank*.replay.jsonl"))
+        for x in f.read_text().splitlines()
+    ]
+    return min(found, key=lambda x: x["iteration"]) if found else None
+
+
+def _sdc_fields(replay: dict) -> dict:
+    """The verdict's detection fields from a replay mismatch: named when one rank is; the
+    suspects are the ranks that computed the differing digests; the iteration was redone
+    in place (its update had not run)."""
+    named = replay["named"]
+    suspects = sorted(
+        {f[k] for f in replay["found"] for k in ("original", "replayer")} if not named else named
+    )
+    return {
+        "detected": True,
+        "detected_at": replay["iteration"],
+        "named_rank": named[0] if len(named) == 1 else None,
+        "suspects": suspects,
+        "rolled_back": replay["iteration"],
+    }
 
 
 def _scrub_outcome(train_out: Path) -> str | None:
@@ -432,15 +499,19 @@ def _iterations(cfg: InjectConfig) -> list[int]:
 def _point(cfg: InjectConfig, salt: int) -> str:
     """The point a fault of ``cfg`` strikes at: its phase's, or for a wrong computation
     the update's seam between computing a chunk and its parity absorbing it."""
-    if cfg.mode in SDC_MODES:
+    if cfg.mode == "sdc-update":
         return plugins.SDC_POINT
+    if cfg.mode == "sdc-grad":
+        return plugins.SDC_GRAD_POINT
+    if cfg.mode == "sdc-activation":  # the model's forward pre-hook: the flip is this forward's
+        return "compute.forward"
     return PHASES[_phase(cfg, cfg.phase, salt)]
 
 
 def inject(cfg: InjectConfig, workdir: Path | None = None, reference: dict | None = None) -> dict:
     """One faulted run against the fault-free reference (run first unless given), in
     ``workdir`` (default: a new temporary directory, left for the caller)."""
-    phase = "update" if cfg.mode in SDC_MODES else _phase(cfg, cfg.phase)
+    phase = SDC_PHASE[cfg.mode] if cfg.mode in SDC_MODES else _phase(cfg, cfg.phase)
     _check(cfg, phase, cfg.mode)
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-"))
     ref = reference or reference_run(cfg, work)
@@ -506,8 +577,8 @@ def matrix_cases(
                 continue
             if mode == "kernel-abort" and phase not in KERNEL_PHASES:
                 continue
-            if mode in SDC_MODES:  # one flipped bit inside the update: its own phase only
-                if phase == "update":
+            if mode in SDC_MODES:  # one flipped bit: its own phase only
+                if phase == SDC_PHASE[mode] and (mode == "sdc-update" or base.world_size > 1):
                     cases.append((phase, mode, 0, 0))
                 continue
             if mode in CORRUPT_MODES:  # 1 and H1 flipped pages, no loss

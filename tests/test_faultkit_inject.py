@@ -70,6 +70,30 @@ def test_sdc_update_without_the_replica_check_ends_not_exact(verdict):
     assert not v["exact"] and "'param' differs" in v["first_divergence"], v["first_divergence"]
 
 
+@pytest.mark.integ
+def test_sdc_grad_is_found_by_replay_named_and_redone_in_place(verdict):
+    # One bit of rank 1's local gradient before the all-reduce: every replica then shares
+    # it, so neither the replica check nor parity can see it. The job replays the struck
+    # iteration: rank 0's recomputation of rank 1's micro-batch differs, rank 1's own
+    # third computation agrees with rank 0's — rank 1 named — and the iteration is redone
+    # in place (its update never ran): no checkpoint fallback, EXACT.
+    v = verdict(mode="sdc-grad", phase="allreduce", rank=1)
+    (flip,) = v["flipped"]
+    it = int(flip["at"].split("@")[1].split("#")[0])
+    assert v["detected"] and v["detected_by"] == "replay" and v["detected_at"] == it, v
+    assert v["named_rank"] == 1 and v["rolled_back"] == it, v
+    assert not v["fatal"] and v["recovery_s"] is not None, v["fatal_detail"]
+    assert v["exact"], v["first_divergence"]
+
+
+@pytest.mark.integ
+def test_sdc_activation_without_replay_ends_not_exact(verdict):
+    # What shows the replay is what finds it: a flipped GEMM output, --replay-every 0.
+    v = verdict(mode="sdc-activation", phase="compute", rank=0, replay=False)
+    assert len(v["flipped"]) == 1 and not v["detected"], v
+    assert not v["exact"] and "differs" in v["first_divergence"], v["first_divergence"]
+
+
 def test_bad_options_are_refused_with_a_reason(capsys):
     from faultkit.cli import main
 
@@ -91,6 +115,10 @@ def test_bad_options_are_refused_with_a_reason(capsys):
     assert code == 2 and "--every 9" in err
     code, _, err = refused("--mode", "sdc-update", "--phase", "sync")
     assert code == 2 and "sdc-update strikes inside the update" in err, err
+    code, _, err = refused("--mode", "sdc-grad", "--phase", "update")
+    assert code == 2 and "give --phase allreduce" in err, err
+    code, _, err = refused("--mode", "sdc-activation", "--phase", "compute", "--world-size", "1")
+    assert code == 2 and "needs --world-size 2 or more" in err, err
     code, _, err = refused("--pages", "65")
     assert code == 2 and "--pages 65" in err and "D=64" in err, err
     code, _, err = refused("--parallel", "ep", "--world-size", "3")
