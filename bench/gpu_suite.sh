@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -297,5 +297,31 @@ if [[ $what == plain-recovery ]]; then
     --trials ${LETO_PLAIN_TRIALS:-2} --iterations 8 --warmup ${LETO_PLAIN_WARMUP:-both} \
     --script-args="--n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 --seq 1024 --batch 16" \
     --json-out "$OUT/plain_recovery_h200.json" 2>&1 | tee "$OUT/plain_recovery_h200.txt" || rc=1
+fi
+if [[ $what == moe ]]; then
+  # Issue 35 on one H200, world 1 (every expert on the one rank): faultkit's EP job killed
+  # in the update with 4 pages lost, a kernel abort in the update, kill at every phase;
+  # the dense example the same way for its recovery beside it; then the user path, the MoE
+  # example under torchrun and under leto run, and a dense GPT of a similar shape.
+  fk() { timeout 300 python3 -m faultkit.cli "$@" --device cuda --world-size 1 --json; }
+  fk inject --parallel ep --phase update --pages 4 > "$OUT/moe_inject.json" 2>"$OUT/moe_err.txt" || rc=1
+  fk inject --parallel ep --phase update --mode kernel-abort > "$OUT/moe_abort.json" 2>>"$OUT/moe_err.txt" || rc=1
+  fk matrix --parallel ep --modes kill --losses alternate > "$OUT/moe_matrix.json" 2>>"$OUT/moe_err.txt" || rc=1
+  fk inject --parallel dp --phase update --pages 4 > "$OUT/dense_inject.json" 2>>"$OUT/moe_err.txt" || rc=1
+  tail -c 3000 "$OUT/moe_err.txt"
+fi
+if [[ $what == moe || $what == moe-userpath ]]; then
+  # (A call returns at most 8 files: moe-userpath alone when the section above ran before.)
+  timeout 200 python3 -m bench.user_path --job moe --device cuda --nproc-per-node 1 --iterations 30 --skip 5 \
+    --json "$OUT/moe_userpath.json" > "$OUT/moe_userpath.txt" 2>&1 || rc=1
+  timeout 200 python3 -m bench.user_path --device cuda --nproc-per-node 1 --iterations 30 --skip 5 \
+    --script-args="--n-layer 2 --n-embd 64 --n-head 2 --vocab 257 --seq 32 --batch 4 --accum 1" \
+    --json "$OUT/dense_userpath.json" > "$OUT/dense_userpath.txt" 2>&1 || rc=1
+fi
+if [[ $what == replay-gpu ]]; then
+  # Gradient replay on CUDA (issue 33): a captured micro-batch recomputed bit-identically
+  # under bf16 autocast, this rank's state left alone (one GPU: in-process).
+  timeout 120 python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_replay.py 2>&1 | tail -3 \
+    | tee "$OUT/replay_gpu_tests.txt" || rc=1
 fi
 exit $rc
