@@ -437,13 +437,21 @@ def _hook_mode(cfg: InjectConfig) -> str:
 
 def _replica_outcome(train_out: Path) -> dict | None:
     """The first disagreement the replica check logged (``rank<r>.replica.jsonl``, every
-    rank writes the same), or None. A fallback's redone iterations log nothing new."""
+    rank writes the same), or None. At world 2 the fallback's redo of that iteration
+    names the rank (a ``resolved`` line): then it is the one named, as by a majority."""
     found = [
         json.loads(x)
         for f in sorted(train_out.glob("rank*.replica.jsonl"))
         for x in f.read_text().splitlines()
     ]
-    return min(found, key=lambda x: x["iteration"]) if found else None
+    first = min((x for x in found if not x.get("resolved")), key=lambda x: x["iteration"],
+                default=None)  # fmt: skip
+    if first is None or first["majority"]:
+        return first
+    redo = [x for x in found if x.get("resolved") and x["iteration"] == first["iteration"]]
+    if redo and len(redo[0]["named"]) == 1:
+        return {**first, "named": redo[0]["named"], "majority": True, "named_by": "redo"}
+    return first
 
 
 def _replay_outcome(train_out: Path) -> dict | None:

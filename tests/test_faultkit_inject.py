@@ -52,12 +52,12 @@ def test_host_parity_pages_and_another_rank(verdict):
 def test_sdc_update_is_detected_in_its_iteration_and_ends_exact(verdict):
     # One bit of rank 1's freshly updated parameters, before parity absorbs it: the scrub
     # cannot see it; the replica check must, after that very update, and the checkpoint
-    # fallback redoes the iterations. World 2: both ranks are suspects, none named.
+    # fallback redoes the iterations. World 2: no majority; the redo names rank 1.
     v = verdict(mode="sdc-update", phase="update", rank=1)
     (flip,) = v["flipped"]
     it = int(flip["at"].split("@")[1].split("#")[0])
     assert v["detected"] and v["detected_at"] == it, v["fatal_detail"]
-    assert v["suspects"] == [0, 1] and v["named_rank"] is None, v["suspects"]
+    assert v["suspects"] == [1] and v["named_rank"] == 1, v["suspects"]
     assert v["rolled_back"] is not None and v["rolled_back"] <= it, v["rolled_back"]
     assert v["exact"], v["first_divergence"]
 

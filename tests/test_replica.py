@@ -115,9 +115,32 @@ def test_at_world_2_both_ranks_are_named_and_the_message_says_why(monkeypatch, t
     rc, log = _check(monkeypatch, tmp_path, 1, [[1], [2]])
     with pytest.raises(ReplicaDisagreement, match="no majority names one") as e:
         rc.check(0, torch.tensor([2]), gids=[0])
-    assert "third replica or a recomputation" in str(e.value)
+    assert "the fallback's redo of iteration 0 will tell" in str(e.value)
     (rec,) = [json.loads(x) for x in log.read_text().splitlines()]
     assert rec["named"] == [0, 1] and not rec["majority"], rec
+    assert rec["digests"] == [[1], [2]], rec
+
+
+def test_at_world_2_the_fallbacks_redo_names_the_rank_that_computed_wrong(
+    monkeypatch, tmp_path, capsys
+):
+    # Generation 0: rank 1's state differed after iteration 4 (no majority at world 2).
+    rc, log = _check(monkeypatch, tmp_path, 0, [[3, 1], [3, 9]])
+    with pytest.raises(ReplicaDisagreement):
+        rc.check(4, torch.tensor([3, 1]), gids=[0, 1])
+    # After the fallback a new trainer reads the log; iteration 3 passes (not pending),
+    # then iteration 4 is redone and agrees with what rank 0 had: rank 1 is named.
+    rc, log = _check(monkeypatch, tmp_path, 0, [[3, 1], [3, 1]])
+    rc.check(3, torch.tensor([3, 1]), gids=[0, 1])
+    assert len(log.read_text().splitlines()) == 1
+    rc.check(4, torch.tensor([3, 1]), gids=[0, 1])
+    last = json.loads(log.read_text().splitlines()[-1])
+    assert last["resolved"] and last["iteration"] == 4 and last["named"] == [1], last
+    assert "rank(s) [1] held different state" in capsys.readouterr().err
+    # Resolved once: a third trainer reading the log has nothing pending.
+    rc, log = _check(monkeypatch, tmp_path, 0, [[3, 1], [3, 1]])
+    rc.check(4, torch.tensor([3, 1]), gids=[0, 1])
+    assert len(log.read_text().splitlines()) == 2
 
 
 def test_the_loss_guards_flag_travels_in_the_same_gather_and_names_its_ranks(monkeypatch, tmp_path):

@@ -18,8 +18,11 @@ repaired, a data page that disagrees with its parity is the scrub's own fatal
 checkpoint and redoes the iterations from there.
 
 Which rank is wrong: at world >= 3 the ranks outside the strict majority are named; at
-world 2 (or with no strict majority) both sides are, and naming one would need a third
-replica or a recomputation of the update (not built).
+world 2 (or with no strict majority) both sides are, and the fallback's redo names one:
+each rank logged every rank's digests with the disagreement, and when the redone
+iteration's replicas agree, the ranks whose logged digests differ from the agreed ones
+computed wrong — a recomputation on the same GPUs, right for a transient fault (a GPU
+that computes wrong every time disagrees again, and the job stops on the repeat).
 
 Not covered: sharded state — FSDP2, tensor or pipeline parallel jobs and ZeRO-1
 shards have no replica, and the check is skipped there; nor is it run for a mixture of
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -102,6 +106,16 @@ class ReplicaCheck:
         self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.checks = 0
         self.check_s = 0.0  # time spent in check(), this process
+        # Disagreements no majority named (world 2), by iteration: every rank's digests,
+        # from the log (a fallback's new trainer reads what the failed one wrote).
+        self._pending: dict[int, list[list[int]]] = {}
+        if log is not None and Path(log).exists():
+            for line in Path(log).read_text().splitlines():
+                rec = json.loads(line)
+                if rec.get("resolved"):
+                    self._pending.pop(rec["iteration"], None)
+                elif not rec.get("majority", True) and "digests" in rec:
+                    self._pending[rec["iteration"]] = rec["digests"]
 
     def _gather(self, digests: torch.Tensor, flag: int = 0):
         """Every rank's digests, and every rank's ``flag`` (one more word: the loss
@@ -140,6 +154,8 @@ class ReplicaCheck:
             rows, _ = self._gather(recheck(_differing(rows)))
             named, majority = suspects(rows)
         if not named:
+            if t in self._pending:
+                self._resolve(t, rows[0])
             return []
         differ = sorted(gids[i] for i in _differing(rows))
         if majority:
@@ -149,14 +165,13 @@ class ReplicaCheck:
             )
         else:
             who = (
-                f"ranks {named} disagree and no majority names one (world {self.world}): a "
-                f"third replica or a recomputation of the update would be needed to tell "
-                f"which computed wrong"
+                f"ranks {named} disagree and no majority names one (world {self.world}): the "
+                f"fallback's redo of iteration {t} will tell which computed wrong"
             )
         if self.log is not None:
             rec = {
                 "iteration": t, "named": named, "majority": majority, "groups": differ,
-                "world": self.world, "time": time.time(),
+                "world": self.world, "digests": [list(r) for r in rows], "time": time.time(),
             }  # fmt: skip
             with open(self.log, "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -166,4 +181,21 @@ class ReplicaCheck:
             f"after a scrub of them): {who}. "
             f"Nothing of this iteration is trusted; the job falls back to its last "
             f"verified checkpoint and redoes the iterations from there"
+        )
+
+    def _resolve(self, t: int, agreed: tuple[int, ...]) -> None:
+        """Iteration ``t`` redone and agreed after a disagreement no majority named: the
+        ranks whose digests then differed from the agreed ones are named (logged, and
+        said on stderr)."""
+        before = self._pending.pop(t)
+        named = [r for r, row in enumerate(before) if list(row) != list(agreed)]
+        rec = {"iteration": t, "resolved": True, "named": named, "by": "redo", "time": time.time()}
+        if self.log is not None:
+            with open(self.log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        print(
+            f"rank {self.rank}: replica check: iteration {t} redone and agreed; rank(s) "
+            f"{named} held different state after its first computation: they computed wrong",
+            file=sys.stderr,
+            flush=True,
         )
