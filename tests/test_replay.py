@@ -199,3 +199,11 @@ def test_a_replay_is_bit_identical_on_cuda_under_bf16_autocast():
     grads_before = flat.clone()
     assert rp._compute(cap) == cap["digest"]
     assert torch.equal(flat, grads_before)
+
+
+def test_leto_run_refuses_a_negative_replay_interval():
+    from leto.runtime.config import RunConfig
+
+    with pytest.raises(ValueError, match=r"--replay-every -1: expected >= 0 \(0: off\)"):
+        RunConfig(replay_every=-1)
+    assert RunConfig(replay_every=0).replay_every == 0
