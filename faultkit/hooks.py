@@ -220,32 +220,19 @@ def _flip(at: str, target: str, k: int, group: int) -> None:
             f.write(json.dumps(rec) + "\n")
 
 
-def _flip_computed(at: str, pages: list, what: str = "computed") -> None:
-    """One bit of the first of ``pages`` — the chunk being updated, a bucket of a local
-    gradient, a GEMM's output (``what``) — byte 1000 of it, bit 0: a low mantissa bit, a
-    small wrong value that training carries on with."""
-    import json
-    import time
-
+def _flip_computed(at: str, pages: list) -> None:
+    """One bit of the first page of the chunk being updated (its lowest bytes: the
+    parameters' low mantissa bits, a small wrong value that training carries on with)."""
     import torch
-
-    from nvbit_tools.tripwire import ENV_LOG
 
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    page = (pages[0] if pages[0].dtype == torch.uint8 else pages[0].view(torch.uint8)).view(-1)
+    page = pages[0] if pages[0].dtype == torch.uint8 else pages[0].view(torch.uint8)
     byte = 1000 % page.numel()
     page[byte] ^= 1
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    log = os.environ.get(ENV_LOG)
-    if log:
-        rec = {
-            "corrupt": what, "group": None, "at": at,
-            "pages": [{"page": 0, "byte": byte, "bit": 0}], "time": time.time(),
-        }  # fmt: skip
-        with open(log, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+    _record_flip("computed", at, {"page": 0, "byte": byte, "bit": 0})
 
 
 def _flip_value(at: str, x, what: str) -> None:
@@ -253,12 +240,7 @@ def _flip_value(at: str, x, what: str) -> None:
     250, or the last): a value off by up to half of itself — what a wrong GEMM or a wrong
     gradient leaves, and too large to vanish in the rounding of a later sum (a flipped
     lowest bit of a gradient often does, in the all-reduce)."""
-    import json
-    import time
-
     import torch
-
-    from nvbit_tools.tripwire import ENV_LOG
 
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -270,12 +252,19 @@ def _flip_value(at: str, x, what: str) -> None:
     flat[i] ^= 1 << bit
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
+    _record_flip(what, at, {"page": 0, "element": i, "bit": bit})
+
+
+def _record_flip(what: str, at: str, where: dict) -> None:
+    """A wrong computation made: one line of the abort log (``LETO_TRIPWIRE_LOG``)."""
+    import json
+    import time
+
+    from nvbit_tools.tripwire import ENV_LOG
+
     log = os.environ.get(ENV_LOG)
     if log:
-        rec = {
-            "corrupt": what, "group": None, "at": at,
-            "pages": [{"page": 0, "element": i, "bit": bit}], "time": time.time(),
-        }  # fmt: skip
+        rec = {"corrupt": what, "group": None, "at": at, "pages": [where], "time": time.time()}
         with open(log, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
