@@ -158,6 +158,7 @@ class Checkpointer:
                 self._warming = None
         # Only a verified state is saved: silent corruption found later falls back to
         # a checkpoint that predates it (CorruptState, a fatal failure, if found now).
+        job.settle_checks()  # a checkpoint holds no update a recheck found wrong
         self.scrubs.append(job.scrub.full(when=f"before the checkpoint of iteration {t}"))
         step = _step_dir(self.root, t)
         # A save over an existing checkpoint (a fallback passed over it, and the schedule

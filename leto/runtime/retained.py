@@ -45,7 +45,7 @@ from leto.memory.client import PoolClient
 from leto.plugins import SDC_GRAD_POINT, point
 from leto.runtime import loss_guard
 from leto.runtime.buckets import GradBuckets
-from leto.update import replica
+from leto.update import recheck, replica
 from leto.update.marker import MarkerState, Phase
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
@@ -133,6 +133,16 @@ class RetainedTraining:
             log = self.out / f"rank{rank}.replica.jsonl"
             self.replica = replica.ReplicaCheck(rank, world, log=log)
             self.up.digest_on = True
+        # Where no replica checks this rank's update (one rank, shards, rank-local
+        # experts), a sampled chunk of it is recomputed (leto.update.recheck); off with
+        # the replica check (--no-replica-check) and for the example workload's AdamW.
+        if self.replica is None and user is not None and replica.enabled():
+            how = recheck.mode()
+            if how != "0":
+                n = sum(len(self.up.state.chunks(gi)) for gi in range(len(self.up.groups)))
+                self.up.recheck = recheck.Recheck(
+                    rank, n, self.out / f"rank{rank}.recheck.jsonl", every=how == "all"
+                )
         # The recovery record's steps on the trainer's side (the agent adds its own).
         self.timings: dict[str, float] = {"map_retained_s": time.time() - t0}
         self.device = self.up.device
@@ -356,10 +366,13 @@ class RetainedTraining:
             value = float(loss.detach())
         else:
             value = float(loss)
+        self.settle_checks()  # the last update's recheck (the device is past it by now)
         self.scrub.before_update()
         self.up.protect_grads(t, loss=loss if later is not None else value)
         self.up.sync(t, group=dist.group.WORLD)
         self.up.update(t)
+        if self.device.type == "cpu":
+            self.settle_checks()  # nothing to overlap on the CPU: read it now
         if later is not None:  # the pinned copy: waits for backward, not for the update
             host, ev = later
             ev.synchronize()
@@ -379,6 +392,12 @@ class RetainedTraining:
         if later is not None:
             m = m.but(loss=value)
         self._log(t, m)
+
+    def settle_checks(self) -> None:
+        """Read the update recheck's comparisons made so far: ``WrongUpdate`` (fatal) if
+        one differed. Before the next update, a checkpoint and the end of training."""
+        if self.up.recheck is not None:
+            self.up.recheck.settle()
 
     def _recheck(self, gis: list[int]) -> torch.Tensor:
         """Groups whose digests differ between replicas, scrubbed (a wrong parity page is

@@ -314,6 +314,7 @@ class Run:
         )
         # Nothing leaves the loop unverified: a corruption the background pass has not
         # reached yet is found here (the fallback then redoes the iterations after it).
+        self.job.settle_checks()
         self.job.scrub.full(when="at the end of training")
         final = getattr(self.job.on_iteration, "final", None)
         if final is not None:  # verification's look at the final state (every rank)

@@ -71,6 +71,7 @@ from leto.update.optim import (
     clip_coefficient,
     muon_layer,
 )
+from leto.update.recheck import Recheck, words_sum
 from leto.update.replica import group_digest
 from leto.update.schedule import WarmupCosine
 from nvbit_tools import tripwire
@@ -219,6 +220,12 @@ class Updater:
         self.digest_on = False
         self.digests = torch.zeros(len(self.groups), dtype=torch.int64, device=self.device)
         self._digested = [False] * len(self.groups)
+        # The update recheck (leto.update.recheck), where no replica checks this rank's
+        # update: set by the trainer. Chunks are numbered over every group.
+        self.recheck: Recheck | None = None
+        self._chunk_base = [0]
+        for gi in range(len(self.groups)):
+            self._chunk_base.append(self._chunk_base[-1] + len(self.state.chunks(gi)))
 
     @property
     def digest_complete(self) -> bool:
@@ -525,6 +532,7 @@ class Updater:
                             self._runs_copy(units, to_undo=False)
                         self._wait(scratch_event)
                         self._chunk_pass(it, gi, j, units, y, pages)
+                    self._recheck(it, gi, j, units)  # (parity has absorbed the pass)
                     m = m.but(step=Step.PARITY_DONE)  # not written: see UPDATE_DONE below
             if m.step is Step.UNDO_DONE:
                 with self._span("optimizer"):
@@ -546,6 +554,7 @@ class Updater:
                         self._copy(self._buf_flat[y], self._buf_flat[x])
                     point("update.parity", it)
                     point(SDC_POINT, it, dest=pages)  # a wrong value here, parity agrees
+                    self._recheck(it, gi, j, units)  # before parity absorbs the values
                     first, _ = self.state.chunk_pages(gi, units)
                     code.tier1.update(
                         self._pages(y, self.buf[y]),
@@ -674,14 +683,32 @@ class Updater:
                 continue
             self._adamw(adamw_piece, it, lr, [(a, b)], clip)
 
-    def _user_step(self, it: int, units: tuple[int, int]) -> None:
+    def _recheck(self, it: int, gi: int, j: int, units: tuple[int, int]) -> None:
+        """The update recheck of chunk ``j`` of group ``gi``, when it is the sampled one:
+        the chunk's state summed, restored from its undo copy, stepped again by the
+        script's optimizer, summed again; the comparison is read later."""
+        rc = self.recheck
+        if rc is None or self.user is None or not rc.due(it, self._chunk_base[gi] + j):
+            return
+        pb, (u0, u1) = self.state.page_bytes, units
+        regions = [
+            self._alloc_pages[name][u0 * up * pb : u1 * up * pb]
+            for name, up in zip(self.state.set_names, self.state.unit_pages, strict=True)
+        ]
+        first = words_sum(regions)
+        self._runs_copy(units, to_undo=False)
+        self._user_step(it, units, points=False)
+        rc.compared(it, gi, j, first, words_sum(regions))
+
+    def _user_step(self, it: int, units: tuple[int, int], points: bool = True) -> None:
         """The script's optimizer on a chunk: its trainable pieces, in two halves (the
-        crash point between them leaves the chunk half updated)."""
+        crash point between them leaves the chunk half updated; ``points=False``: none,
+        the recheck's second computation)."""
         if self.hparams is None:
             raise RuntimeError("the updater has no hyperparameters for this iteration")
         halves = self._user_halves(units)
         for k, (groups, live, grads) in enumerate(halves):
-            if k == 1:
+            if k == 1 and points:
                 point("update.optimizer", it)  # a crash here leaves the chunk half updated
             if not groups:
                 continue

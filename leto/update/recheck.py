@@ -1,0 +1,105 @@
+"""The update recheck: where no replica holds the same state, one sampled chunk of every
+update is computed again from its undo copy and compared bit for bit.
+
+Runs in the trainer, inside the update (``leto.update.rmu``). Data-parallel replicas
+check each other's updates (``leto.update.replica``); a rank whose state no other rank
+holds — a job of one rank, FSDP2 / tensor-parallel / pipeline shards, ZeRO-1's
+optimizer shards, a mixture's rank-local experts — has nobody to compare with, so it
+recomputes: after a chunk's optimizer step (before its parity absorbs it on the unfused
+steps; after the fused pass, which absorbs as it computes), the chunk's state is summed as
+integer words (every single flipped bit changes the sum), the chunk is restored from its
+undo copy and stepped again by the script's optimizer (torch's own step, which the fused
+pass matches bit for bit), and summed again. The comparison is left on the device and
+read at the next iteration's update (by then the device has long passed it: no wait),
+before a checkpoint and at the end of training. A difference: ``WrongUpdate``, a fatal
+failure — the job falls back to its last verified checkpoint, which predates it, and
+redoes the iterations. Each finding is a line of ``rank<r>.recheck.jsonl``.
+
+Sampling: one chunk an iteration, chunk ``t mod chunks`` (counted over every group), so
+every chunk is rechecked once every ``chunks`` iterations; ``LETO_UPDATE_RECHECK=all``
+rechecks every chunk (faultkit's ``sdc-update`` on such jobs, so that the struck chunk is
+one), ``0`` none. A crash during a recheck is a crash in the chunk's update: the chunk is
+reverted from its undo copy and redone, as for any in-flight chunk.
+
+Not covered: the built-in AdamW of the example workload (``leto.workload``; leto.Run
+scripts only); the chunks not sampled (a transient flip in an update is found with
+probability 1 / chunks); a fault that makes both computations wrong alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from leto.errors import FatalFailure
+
+ENV_UPDATE_RECHECK = "LETO_UPDATE_RECHECK"  # "1" one chunk an iteration, "all", "0"
+
+
+class WrongUpdate(FatalFailure):
+    """A chunk's update differs from its recomputation: the iteration's state is not
+    trusted (the checkpoint fallback redoes it)."""
+
+
+def mode() -> str:
+    m = os.environ.get(ENV_UPDATE_RECHECK, "1")
+    if m not in ("0", "1", "all"):
+        raise ValueError(f"{ENV_UPDATE_RECHECK}={m!r}: expected 0, 1 or all")
+    return m
+
+
+def words_sum(regions: list[torch.Tensor]) -> torch.Tensor:
+    """The regions' bytes (uint8, multiples of 8 bytes) summed as int64 words, on their
+    device (a 0-d tensor)."""
+    total = None
+    for r in regions:
+        d = r.view(torch.int64).sum()
+        total = d if total is None else total + d
+    return total
+
+
+class Recheck:
+    def __init__(self, rank: int, chunks: int, log: Path | None, every: bool = False):
+        """``chunks``: the update's chunks over every group (the sampling's period);
+        ``every``: recheck every chunk."""
+        self.rank, self.chunks, self.log, self.every = rank, chunks, log, every
+        self.checked = 0
+        self._pending: list[tuple[int, int, int, torch.Tensor]] = []  # (t, group, chunk, flag)
+
+    def due(self, t: int, ordinal: int) -> bool:
+        """Whether the chunk that is the ``ordinal``-th of iteration ``t``'s update is
+        rechecked."""
+        return self.every or ordinal == t % self.chunks
+
+    def compared(self, t: int, gi: int, j: int, first: torch.Tensor, again: torch.Tensor):
+        """The two sums of chunk ``j`` of group ``gi`` (device tensors): kept, read later."""
+        self.checked += 1
+        self._pending.append((t, gi, j, first != again))
+
+    def settle(self) -> None:
+        """Read the comparisons made so far (waits for the device only if it has not
+        reached them); ``WrongUpdate`` for the first that differed."""
+        pending, self._pending = self._pending, []
+        for t, gi, j, flag in pending:
+            if bool(flag):
+                rec = {
+                    "iteration": t,
+                    "group": gi,
+                    "chunk": j,
+                    "rank": self.rank,
+                    "time": time.time(),
+                }
+                if self.log is not None:
+                    with open(self.log, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                raise WrongUpdate(
+                    f"iteration {t}: rank {self.rank}'s update of chunk {j} of state group "
+                    f"{gi} differs from its recomputation from the undo copy: a wrong "
+                    f"computation on this rank. Nothing of this iteration is trusted; the "
+                    f"job falls back to its last verified checkpoint and redoes the "
+                    f"iterations from there"
+                )

@@ -1,0 +1,99 @@
+"""The update recheck (``leto.update.recheck``) in the updater, without ``leto run``: a
+chunk recomputed from its undo copy leaves the state and parity bit-identical to an
+update without it, on the fused pass and on the unfused steps; a wrong value written
+into a chunk's update (faultkit's ``sdc-update`` seam) is found, named and fatal; the
+sampling rule. The end-to-end path (world 1 and FSDP2, every chunk rechecked, the
+checkpoint fallback, EXACT) is faultkit's ``sdc-update`` — in the CI gate's FSDP2 matrix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from leto import plugins
+from leto.memory.launch import start_state_manager
+from leto.update.chunk_pass import ENV
+from leto.update.recheck import Recheck, WrongUpdate
+from tests import test_user_optim as u
+from tests.pool_helpers import small_config
+
+DIMS = (60, 1031, 37)  # several units per chunk, chunks per group (test_chunk_pass's)
+
+
+def _state(tr) -> dict[str, torch.Tensor]:
+    st = tr.up.state
+    out = {k: v.clone() for k, v in st.flat.items()}
+    for g in tr.up.groups:
+        out[f"tier1/{g.gid}"] = tr.up._host_tier(g, 1).clone()
+    return out
+
+
+def _run(tmp_path, every: bool | None, flip_at: int | None = None) -> dict:
+    """Three iterations of the script's fused AdamW on a fresh pool; ``every``: recheck
+    every chunk (None: no recheck); ``flip_at``: one bit of iteration ``flip_at``'s first
+    computed chunk. The state and host tier 1 after them."""
+    sm = start_state_manager(small_config(data_pages=12, tier1_pages=3))
+    try:
+        return _iterate(sm, tmp_path, every, flip_at)
+    finally:
+        sm.stop()
+
+
+def _iterate(pool, tmp_path, every, flip_at) -> dict:
+    tr = u.Trainer(pool, "adamw-fused", dims=DIMS, chunk_units=2)
+    log = tmp_path / "rank0.recheck.jsonl"
+    n = sum(len(tr.up.state.chunks(gi)) for gi in range(len(tr.up.groups)))
+    rc = Recheck(0, n, log, every=bool(every)) if every is not None else None
+    tr.up.recheck = rc
+    flipped = []
+
+    def at(name, it, dest):
+        if name == plugins.SDC_POINT and it == flip_at and not flipped:
+            page = list(getattr(dest, "pages", dest))[0]
+            page.view(torch.uint8)[1000] ^= 1
+            flipped.append(it)
+
+    before = plugins._point_handler
+    plugins.install_point_handler(at)
+    try:
+        for _ in range(3):
+            tr.iteration()
+            if rc is not None:
+                rc.settle()
+        assert flip_at is None or flipped, "the flip never happened: the test proves nothing"
+        return {"state": _state(tr), "checked": rc.checked if rc else 0}
+    finally:
+        plugins.install_point_handler(before)
+        tr.client.close()
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_a_recheck_changes_no_byte_of_state_or_parity(tmp_path, monkeypatch, fused):
+    monkeypatch.setenv(ENV, fused)
+    plain = _run(tmp_path, None)["state"]
+    got = _run(tmp_path, True)
+    checked = got["state"]
+    assert got["checked"] >= 3 and not (tmp_path / "rank0.recheck.jsonl").exists()
+    assert plain.keys() == checked.keys()
+    for k in plain:
+        assert torch.equal(plain[k].view(torch.uint8), checked[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_a_wrong_update_is_found_named_and_fatal(tmp_path, monkeypatch, fused):
+    monkeypatch.setenv(ENV, fused)
+    with pytest.raises(WrongUpdate, match=r"iteration 1: rank 0's update of chunk 0 of state"):
+        _run(tmp_path, True, flip_at=1)
+    (rec,) = [json.loads(x) for x in (tmp_path / "rank0.recheck.jsonl").read_text().splitlines()]
+    assert rec["iteration"] == 1 and rec["rank"] == 0 and rec["chunk"] == 0, rec
+
+
+def test_one_chunk_an_iteration_in_turn_or_every_chunk():
+    rc = Recheck(0, chunks=5, log=None)
+    assert [o for o in range(5) if rc.due(7, o)] == [2]  # 7 mod 5
+    assert sorted({t % 5 for t in range(10) for o in range(5) if rc.due(t, o) and o == t % 5}) == [
+        0, 1, 2, 3, 4,
+    ]  # fmt: skip
+    assert all(Recheck(0, 5, None, every=True).due(7, o) for o in range(5))
