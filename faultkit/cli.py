@@ -340,6 +340,11 @@ def _replica_row(v: dict) -> str:
         if v["named_rank"] is not None
         else f"ranks {v['suspects']} disagree (no majority names one)"
     )
+    if v.get("detected_by") == "recheck":
+        return (
+            f"update recheck (a chunk recomputed from its undo copy), iteration "
+            f"{v['detected_at']}: {who}; rolled back to iteration {v['rolled_back']}"
+        )
     if v.get("detected_by") == "replay":
         return (
             f"gradient replay, in iteration {v['detected_at']} before its update: {who}; "

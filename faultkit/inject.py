@@ -54,6 +54,7 @@ from leto import plugins
 from leto.memory.config import PoolConfig
 from leto.runtime.config import LEVELS
 from leto.sim.schedule import Schedule
+from leto.update.recheck import ENV_UPDATE_RECHECK
 from leto.workload.train import TrainConfig
 from verifiers import compare
 from verifiers.recorder import ENV_KEEP
@@ -277,6 +278,8 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
     env = {"LETO_TRIPWIRE_BLOCKS": str(cfg.abort_after_blocks)}
     if cfg.device == "cpu":  # a small CPU job: save the tensors, so a divergence names its byte
         env[ENV_KEEP] = "1"
+    if cfg.mode == "sdc-update":  # where no replica checks the update, every chunk rechecked
+        env[ENV_UPDATE_RECHECK] = "all"
     par = PARALLEL[cfg.parallel]
     job = {} if par is None else {
         "script": par[0],
@@ -362,6 +365,14 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         )
     # (gradient replay's redo is in place: the verdict's detection fields say it)
     replay = _replay_outcome(Path(got["out"]))
+    recheck = _recheck_outcome(Path(got["out"]))
+    if recheck is not None and ff:
+        detail = (
+            f"the update recheck found rank {recheck['rank']}'s update of iteration "
+            f"{recheck['iteration']} differing from its recomputation; every rank restarted "
+            f"on fresh pools from the verified checkpoint, at iteration "
+            f"{back_to if back_to is not None else '?'}"
+        )
     if scrub and ff:
         detail = (
             f"the scrub found silently corrupted state ({scrub}); every rank restarted on "
@@ -394,23 +405,8 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         "verdict": verdict.as_dict() if verdict else None,
         "recovery_s": max(recovery) if recovery else None,
         "scrub": scrub,
-        # The replica check (leto.update.replica): whether it found a disagreement, in
-        # which iteration, the rank it named (None when no majority names one: world 2),
-        # the ranks it suspected, and the iteration the job rolled back to.
-        # Gradient replay (leto.runtime.replay), for sdc-grad / sdc-activation: the same,
-        # and the iteration it redid in place.
-        **(
-            _sdc_fields(replay)
-            if replay is not None
-            else {
-                "detected": replica is not None,
-                "detected_at": replica["iteration"] if replica else None,
-                "named_rank": replica["named"][0] if replica and replica["majority"] else None,
-                "suspects": replica["named"] if replica else [],
-                "rolled_back": back_to,
-            }
-        ),
-        "detected_by": "replay" if replay else "replica check" if replica else None,
+        # A wrong computation: detected, by what, when, whom it named (_detection).
+        **_detection(replay, recheck, replica, back_to),
         # What faultkit flipped: target, group, [page, byte, bit] of each page.
         "flipped": [{k: x[k] for k in ("corrupt", "group", "at", "pages")} for x in flips],
         "reference_run_s": ref.get("run_s"),
@@ -460,6 +456,39 @@ def _replay_outcome(train_out: Path) -> dict | None:
     found = [
         json.loads(x)
         for f in sorted(train_out.glob("rank*.replay.jsonl"))
+        for x in f.read_text().splitlines()
+    ]
+    return min(found, key=lambda x: x["iteration"]) if found else None
+
+
+def _detection(replay, recheck, replica, back_to) -> dict:
+    """The verdict's detection fields: which check found a wrong computation (gradient
+    replay, the update recheck, the replica check), in which iteration, the rank it
+    named (None when neither a majority nor the redo names one), the suspects, and the
+    iteration the job went back to (replay: the same, redone in place)."""
+    if replay is not None:
+        return {**_sdc_fields(replay), "detected_by": "replay"}
+    if recheck is not None:
+        return {
+            "detected": True, "detected_at": recheck["iteration"], "named_rank": recheck["rank"],
+            "suspects": [recheck["rank"]], "rolled_back": back_to, "detected_by": "recheck",
+        }  # fmt: skip
+    return {
+        "detected": replica is not None,
+        "detected_at": replica["iteration"] if replica else None,
+        "named_rank": replica["named"][0] if replica and replica["majority"] else None,
+        "suspects": replica["named"] if replica else [],
+        "rolled_back": back_to,
+        "detected_by": "replica check" if replica else None,
+    }
+
+
+def _recheck_outcome(train_out: Path) -> dict | None:
+    """The first wrong update the update recheck logged (``rank<r>.recheck.jsonl``: the
+    rank that computed it writes it), or None."""
+    found = [
+        json.loads(x)
+        for f in sorted(train_out.glob("rank*.recheck.jsonl"))
         for x in f.read_text().splitlines()
     ]
     return min(found, key=lambda x: x["iteration"]) if found else None
