@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -318,7 +318,18 @@ if [[ $what == moe || $what == moe-userpath ]]; then
     --script-args="--n-layer 2 --n-embd 64 --n-head 2 --vocab 257 --seq 32 --batch 4 --accum 1" \
     --json "$OUT/dense_userpath.json" > "$OUT/dense_userpath.txt" 2>&1 || rc=1
 fi
-if [[ $what == replay-gpu ]]; then
+if [[ $what == sdc ]]; then
+  # Issue 33 on one H200 (world 1: no replica, so the update recheck is what checks the
+  # update): faultkit's sdc-update found and EXACT; then the user path at 16 K tokens,
+  # leto run's defaults (the recheck on) beside --no-replica-check (the recheck off).
+  timeout 300 python3 -m faultkit.cli inject --device cuda --world-size 1 --mode sdc-update \
+    --phase update --json > "$OUT/sdc_update_cuda.json" 2>"$OUT/sdc_err.txt" || rc=1
+  timeout 400 python3 -m bench.user_path --preset h200-1b --iterations 12 --skip 4 --timeout-s 200 \
+    --leto-variant "norecheck=--no-replica-check" \
+    --json "$OUT/userpath_recheck.json" > "$OUT/userpath_recheck.txt" 2>&1 || rc=1
+  tail -c 2500 "$OUT/userpath_recheck.txt"
+fi
+if [[ $what == replay-gpu || $what == sdc ]]; then
   # Gradient replay on CUDA (issue 33): a captured micro-batch recomputed bit-identically
   # under bf16 autocast, this rank's state left alone (one GPU: in-process).
   timeout 120 python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_replay.py 2>&1 | tail -3 \
