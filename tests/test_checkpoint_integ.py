@@ -22,7 +22,10 @@ def _job(rank: int, value: float):
     state = SimpleNamespace(flat=flat, local_valid=64)
     # The scrub before each save (leto.update.scrub) has nothing to check here.
     scrub = SimpleNamespace(full=lambda when: {"groups": 0, "when": when})
-    return SimpleNamespace(up=SimpleNamespace(state=state), rank=rank, scrub=scrub)
+    # Nor has the update recheck (leto.update.recheck) anything to settle.
+    return SimpleNamespace(
+        up=SimpleNamespace(state=state), rank=rank, scrub=scrub, settle_checks=lambda: None
+    )
 
 
 def _run_ranks(worker, root, world: int = 2) -> dict:

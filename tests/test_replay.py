@@ -92,7 +92,7 @@ def test_a_replay_is_bit_identical_to_the_micro_batch_and_leaves_state_alone(k):
     model, rp, flat, x, y = _setup()
     rp.begin(3)  # due: 3 % k == 0
     torch.manual_seed(11)
-    for mb in range(k):  # micro-batch 0, then (k = 2) one more that adds to the buffer
+    for _ in range(k):  # micro-batch 0, then (k = 2) one more that adds to the buffer
         logits, loss = model(x, y)
         (loss / k * 3.0).backward()  # the script's own scaling: the output's seed
     rp.whole()  # (k = 1: what the unbucketed all-reduce's seam does)
