@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from leto import plugins
+from leto.memory.config import PoolConfig
 from leto.memory.launch import start_state_manager
 from leto.update.chunk_pass import ENV
 from leto.update.recheck import Recheck, WrongUpdate
@@ -30,11 +31,15 @@ def _state(tr) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(tmp_path, every: bool | None, flip_at: int | None = None) -> dict:
+def _run(tmp_path, every: bool | None, flip_at: int | None = None, device: str = "cpu") -> dict:
     """Three iterations of the script's fused AdamW on a fresh pool; ``every``: recheck
     every chunk (None: no recheck); ``flip_at``: one bit of iteration ``flip_at``'s first
     computed chunk. The state and host tier 1 after them."""
-    sm = start_state_manager(small_config(data_pages=12, tier1_pages=3))
+    if device == "cuda":  # the fused CUDA pass against torch's fused AdamW, bit for bit
+        cfg = PoolConfig.for_cuda(0, data_pages=12, tier1_pages=3, allow_fault_injection=True)
+    else:
+        cfg = small_config(data_pages=12, tier1_pages=3)
+    sm = start_state_manager(cfg)
     try:
         return _iterate(sm, tmp_path, every, flip_at)
     finally:
@@ -69,11 +74,15 @@ def _iterate(pool, tmp_path, every, flip_at) -> dict:
         tr.client.close()
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", ["1", "0"])
-def test_a_recheck_changes_no_byte_of_state_or_parity(tmp_path, monkeypatch, fused):
+def test_a_recheck_changes_no_byte_of_state_or_parity(tmp_path, monkeypatch, fused, device):
     monkeypatch.setenv(ENV, fused)
-    plain = _run(tmp_path, None)["state"]
-    got = _run(tmp_path, True)
+    plain = _run(tmp_path, None, device=device)["state"]
+    got = _run(tmp_path, True, device=device)
     checked = got["state"]
     assert got["checked"] >= 3 and not (tmp_path / "rank0.recheck.jsonl").exists()
     assert plain.keys() == checked.keys()
@@ -81,11 +90,12 @@ def test_a_recheck_changes_no_byte_of_state_or_parity(tmp_path, monkeypatch, fus
         assert torch.equal(plain[k].view(torch.uint8), checked[k].view(torch.uint8)), k
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", ["1", "0"])
-def test_a_wrong_update_is_found_named_and_fatal(tmp_path, monkeypatch, fused):
+def test_a_wrong_update_is_found_named_and_fatal(tmp_path, monkeypatch, fused, device):
     monkeypatch.setenv(ENV, fused)
     with pytest.raises(WrongUpdate, match=r"iteration 1: rank 0's update of chunk 0 of state"):
-        _run(tmp_path, True, flip_at=1)
+        _run(tmp_path, True, flip_at=1, device=device)
     (rec,) = [json.loads(x) for x in (tmp_path / "rank0.recheck.jsonl").read_text().splitlines()]
     assert rec["iteration"] == 1 and rec["rank"] == 0 and rec["chunk"] == 0, rec
 
