@@ -13,6 +13,10 @@ from __future__ import annotations
 # agent then falls back to the checkpoint. leto.init() makes an uncaught FatalFailure
 # exit with it.
 EXIT_FATAL = 13
+# A trainer's exit code for a RecoverableFailure raised on purpose (a replay mismatch, a
+# replica that disagreed): the agent recovers in place, as for a kill — every rank may
+# raise it at once, and it is not a script error.
+EXIT_RECOVERABLE = 14
 
 
 class LetoError(Exception):

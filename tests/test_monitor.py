@@ -93,3 +93,30 @@ def test_a_promoted_trainers_first_iteration_holds_its_survivors_too():
     assert int(store.add(keys.warming(1), 0)) == 0
     took, hung = _hangs_after(m, 1, TIMEOUT_S)
     assert took is not None and took < TIMEOUT_S - 0.3 and hung == [0], (took, hung)
+
+
+def test_a_recoverable_failure_on_every_rank_is_recovered_not_a_script_error(tmp_path):
+    """A replay mismatch is raised on every rank at once: each trainer exits
+    EXIT_RECOVERABLE with its error file, and no such exit reads as a script error (two
+    identical ones in one generation used to stop the job "again at the same place")."""
+    import json
+    import subprocess
+    import sys
+
+    from leto.errors import EXIT_RECOVERABLE
+    from leto.runtime.monitor import Failure
+
+    err = tmp_path / "rank0.error.json"
+    code = (
+        "from leto.runtime.api import _record_uncaught\n"
+        "from leto.runtime.replay import ReplayMismatch\n"
+        f"_record_uncaught({str(err)!r})\n"
+        "raise ReplayMismatch('iteration 2: rank 0 computed wrong')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert proc.returncode == EXIT_RECOVERABLE, proc.stderr.decode()
+    record = json.loads(err.read_text())
+    assert record["exception"] == "ReplayMismatch"
+    dead = [Failure(r, FailureKind.EXIT, EXIT_RECOVERABLE, record) for r in (0, 1)]
+    assert not any(f.script_error for f in dead)
+    assert Failure(0, FailureKind.EXIT, 1, record).script_error  # any other exit code is

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from leto import plugins
-from leto.errors import EXIT_FATAL, FatalFailure, InvalidInput
+from leto.errors import EXIT_FATAL, EXIT_RECOVERABLE, FatalFailure, InvalidInput, RecoverableFailure
 from leto.memory.client import PoolClient
 from leto.runtime import imports as ahead_imports
 from leto.runtime import keys
@@ -249,7 +249,8 @@ def _record_uncaught(path: str | None) -> None:
     """An uncaught exception is written to ``path`` (type, message, traceback) before
     the interpreter reports it and exits, so the agent's record says why this trainer
     died (torch elastic's error files). An uncaught ``FatalFailure`` exits with
-    ``EXIT_FATAL`` (the checkpoint fallback), so scripts need no handler."""
+    ``EXIT_FATAL`` (the checkpoint fallback), a ``RecoverableFailure`` with
+    ``EXIT_RECOVERABLE`` (recovery in place), so scripts need no handler."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
@@ -276,6 +277,9 @@ def _record_uncaught(path: str | None) -> None:
             # Retained state beyond repair: the agent falls back to the checkpoint.
             sys.stderr.flush()
             os._exit(EXIT_FATAL)
+        if issubclass(kind, RecoverableFailure):
+            sys.stderr.flush()
+            os._exit(EXIT_RECOVERABLE)
 
     sys.excepthook = hook
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from leto.errors import EXIT_FATAL
+from leto.errors import EXIT_FATAL, EXIT_RECOVERABLE
 from leto.runtime import keys
 from leto.runtime.cell import Cell
 from leto.runtime.config import RunConfig
@@ -60,8 +60,9 @@ class Failure:
         """The script (or Leto's own code) ended the trainer: an uncaught Python
         exception (its error file) or an exit with a code (``sys.exit(2)`` from argparse,
         say) — not a hardware failure. A signal (a kill) is not one, nor Leto's fatal
-        exit (``EXIT_FATAL``)."""
-        if self.kind is not FailureKind.EXIT or self.code == EXIT_FATAL:
+        exit (``EXIT_FATAL``), nor a recoverable failure Leto raised (``EXIT_RECOVERABLE``:
+        a replay mismatch, raised on every rank at once)."""
+        if self.kind is not FailureKind.EXIT or self.code in (EXIT_FATAL, EXIT_RECOVERABLE):
             return False
         return self.error is not None or (self.code is not None and self.code > 0)
 
