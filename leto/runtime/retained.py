@@ -366,7 +366,7 @@ class RetainedTraining:
             value = float(loss.detach())
         else:
             value = float(loss)
-        self.settle_checks()  # the last update's recheck (the device is past it by now)
+        self.settle_checks(wait=False)  # earlier updates' rechecks the device has finished
         self.scrub.before_update()
         self.up.protect_grads(t, loss=loss if later is not None else value)
         self.up.sync(t, group=dist.group.WORLD)
@@ -393,11 +393,12 @@ class RetainedTraining:
             m = m.but(loss=value)
         self._log(t, m)
 
-    def settle_checks(self) -> None:
+    def settle_checks(self, wait: bool = True) -> None:
         """Read the update recheck's comparisons made so far: ``WrongUpdate`` (fatal) if
-        one differed. Before the next update, a checkpoint and the end of training."""
+        one differed. At each update those the device has finished (``wait=False``);
+        every one before a checkpoint and at the end of training."""
         if self.up.recheck is not None:
-            self.up.recheck.settle()
+            self.up.recheck.settle(wait)
 
     def _recheck(self, gis: list[int]) -> torch.Tensor:
         """Groups whose digests differ between replicas, scrubbed (a wrong parity page is

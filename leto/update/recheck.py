@@ -9,9 +9,10 @@ recomputes: after a chunk's optimizer step (before its parity absorbs it on the 
 steps; after the fused pass, which absorbs as it computes), the chunk's state is summed as
 integer words (every single flipped bit changes the sum), the chunk is restored from its
 undo copy and stepped again by the script's optimizer (torch's own step, which the fused
-pass matches bit for bit), and summed again. The comparison is left on the device and
-read at the next iteration's update (by then the device has long passed it: no wait),
-before a checkpoint and at the end of training. A difference: ``WrongUpdate``, a fatal
+pass matches bit for bit), and summed again. The comparison is left on the device (copied to
+pinned host memory behind an event) and read at a later update once the device has passed
+it — the host never waits for it there — and, waiting, before a checkpoint and at the end
+of training. A difference: ``WrongUpdate``, a fatal
 failure — the job falls back to its last verified checkpoint, which predates it, and
 redoes the iterations. Each finding is a line of ``rank<r>.recheck.jsonl``.
 
@@ -68,7 +69,8 @@ class Recheck:
         ``every``: recheck every chunk."""
         self.rank, self.chunks, self.log, self.every = rank, chunks, log, every
         self.checked = 0
-        self._pending: list[tuple[int, int, int, torch.Tensor]] = []  # (t, group, chunk, flag)
+        # (t, group, chunk, flag, the event after its host copy: None on the CPU)
+        self._pending: list[tuple[int, int, int, torch.Tensor, object]] = []
 
     def due(self, t: int, ordinal: int) -> bool:
         """Whether the chunk that is the ``ordinal``-th of iteration ``t``'s update is
@@ -76,15 +78,30 @@ class Recheck:
         return self.every or ordinal == t % self.chunks
 
     def compared(self, t: int, gi: int, j: int, first: torch.Tensor, again: torch.Tensor):
-        """The two sums of chunk ``j`` of group ``gi`` (device tensors): kept, read later."""
+        """The two sums of chunk ``j`` of group ``gi`` (device tensors): kept, read later.
+        On a GPU the flag is copied to pinned host memory behind an event, so reading it
+        never makes the host wait for the device (the loop's CPU stays ahead)."""
         self.checked += 1
-        self._pending.append((t, gi, j, first != again))
+        flag, ev = first != again, None
+        if flag.device.type == "cuda":
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            flag = host
+        self._pending.append((t, gi, j, flag, ev))
 
-    def settle(self) -> None:
-        """Read the comparisons made so far (waits for the device only if it has not
-        reached them); ``WrongUpdate`` for the first that differed."""
+    def settle(self, wait: bool = True) -> None:
+        """Read the comparisons made so far; ``WrongUpdate`` for the first that differed.
+        ``wait=False`` (at each update): only those the device has finished, the rest
+        stay for later; ``wait=True`` (a checkpoint, the end of training): every one."""
         pending, self._pending = self._pending, []
-        for t, gi, j, flag in pending:
+        for n, (t, gi, j, flag, ev) in enumerate(pending):
+            if ev is not None and not wait and not ev.query():
+                self._pending = pending[n:]  # in order: the device has not reached them
+                return
+            if ev is not None:
+                ev.synchronize()
             if bool(flag):
                 rec = {
                     "iteration": t,
