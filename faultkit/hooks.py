@@ -207,7 +207,7 @@ def _flip(at: str, target: str, k: int, group: int) -> None:
         torch.cuda.synchronize()  # the flip lands between the kernels queued so far and later ones
     flipped = []
     for i in range(k):
-        page = pages[i] if pages[i].dtype == torch.uint8 else pages[i].view(torch.uint8)
+        page = _raw_bytes(pages[i])
         byte = (1000 + 6 * i) % page.numel()
         page[byte] ^= 1 << (i % 8)
         flipped.append({"page": i, "byte": byte, "bit": i % 8})
@@ -220,6 +220,18 @@ def _flip(at: str, target: str, k: int, group: int) -> None:
             f.write(json.dumps(rec) + "\n")
 
 
+def _raw_bytes(t):
+    """``t``'s bytes (contiguous) as a uint8 tensor of its own: a write through it
+    changes the memory without bumping ``t``'s autograd version counter, as a hardware
+    flip does (a write through a view of ``t`` would make backward refuse to run)."""
+    import torch
+
+    if not t.is_contiguous():
+        raise ValueError("faultkit flips bits of contiguous tensors only")
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return out.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (t.nbytes,))
+
+
 def _flip_computed(at: str, pages: list) -> None:
     """One bit of the first page of the chunk being updated (its lowest bytes: the
     parameters' low mantissa bits, a small wrong value that training carries on with)."""
@@ -227,7 +239,7 @@ def _flip_computed(at: str, pages: list) -> None:
 
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    page = pages[0] if pages[0].dtype == torch.uint8 else pages[0].view(torch.uint8)
+    page = _raw_bytes(pages[0])
     byte = 1000 % page.numel()
     page[byte] ^= 1
     if torch.cuda.is_initialized():
@@ -244,12 +256,10 @@ def _flip_value(at: str, x, what: str) -> None:
 
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    words = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    flat = x.view(words).view(-1)
-    i = min(250, flat.numel() - 1)
+    i = min(250, x.numel() - 1)
     mantissa = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10, torch.float64: 52}
     bit = mantissa[x.dtype] - 1
-    flat[i] ^= 1 << bit
+    _raw_bytes(x)[i * x.element_size() + bit // 8] ^= 1 << (bit % 8)  # little-endian
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     _record_flip(what, at, {"page": 0, "element": i, "bit": bit})
