@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -336,5 +336,14 @@ if [[ $what == sdc ]]; then
     --leto-variant "norecheck=--no-replica-check" \
     --json "$OUT/userpath_recheck.json" > "$OUT/userpath_recheck.txt" 2>&1 || rc=1
   tail -c 2500 "$OUT/userpath_recheck.txt"
+fi
+if [[ $what == sdc-userpath ]]; then
+  # The update recheck's cost on the user path (16 K tokens, one H200): leto run's
+  # defaults beside --no-replica-check, twice in alternating order, deterministic
+  # algorithms on so that the bytes are compared too (a false alarm would be fatal).
+  timeout 580 python3 -m bench.user_path --preset h200-1b --iterations 12 --skip 4 --timeout-s 200 \
+    --script-args=--deterministic --repeats 2 --leto-variant "norecheck=--no-replica-check" \
+    --json "$OUT/userpath_recheck.json" > "$OUT/userpath_recheck.txt" 2>&1 || rc=1
+  tail -c 4000 "$OUT/userpath_recheck.txt"
 fi
 exit $rc
