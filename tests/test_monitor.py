@@ -120,3 +120,12 @@ def test_a_recoverable_failure_on_every_rank_is_recovered_not_a_script_error(tmp
     dead = [Failure(r, FailureKind.EXIT, EXIT_RECOVERABLE, record) for r in (0, 1)]
     assert not any(f.script_error for f in dead)
     assert Failure(0, FailureKind.EXIT, 1, record).script_error  # any other exit code is
+    # The agent recovers it in place; the same one in a later generation (a device that
+    # computes wrong every time) stops the job instead of looping.
+    from leto.runtime.agent import Agent
+
+    agent = Agent(RunConfig(nproc_per_node=2, log_dir=str(tmp_path)), ["train.py"])
+    assert agent._script_error(0, dead) is None
+    why = agent._script_error(1, dead[:1])
+    assert why is not None and "again at the same place after a recovery in place" in why, why
+    assert "generations 0 and 1" in why, why

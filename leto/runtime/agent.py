@@ -39,7 +39,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from leto import plugins
-from leto.errors import EXIT_FATAL, InvalidInput
+from leto.errors import EXIT_FATAL, EXIT_RECOVERABLE, InvalidInput
 from leto.memory.config import PoolConfig
 from leto.runtime import fault_plan, keys
 from leto.runtime import store as job_store
@@ -91,6 +91,8 @@ class Agent:
         plugins.load(",".join(n for n in names if n != plugins.VERIFY_PLUGIN))  # trainers' only
         self.records: list[RecoveryRecord] = []
         self._signatures: set[tuple] = set()  # script errors recovered from once
+        # Recoverable failures Leto raised (EXIT_RECOVERABLE): signature -> generation.
+        self._recoverable: dict[tuple, int] = {}
         # Fatal failures by what they said (exception, message, where): the generations
         # each happened in. The same one again falls back a tier; a third time stops.
         self._fatal: dict[tuple, list[int]] = {}
@@ -356,6 +358,21 @@ class Agent:
         or a recovery's resume) it stops the job at once; the same exception at the same
         place as one already recovered from stops it too (a restart loop otherwise)."""
         for f in dead:
+            if f.code == EXIT_RECOVERABLE and f.error is not None:
+                # Raised by Leto on every rank at once (a replay mismatch): recovered in
+                # place; the same one again in a later generation is a device that
+                # computes wrong every time, and redoing it would loop.
+                sig = f.signature()
+                first = self._recoverable.setdefault(sig, gen)
+                if first < gen:
+                    return (
+                        f"rank {f.rank} raised {f.error['exception']} again at the same "
+                        f"place after a recovery in place (generations {first} and {gen}; "
+                        f"{f.first_error_line()}) — a device that computes wrong every "
+                        f"time: the job stops instead of looping; take the named GPU out "
+                        f"of the job.\n{f.traceback_tail()}\n(logs in {self.cfg.log_dir})"
+                    )
+                continue
             if not f.script_error:
                 continue
             # The first line says it all (rank, exit code, what the error said); the
