@@ -25,7 +25,8 @@ computed wrong — a recomputation on the same GPUs, right for a transient fault
 that computes wrong every time disagrees again, and the job stops on the repeat).
 
 Not covered: sharded state — FSDP2, tensor or pipeline parallel jobs and ZeRO-1
-shards have no replica, and the check is skipped there; nor is it run for a mixture of
+shards have no replica, and the check is skipped there (``leto.update.recheck``
+recomputes a sampled chunk of their update instead); nor is it run for a mixture of
 experts with rank-local experts (DDP's ignore list): their pages share protection groups
 with the replicated state, so no group's digest is comparable across ranks; an update that a recovery
 finished (its digest covers only the groups it redid; the next iteration's check covers
