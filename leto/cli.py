@@ -262,6 +262,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             replica_check=not args.no_replica_check,
             loss_guard=not args.no_loss_guard,
             replay_every=DEFAULT_REPLAY_EVERY if args.replay_every is None else args.replay_every,
+            exclude_faulty=args.exclude_faulty,
             beat_poll_s=args.beat_poll_s,
             device_memory_bytes=args.device_memory_bytes,
             preinit_footprints=args.preinit_footprints,
@@ -527,6 +528,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_REPLAY_EVERY}: one micro-batch's forward and backward every "
         f"{DEFAULT_REPLAY_EVERY} iterations. Data-parallel jobs of 2+ ranks with "
         "torch.use_deterministic_algorithms(True) only",
+    )
+    p.add_argument(
+        "--exclude-faulty",
+        action="store_true",
+        help="a GPU that the checks name twice as computing wrong (gradient replay, the "
+        "replica check, the update recheck) is a hardware failure: the job stops, keeping "
+        "its checkpoints, and leto run --exclude-faulty started again with the same "
+        "--log-dir leaves the GPUs listed in its faulty-devices.json out of "
+        "CUDA_VISIBLE_DEVICES and resumes (without the flag such a GPU is only reported)",
     )
     p.add_argument(
         "--no-loss-guard",

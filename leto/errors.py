@@ -31,5 +31,16 @@ class FatalFailure(LetoError):
     """Retained state is lost beyond repair: fall back to checkpoint recovery."""
 
 
+class WrongComputation(LetoError):
+    """A check found a wrong computation (gradient replay, the replica check, the update
+    recheck): ``iteration`` and the ranks it ``named`` (empty when none could be). The
+    trainer's error file carries both, so the agent can tell a GPU named twice
+    (``leto.runtime.faulty``)."""
+
+    def __init__(self, message: str, iteration: int | None = None, named=()):
+        super().__init__(message)
+        self.iteration, self.named = iteration, sorted(named)
+
+
 class InvalidInput(LetoError, ValueError):
     """A caller passed something malformed; nothing was read or written."""

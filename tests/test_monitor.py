@@ -111,12 +111,13 @@ def test_a_recoverable_failure_on_every_rank_is_recovered_not_a_script_error(tmp
         "from leto.runtime.api import _record_uncaught\n"
         "from leto.runtime.replay import ReplayMismatch\n"
         f"_record_uncaught({str(err)!r})\n"
-        "raise ReplayMismatch('iteration 2: rank 0 computed wrong')\n"
+        "raise ReplayMismatch('iteration 2: rank 0 computed wrong', iteration=2, named=[0])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert proc.returncode == EXIT_RECOVERABLE, proc.stderr.decode()
     record = json.loads(err.read_text())
     assert record["exception"] == "ReplayMismatch"
+    assert record["iteration"] == 2 and record["named"] == [0]  # the agent's tally reads them
     dead = [Failure(r, FailureKind.EXIT, EXIT_RECOVERABLE, record) for r in (0, 1)]
     assert not any(f.script_error for f in dead)
     assert Failure(0, FailureKind.EXIT, 1, record).script_error  # any other exit code is

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from leto import plugins
 from leto.errors import EXIT_FATAL, EXIT_RECOVERABLE, InvalidInput
 from leto.memory.config import PoolConfig
-from leto.runtime import fault_plan, keys
+from leto.runtime import fault_plan, faulty, keys
 from leto.runtime import store as job_store
 from leto.runtime.cell import Cell, kill_group
 from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
@@ -93,6 +93,7 @@ class Agent:
         self._signatures: set[tuple] = set()  # script errors recovered from once
         # Recoverable failures Leto raised (EXIT_RECOVERABLE): signature -> generation.
         self._recoverable: dict[tuple, int] = {}
+        self.tally: faulty.Tally | None = None  # detections that named ranks (run())
         # Fatal failures by what they said (exception, message, where): the generations
         # each happened in. The same one again falls back a tier; a third time stops.
         self._fatal: dict[tuple, list[int]] = {}
@@ -153,6 +154,7 @@ class Agent:
         gen = 0
         code = 0
         try:
+            self._place()  # before any process that could touch a GPU starts
             # Importing torch while the state managers start: every trainer and shadow
             # is forked from it (leto.runtime.zygote).
             zygote = Zygote(c.timeout_s) if zygote_enabled() else None
@@ -193,7 +195,9 @@ class Agent:
                         store.set(keys.failure(gen, f.rank), json.dumps(f.as_record()))
                         log.warning("generation %d: rank %d %s", gen, f.rank, f.describe())
                     store.add(keys.failures(gen), 1)
-                    stop = self._script_error(gen, dead)
+                    stop = self._faulty(gen, dead)
+                    if stop is None:
+                        stop = self._script_error(gen, dead)
                     if stop is not None:
                         log.error("%s", stop)
                         self.stopped = stop
@@ -352,6 +356,56 @@ class Agent:
             json.dump({"node": self.cfg.node_rank, "ranks": pools}, f)
         tmp.replace(path)  # whole, or not there
 
+    def _place(self) -> None:
+        """This node's ranks and their devices; with ``--exclude-faulty``, the GPUs a
+        previous run of the job found faulty (``<log-dir>/faulty-devices.json``) are
+        left out of ``CUDA_VISIBLE_DEVICES`` for every process it starts."""
+        c = self.cfg
+        node = faulty.node_name()
+        if c.exclude_faulty:
+            bad = faulty.excluded(c.log_dir, node)
+            if bad and c.device == "cpu":
+                log.warning("--exclude-faulty: %s lists GPUs %s of this node, but the job "
+                            "runs on the CPU: nothing to leave out", faulty.FILE, sorted(bad))  # fmt: skip
+            elif bad:
+                gpus = faulty.node_gpus()
+                os.environ["CUDA_VISIBLE_DEVICES"] = faulty.visible_devices(
+                    gpus, bad, c.nproc_per_node
+                )
+                log.warning("--exclude-faulty: GPUs %s of %s found faulty before (%s): the "
+                            "ranks run on CUDA_VISIBLE_DEVICES=%s", sorted(bad), node,
+                            faulty.FILE, os.environ["CUDA_VISIBLE_DEVICES"])  # fmt: skip
+        first = c.node_rank * c.nproc_per_node
+        self.tally = faulty.Tally(
+            node, {first + lr: faulty.device_of(c.device, lr) for lr in range(c.nproc_per_node)}
+        )
+
+    def _faulty(self, gen: int, dead: list[Failure]) -> str | None:
+        """Detections that named a rank (the error files' ``named``): a device of this
+        node named for the second time is reported and recorded; with
+        ``--exclude-faulty`` the job stops (why, or None)."""
+        if self.tally is None:
+            return None
+        new = self.tally.observe(gen, [f.error for f in dead])
+        if not new:
+            return None
+        path = faulty.append(self.cfg.log_dir, new)
+        said = []
+        for rec in new:
+            where = ", ".join(f"iteration {d['iteration']} ({d['check']}, generation "
+                              f"{d['generation']})" for d in rec["detections"])  # fmt: skip
+            said.append(f"rank {rec['rank']}'s device {rec['device']} on {rec['node']} was "
+                        f"named as computing wrong twice: {where}")  # fmt: skip
+            log.error("%s: a faulty device (recorded in %s)", said[-1], path)
+        if not self.cfg.exclude_faulty:
+            return None
+        return (
+            f"{'; '.join(said)} — a hardware failure (--exclude-faulty): the job stops, "
+            f"keeping its checkpoints. Start it again with leto run --exclude-faulty and "
+            f"the same --log-dir: the devices listed in {path} are left out and it resumes "
+            f"from the newest checkpoint"
+        )
+
     def _script_error(self, gen: int, dead: list[Failure]) -> str | None:
         """Why the job stops instead of recovering, or None. A Python exception is a
         script error, not a hardware failure: before its trainer began training (start-up,
@@ -435,6 +489,8 @@ class Agent:
             # Why the job stopped early, or None: a script error, a repeated fatal failure,
             # --max-failures, or the signal's name ("SIGTERM", "SIGINT").
             "stopped": self.stopped,
+            # This node's devices the checks named twice as computing wrong.
+            "faulty": self.tally.faulty() if self.tally is not None else [],
             "fenced": self.fenced,  # ranks whose live trainers were fenced at the stop
             "recoveries": [r.as_dict() for r in self.records],
             "pools": self.pools,

@@ -32,7 +32,14 @@ import torch
 import torch.distributed as dist
 
 from leto import plugins
-from leto.errors import EXIT_FATAL, EXIT_RECOVERABLE, FatalFailure, InvalidInput, RecoverableFailure
+from leto.errors import (
+    EXIT_FATAL,
+    EXIT_RECOVERABLE,
+    FatalFailure,
+    InvalidInput,
+    RecoverableFailure,
+    WrongComputation,
+)
 from leto.memory.client import PoolClient
 from leto.runtime import imports as ahead_imports
 from leto.runtime import keys
@@ -267,6 +274,12 @@ def _record_uncaught(path: str | None) -> None:
                         "traceback": "".join(traceback.format_exception(kind, value, tb)),
                         "time": time.time(),
                         "pid": os.getpid(),
+                        # A wrong computation a check found: where, and who computed it.
+                        **(
+                            {"iteration": value.iteration, "named": value.named}
+                            if isinstance(value, WrongComputation)
+                            else {}
+                        ),
                     },
                     f,
                 )

@@ -163,6 +163,9 @@ class RunConfig:
     loss_guard: bool = True
     # Gradient replay every K iterations (leto.runtime.replay; 0: off).
     replay_every: int = REPLAY_EVERY_DEFAULT
+    # A GPU the checks named twice as computing wrong is a hardware failure: the job
+    # stops, and a restart leaves it out (leto.runtime.faulty).
+    exclude_faulty: bool = False
     checkpoint_dir: str = ""  # empty: <log_dir>/checkpoints
     checkpoint_interval: int = 0  # iterations; 0: Young's formula with the FF-only MTTF
     # --no-checkpoints: no saves at all; a fatal failure restarts the job from its first

@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from leto.errors import RecoverableFailure
+from leto.errors import RecoverableFailure, WrongComputation
 from leto.runtime.config import REPLAY_EVERY_DEFAULT
 
 ENV_REPLAY_EVERY = "LETO_REPLAY_EVERY"  # leto run --replay-every K (0: off)
@@ -75,7 +75,7 @@ def every() -> int:
     return int(os.environ.get(ENV_REPLAY_EVERY, REPLAY_EVERY_DEFAULT))
 
 
-class ReplayMismatch(RecoverableFailure):
+class ReplayMismatch(WrongComputation, RecoverableFailure):
     """A micro-batch's gradient differs from its recomputation on another GPU: the
     iteration is redone in place (its update has not run)."""
 
@@ -416,5 +416,7 @@ class GradReplay:
             f"iteration {t}: gradient replay: {who}"
             + (f" — rank(s) {named} computed wrong" if named else "")
             + ". The iteration's update has not run: every rank redoes it from the retained "
-            "state (in place)"
+            "state (in place)",
+            iteration=t,
+            named=named,
         )

@@ -36,12 +36,12 @@ from pathlib import Path
 
 import torch
 
-from leto.errors import FatalFailure
+from leto.errors import FatalFailure, WrongComputation
 
 ENV_UPDATE_RECHECK = "LETO_UPDATE_RECHECK"  # "1" one chunk an iteration, "all", "0"
 
 
-class WrongUpdate(FatalFailure):
+class WrongUpdate(WrongComputation, FatalFailure):
     """A chunk's update differs from its recomputation: the iteration's state is not
     trusted (the checkpoint fallback redoes it)."""
 
@@ -118,5 +118,7 @@ class Recheck:
                     f"{gi} differs from its recomputation from the undo copy: a wrong "
                     f"computation on this rank. Nothing of this iteration is trusted; the "
                     f"job falls back to its last verified checkpoint and redoes the "
-                    f"iterations from there"
+                    f"iterations from there",
+                    iteration=t,
+                    named=[self.rank],
                 )

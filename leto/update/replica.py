@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from leto.errors import FatalFailure
+from leto.errors import FatalFailure, WrongComputation
 
 ENV_REPLICA_CHECK = "LETO_REPLICA_CHECK"  # "0": leto run --no-replica-check
 
@@ -60,7 +60,7 @@ def enabled() -> bool:
     return os.environ.get(ENV_REPLICA_CHECK, "1") != "0"
 
 
-class ReplicaDisagreement(FatalFailure):
+class ReplicaDisagreement(WrongComputation, FatalFailure):
     """Data-parallel replicas hold different state after an update: the iteration's
     state is not trusted (the checkpoint fallback redoes it)."""
 
@@ -181,7 +181,9 @@ class ReplicaCheck:
             f"the update (tier-1 parity digests differ in state group(s) {differ}, also "
             f"after a scrub of them): {who}. "
             f"Nothing of this iteration is trusted; the job falls back to its last "
-            f"verified checkpoint and redoes the iterations from there"
+            f"verified checkpoint and redoes the iterations from there",
+            iteration=t,
+            named=named if majority else (),  # world 2: the redo names one (not counted)
         )
 
     def _resolve(self, t: int, agreed: tuple[int, ...]) -> None:

@@ -1,0 +1,76 @@
+"""Faulty devices (``leto.runtime.faulty``): a GPU the checks named twice is reported and,
+with ``--exclude-faulty``, left out of a restart. The agent's side, on the error files the
+trainers write; the trainers' side (the error file's ``named``) is in test_monitor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from leto.errors import InvalidInput
+from leto.runtime import faulty
+from leto.runtime.agent import Agent
+from leto.runtime.config import RunConfig
+from leto.runtime.monitor import Failure, FailureKind
+
+
+def _error(exception: str, iteration: int, named: list[int]) -> dict:
+    return {"exception": exception, "message": "m", "traceback": "", "iteration": iteration,
+            "named": named}  # fmt: skip
+
+
+def test_a_device_is_faulty_when_two_detections_name_it():
+    t = faulty.Tally("node-a", {0: "cuda:0", 1: "cuda:1"})
+    # Every rank's error file reports the same replay mismatch: one detection.
+    assert t.observe(0, [_error("ReplayMismatch", 2, [1])] * 2) == []
+    assert t.observe(0, [None, {"exception": "ValueError", "message": "x"}]) == []
+    # The same iteration again after its redo is a second computation gone wrong.
+    (rec,) = t.observe(1, [_error("ReplayMismatch", 2, [1])])
+    assert rec["node"] == "node-a" and rec["rank"] == 1 and rec["device"] == "cuda:1"
+    assert [d["generation"] for d in rec["detections"]] == [0, 1]
+    assert t.observe(2, [_error("WrongUpdate", 5, [1])]) == []  # reported once
+    assert [r["rank"] for r in t.faulty()] == [1]
+
+
+def test_only_this_nodes_devices_are_reported():
+    t = faulty.Tally("node-b", {2: "cuda:0", 3: "cuda:1"})
+    t.observe(0, [_error("ReplicaDisagreement", 4, [0])])
+    assert t.observe(1, [_error("ReplicaDisagreement", 9, [0])]) == []
+    assert t.faulty() == []
+
+
+def test_the_record_round_trips_and_picks_the_gpus_left(tmp_path, monkeypatch):
+    faulty.append(tmp_path, [{"node": "a", "rank": 1, "device": "cuda:1", "detections": []}])
+    faulty.append(tmp_path, [{"node": "b", "rank": 0, "device": "cuda:0", "detections": []}])
+    assert faulty.excluded(tmp_path, "a") == {"1"}
+    assert faulty.excluded(tmp_path / "none", "a") == set()
+    assert faulty.visible_devices(["0", "1", "2"], {"1"}, 2) == "0,2"
+    with pytest.raises(InvalidInput, match=r"leave 1 for 2 rank\(s\) a node; nothing started"):
+        faulty.visible_devices(["0", "1"], {"1"}, 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert faulty.node_gpus() == ["3", "5"]
+    assert faulty.device_of("cuda", 1) == "cuda:5" and faulty.device_of("cpu", 1) == "cpu"
+    (tmp_path / faulty.FILE).write_text('{"not": "a list"}')
+    with pytest.raises(InvalidInput, match="not a list of faulty-device records"):
+        faulty.excluded(tmp_path, "a")
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_the_agent_reports_a_device_named_twice_and_stops_only_if_asked(tmp_path, exclude):
+    agent = Agent(
+        RunConfig(nproc_per_node=2, log_dir=str(tmp_path), exclude_faulty=exclude), ["t.py"]
+    )
+    agent._place()
+    dead = [Failure(0, FailureKind.EXIT, 13, _error("WrongUpdate", 3, [0]))]
+    assert agent._faulty(0, dead) is None and not (tmp_path / faulty.FILE).exists()
+    why = agent._faulty(1, [Failure(0, FailureKind.EXIT, 13, _error("WrongUpdate", 7, [0]))])
+    (rec,) = json.loads((tmp_path / faulty.FILE).read_text())
+    assert rec["rank"] == 0 and rec["device"] == "cpu"
+    assert [d["iteration"] for d in rec["detections"]] == [3, 7]
+    assert agent.summary(1)["faulty"] == [rec]
+    if exclude:
+        assert "named as computing wrong twice: iteration 3" in why, why
+        assert "the job stops, keeping its checkpoints" in why, why
+    else:
+        assert why is None
