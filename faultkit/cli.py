@@ -319,6 +319,11 @@ def _verdict_table(v: dict, title: str) -> int:
         rows.append(("scrub", v.get("scrub") or _unseen(v)[3:]))
     if v["mode"].startswith("sdc"):
         rows.append(("detection", _replica_row(v)))
+    for f in v.get("faulty", []):
+        its = ", ".join(str(d["iteration"]) for d in f["detections"])
+        rows.append(
+            ("faulty device", f"rank {f['rank']} ({f['device']}): named in iterations {its}")
+        )
     if v["fatal_detail"]:
         rows.append(("fatal", v["fatal_detail"]))
     for k, val in rows:

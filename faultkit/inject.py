@@ -15,7 +15,9 @@ lost in *each* protection group of every rank (spread over parameters and moment
 ``host_parity_pages`` tier-1 host pages of the first group, and a gradient page; then
 the shadows are promoted and recover in place. More pages than parity covers is a
 fatal failure: the runtime falls back to its newest checkpoint (or the initial state)
-and the verdict says so. One fault in the middle iteration, or one every ``every``.
+and the verdict says so. One fault in the middle iteration, or one every ``every`` (for
+``sdc-grad`` and ``sdc-activation`` too: a GPU that computes wrong every K iterations,
+replayed every K, is named twice and reported faulty — the verdict's ``faulty``).
 Modes ``corrupt-data`` / ``corrupt-parity`` flip one bit in each of ``pages`` retained
 pages of the rank, silently (no death, no loss): the verdict also says what the scrub
 did (parity repaired in place; device pages named and the checkpoint fallback; or
@@ -238,7 +240,7 @@ def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
             f"--mode {mode}: gradient replay recomputes a rank's micro-batch on another "
             "rank, so it needs --world-size 2 or more"
         )
-    if mode in (*CORRUPT_MODES, *SDC_MODES) and cfg.every:
+    if mode in (*CORRUPT_MODES, "sdc-update") and cfg.every:
         raise ValueError(f"--mode {mode} injects one fault: --every is not for it")
     if mode == "corrupt-parity" and cfg.pages > cfg.tier1_pages:
         raise _outside(
@@ -288,8 +290,9 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
     }  # fmt: skip
     extra = () if cfg.replica_check else ("--no-replica-check",)
     if cfg.mode in ("sdc-grad", "sdc-activation") and faults:
-        # The struck iteration replayed (and the first), or nothing replayed at all.
-        extra += ("--replay-every", str(max(1, cfg.iterations // 2) if cfg.replay else 0))
+        # The struck iterations replayed (and the first), or nothing replayed at all.
+        k = cfg.every or max(1, cfg.iterations // 2)
+        extra += ("--replay-every", str(k if cfg.replay else 0))
     got = run_job(
         cfg.world_size, train, out, faults, pool=pool, device=cfg.device,
         shadow_level=cfg.shadow_level, allow_failure=bool(faults), env=env, extra=extra,
@@ -407,6 +410,8 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         "scrub": scrub,
         # A wrong computation: detected, by what, when, whom it named (_detection).
         **_detection(replay, recheck, replica, back_to),
+        # Devices named in two detections (sdc-grad / sdc-activation with --every).
+        "faulty": got.get("faulty", []),
         # What faultkit flipped: target, group, [page, byte, bit] of each page.
         "flipped": [{k: x[k] for k in ("corrupt", "group", "at", "pages")} for x in flips],
         "reference_run_s": ref.get("run_s"),

@@ -71,19 +71,24 @@ def test_sdc_update_without_the_replica_check_ends_not_exact(verdict):
 
 
 @pytest.mark.integ
-def test_sdc_grad_is_found_by_replay_named_and_redone_in_place(verdict):
-    # One bit of rank 1's local gradient before the all-reduce: every replica then shares
-    # it, so neither the replica check nor parity can see it. The job replays the struck
-    # iteration: rank 0's recomputation of rank 1's micro-batch differs, rank 1's own
-    # third computation agrees with rank 0's — rank 1 named — and the iteration is redone
-    # in place (its update never ran): no checkpoint fallback, EXACT.
-    v = verdict(mode="sdc-grad", phase="allreduce", rank=1)
-    (flip,) = v["flipped"]
-    it = int(flip["at"].split("@")[1].split("#")[0])
-    assert v["detected"] and v["detected_by"] == "replay" and v["detected_at"] == it, v
-    assert v["named_rank"] == 1 and v["rolled_back"] == it, v
+def test_sdc_grad_is_found_by_replay_named_redone_in_place_and_twice_is_faulty(verdict):
+    # One bit of rank 1's local gradient before the all-reduce, every 2 iterations (a GPU
+    # that computes wrong now and then): every replica then shares it, so neither the
+    # replica check nor parity can see it. The job replays every 2nd iteration: rank 0's
+    # recomputation of rank 1's micro-batch differs, rank 1's own third computation agrees
+    # with rank 0's — rank 1 named — and the iteration is redone in place (its update
+    # never ran): no checkpoint fallback, EXACT. Named twice, rank 1's device is reported
+    # faulty (the agent's record; --exclude-faulty would stop the job there).
+    v = verdict(mode="sdc-grad", phase="allreduce", rank=1, every=2)
+    its = [int(f["at"].split("@")[1].split("#")[0]) for f in v["flipped"]]
+    assert its == [2, 4], v["flipped"]
+    assert v["detected"] and v["detected_by"] == "replay" and v["detected_at"] == 2, v
+    assert v["named_rank"] == 1 and v["rolled_back"] == 2, v
     assert not v["fatal"] and v["recovery_s"] is not None, v["fatal_detail"]
     assert v["exact"], v["first_divergence"]
+    (bad,) = v["faulty"]
+    assert bad["rank"] == 1 and bad["device"] == "cpu", bad
+    assert [d["iteration"] for d in bad["detections"]] == its, bad
 
 
 @pytest.mark.integ
