@@ -17,6 +17,7 @@ import pytest
 from faultkit.job import finish_job, start_job
 from leto.workload.train import TrainConfig
 from verifiers import compare
+from verifiers.trace import read_run
 
 pytestmark = pytest.mark.integ
 ITERS = 5
@@ -97,11 +98,16 @@ def test_flipped_device_pages_are_named_and_the_job_falls_back_to_a_verified_che
     assert "silent corruption of retained state" in error["message"], error
     v = compare(reference, tmp_path / "train")
     assert v.exact, v.describe()
-    # Found in the iteration it happened: the update of 2 carried the flipped pages into
-    # parity that differs from the other replica's (leto.update.replica), whose scrub of
-    # the group named them before iteration 2's record was written — nothing trained on
-    # the corrupted state was recorded, so nothing had to be superseded.
-    assert v.rolled_back == 0, v
+    # Found before the next update read it: the update of 2 carried the flipped pages
+    # into parity that differs from the other replica's (leto.update.replica: compared at
+    # the start of iteration 3's step), whose scrub of the group named them. The only
+    # records the rollback superseded are iteration 2's — no update trained on the
+    # corrupted state.
+    undone = [
+        rec.iteration for tr in read_run(tmp_path / "train").traces.values()
+        for rec, _ in tr.rolled_back
+    ]  # fmt: skip
+    assert v.rolled_back == len(undone) and set(undone) == {2}, undone
 
 
 def test_a_recovery_rebuilt_from_a_silently_corrupted_survivor_is_caught_by_verification(

@@ -76,18 +76,21 @@ def test_suspects_name_the_minority_or_every_rank_without_a_majority():
     assert replica.suspects([a, a, b, b]) == ([0, 1, 2, 3], False)
 
 
-def _check(monkeypatch, tmp_path, rank: int, rows: list[list[int]], flags=None):
+def _check(monkeypatch, tmp_path, rank: int, rows: list[list[int] | None], flags=None):
     """``ReplicaCheck.check`` on ``rank`` with the all_gather standing in: it hands back
-    ``rows`` (one per rank), each with its rank's loss-guard flag after it, as gloo
-    would."""
+    ``rows`` (one per rank; None: a rank without digests, zeros marked invalid), each
+    with whether it had them and its rank's loss-guard flag after it, as gloo would."""
     monkeypatch.setattr(replica.dist, "new_group", lambda **kw: None)
     flags = flags or [0] * len(rows)
+    n = max(len(r) for r in rows if r is not None)
+
+    def words(r, f):
+        return torch.tensor([*(r if r is not None else [0] * n), int(r is not None), f])
 
     def all_gather(out, mine, group=None):
-        sent = torch.tensor([*rows[rank], flags[rank]])
-        assert torch.equal(mine, sent), "this rank's own words are sent"
+        assert torch.equal(mine, words(rows[rank], flags[rank])), "this rank's words are sent"
         for o, r, f in zip(out, rows, flags, strict=True):
-            o.copy_(torch.tensor([*r, f]))
+            o.copy_(words(r, f))
 
     monkeypatch.setattr(replica.dist, "all_gather", all_gather)
     log = tmp_path / f"rank{rank}.replica.jsonl"
@@ -183,3 +186,12 @@ def test_a_disagreement_the_scrub_resolves_is_not_fatal(monkeypatch, tmp_path):
 
     with pytest.raises(ReplicaDisagreement, match=r"group\(s\) \[1\], also after a scrub"):
         rc.check(3, torch.tensor([5, -7]), gids=[0, 1], recheck=still)
+
+
+def test_a_rank_without_digests_compares_nothing_but_still_carries_flags(monkeypatch, tmp_path):
+    # A trainer that took over mid-job has no unchecked update: it sends none, and the
+    # replicas' digests (here differing) are not judged that once; flags still count.
+    rc, log = _check(monkeypatch, tmp_path, 0, [[5, -7], None, [5, 8]])
+    assert rc.check(3, torch.tensor([5, -7]), gids=[0, 1]) == [] and not log.exists()
+    rc, log = _check(monkeypatch, tmp_path, 1, [[5, -7], None, [5, -7]], flags=[0, 0, 1])
+    assert rc.check(3, None, gids=[0, 1]) == [2]

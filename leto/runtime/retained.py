@@ -126,6 +126,8 @@ class RetainedTraining:
             loss_guard.LossGuard(rank, world) if guard_loss and loss_guard.enabled() else None
         )
         self.replica = None
+        # The last update's digests and loss flag, not yet compared (_check_replicas).
+        self._unchecked: tuple | None = None
         if (
             world > 1 and self.replicated and self.up.state.shard is None
             and not self.rank_local and replica.enabled()
@@ -356,6 +358,9 @@ class RetainedTraining:
         device tensor is not waited for before the update is queued (the marker copies
         it on the device); the loss log reads it after, from a pinned copy made in
         stream order — waiting for the backward pass, not for the update."""
+        # The last update's replica check, before anything of this iteration can fail
+        # (a replay mismatch redoes it in place, and a check left pending would be lost).
+        self._check_replicas()
         self.reduce(t)
         value, later = float("nan"), None
         if loss is None:
@@ -366,39 +371,72 @@ class RetainedTraining:
             value = float(loss.detach())
         else:
             value = float(loss)
-        self.settle_checks(wait=False)  # earlier updates' rechecks the device has finished
+        if self.up.recheck is not None:  # earlier updates' rechecks the device finished
+            self.up.recheck.settle(wait=False)
         self.scrub.before_update()
         self.up.protect_grads(t, loss=loss if later is not None else value)
         self.up.sync(t, group=dist.group.WORLD)
         self.up.update(t)
-        if self.device.type == "cpu":
-            self.settle_checks()  # nothing to overlap on the CPU: read it now
+        if self.device.type == "cpu" and self.up.recheck is not None:
+            self.up.recheck.settle()  # nothing to overlap on the CPU: read it now
         if later is not None:  # the pinned copy: waits for backward, not for the update
             host, ev = later
             ev.synchronize()
             value = float(host)
         bad = self.guard is not None and loss is not None and not math.isfinite(value)
-        flagged = []
-        if self.replica is not None and self.up.digest_complete:
-            gids = [g.gid for g in self.up.groups]
-            flagged = self.replica.check(
-                t, self.up.digests, gids, recheck=self._recheck, flag=int(bad)
-            )
-        elif self.guard is not None:
-            flagged = self.guard.agree(bad)
-        if flagged:
+        if self.replica is not None:  # compared before the next update (_check_replicas)
+            self._unchecked = (t, self._digests_copy(), int(bad), value)
+        elif self.guard is not None and (flagged := self.guard.agree(bad)):
             self.guard.fail(t, flagged, value)
         m = self.up.marker.state
         if later is not None:
             m = m.but(loss=value)
         self._log(t, m)
 
-    def settle_checks(self, wait: bool = True) -> None:
-        """Read the update recheck's comparisons made so far: ``WrongUpdate`` (fatal) if
-        one differed. At each update those the device has finished (``wait=False``);
-        every one before a checkpoint and at the end of training."""
+    def settle_checks(self) -> None:
+        """Every check of the updates made so far, before a checkpoint and at the end of
+        training: the replica check of the last update (with the loss guard's flags)
+        and the update recheck's comparisons (waiting for the device).
+        ``ReplicaDisagreement``, ``NonFiniteLoss`` or ``WrongUpdate`` (fatal) if one
+        failed. Collective: every rank, at the same points."""
+        self._check_replicas()
         if self.up.recheck is not None:
-            self.up.recheck.settle(wait)
+            self.up.recheck.settle()
+
+    def _digests_copy(self) -> tuple[torch.Tensor, object] | None:
+        """This update's group digests on the host, or None when they do not cover
+        every group (an update a recovery finished). On a GPU a pinned copy behind an
+        event: made in stream order, read when the next check needs it (the host never
+        waits for the update to finish)."""
+        if not self.up.digest_complete:
+            return None
+        if self.device.type != "cuda":
+            return self.up.digests.clone(), None
+        host = torch.empty(self.up.digests.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(self.up.digests, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return host, ev
+
+    def _check_replicas(self) -> None:
+        """The replica check of the last update (and the loss guard's flags with it):
+        one all_gather, made before the next update reads that state, before a
+        checkpoint and at the end of training — deferred so that the host never waits
+        for an update to finish. A rank with nothing unchecked (the first iteration, a
+        trainer that took over) sends none and nothing is compared."""
+        if self.replica is None:
+            return
+        pending, self._unchecked = self._unchecked, None
+        t, got, bad, value = pending if pending is not None else (-1, None, 0, float("nan"))
+        digests = None
+        if got is not None:
+            digests, ev = got
+            if ev is not None:
+                ev.synchronize()  # long past, as a rule: the device is in the next backward
+        gids = [g.gid for g in self.up.groups]
+        flagged = self.replica.check(t, digests, gids, recheck=self._recheck, flag=bad)
+        if flagged:
+            self.guard.fail(t, flagged, value)
 
     def _recheck(self, gis: list[int]) -> torch.Tensor:
         """Groups whose digests differ between replicas, scrubbed (a wrong parity page is

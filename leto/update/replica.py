@@ -3,7 +3,11 @@ after every update, so a wrong computation on one rank (a silent data corruption
 the optimizer's arithmetic or in a gradient it read) is found in the iteration it
 happened, before a checkpoint or a later iteration trusts that state.
 
-Runs in the trainer, after the update of an iteration committed. The digest is taken
+Runs in the trainer (``leto.runtime.retained``): an update's digests are copied to the
+host in stream order (pinned memory behind an event on a GPU) and compared at the start
+of the next iteration's step — before anything of it can fail and before its update
+reads that state — and before every checkpoint and at the end of training; the host
+never waits for an update to finish. The digest is taken
 from the tier-1 parity each rank keeps per protection group (``leto.update.rmu``): a
 linear function of every byte of the group's data pages, identical across replicas that
 hold identical bytes in identical layouts. The updater reduces each group's parity, on
@@ -32,8 +36,9 @@ with the replicated state, so no group's digest is comparable across ranks; an u
 finished (its digest covers only the groups it redid; the next iteration's check covers
 the whole state again); a corruption that flips the same bits on every replica; a digest
 collision (a data flip changes H1 parity words, and their signed changes would have to
-sum to 0 modulo 2^64). On CUDA the check waits for the update to finish (one host
-synchronisation per iteration).
+sum to 0 modulo 2^64); an update whose check was still pending when a failure struck
+(the new trainers have nothing to compare for it; the next iteration's check covers the
+whole state again).
 """
 
 from __future__ import annotations
@@ -118,41 +123,49 @@ class ReplicaCheck:
                 elif not rec.get("majority", True) and "digests" in rec:
                     self._pending[rec["iteration"]] = rec["digests"]
 
-    def _gather(self, digests: torch.Tensor, flag: int = 0):
-        """Every rank's digests, and every rank's ``flag`` (one more word: the loss
-        guard's, ``leto.runtime.loss_guard``)."""
+    def _gather(self, digests: torch.Tensor | None, n: int, flag: int = 0):
+        """Every rank's ``n`` digests (None: a rank without them, e.g. a trainer that
+        took over mid-job: zeros, marked invalid), whether each had them, and every
+        rank's ``flag`` (the loss guard's, ``leto.runtime.loss_guard``)."""
+        words = torch.zeros(n, dtype=torch.int64) if digests is None else digests
         mine = torch.cat(
-            [digests.to("cpu", torch.int64).reshape(-1), torch.tensor([flag], dtype=torch.int64)]
+            [
+                words.to("cpu", torch.int64).reshape(-1),
+                torch.tensor([int(digests is not None), flag], dtype=torch.int64),
+            ]
         )
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.pg)
         rows = [tuple(int(x) for x in d) for d in every]
-        return [r[:-1] for r in rows], [r[-1] for r in rows]
+        return [r[:-2] for r in rows], [r[-2] for r in rows], [r[-1] for r in rows]
 
     def check(
         self,
         t: int,
-        digests: torch.Tensor,
+        digests: torch.Tensor | None,
         gids: list[int],
         recheck: Callable[[list[int]], torch.Tensor] | None = None,
         flag: int = 0,
     ) -> list[int]:
-        """Compare this rank's per-group ``digests`` (int64, one per state group) of
-        iteration ``t`` with every replica's; raise ``ReplicaDisagreement`` on any
-        difference (every rank raises: they all see the same words). ``recheck(groups)``
-        (indices into ``digests``): scrub those groups, return the digests again — called
-        on every rank alike when they differ, before the second comparison. ``flag``
+        """Compare this rank's per-group ``digests`` (int64, one per state group; None:
+        this rank has none for iteration ``t``, and nothing is compared) of iteration
+        ``t`` with every replica's; raise ``ReplicaDisagreement`` on any difference
+        (every rank raises: they all see the same words). ``recheck(groups)`` (indices
+        into ``digests``): scrub those groups, return the digests again — called on
+        every rank alike when they differ, before the second comparison. ``flag``
         travels in the same collective: the ranks whose flag is set are returned (and
         the digests not compared: the caller fails the iteration on every rank)."""
         t0 = time.perf_counter()
-        rows, flags = self._gather(digests, flag)
+        rows, valid, flags = self._gather(digests, len(gids), flag)
         self.checks += 1
         self.check_s += time.perf_counter() - t0
         if any(flags):
             return [r for r, f in enumerate(flags) if f]
+        if not all(valid):
+            return []
         named, majority = suspects(rows)
         if named and recheck is not None:
-            rows, _ = self._gather(recheck(_differing(rows)))
+            rows, _, _ = self._gather(recheck(_differing(rows)), len(gids))
             named, majority = suspects(rows)
         if not named:
             if t in self._pending:
