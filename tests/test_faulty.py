@@ -74,3 +74,20 @@ def test_the_agent_reports_a_device_named_twice_and_stops_only_if_asked(tmp_path
         assert "the job stops, keeping its checkpoints" in why, why
     else:
         assert why is None
+
+
+def test_leto_run_refuses_an_unreadable_faulty_devices_file_and_starts_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / faulty.FILE).write_text('{"x": 1}')
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "leto.cli", "run", "--exclude-faulty", "--device", "cpu",
+         "--log-dir", str(tmp_path), str(script)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "is not a list of faulty-device records" in r.stderr, r.stderr
+    assert "nothing was excluded and nothing started" in r.stderr, r.stderr
