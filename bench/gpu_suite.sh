@@ -322,8 +322,9 @@ if [[ $what == replay-gpu || $what == sdc ]]; then
   # Issue 33's checks on CUDA, in-process (one GPU): a captured micro-batch replayed
   # bit-identically under bf16 autocast, this rank's state left alone; the update
   # recheck (fused CUDA pass against torch's fused AdamW) changes no byte and finds a
-  # wrong value.
+  # wrong value; the replica check's deferred digests copied in stream order.
   timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_replay.py tests/test_recheck.py \
+    tests/test_replica.py \
     2>&1 | tail -3 | tee "$OUT/replay_gpu_tests.txt" || rc=1
 fi
 if [[ $what == sdc ]]; then

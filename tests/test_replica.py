@@ -195,3 +195,45 @@ def test_a_rank_without_digests_compares_nothing_but_still_carries_flags(monkeyp
     assert rc.check(3, torch.tensor([5, -7]), gids=[0, 1]) == [] and not log.exists()
     rc, log = _check(monkeypatch, tmp_path, 1, [[5, -7], None, [5, -7]], flags=[0, 0, 1])
     assert rc.check(3, None, gids=[0, 1]) == [2]
+
+
+class _Replica:
+    """Stands in for ReplicaCheck in RetainedTraining's deferral: records each check."""
+
+    def __init__(self):
+        self.got = []
+
+    def check(self, t, digests, gids, recheck=None, flag=0):
+        self.got.append((t, None if digests is None else digests.clone(), flag))
+        return []
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_updates_digests_are_compared_before_the_next_update_changes_them(device):
+    # The deferral (leto.runtime.retained): the digests of iteration 4's update are
+    # copied in stream order (on a GPU: pinned, behind an event) and compared later, even
+    # though the next update overwrites the device tensor they came from; a check with
+    # nothing pending sends none.
+    from types import SimpleNamespace
+
+    from leto.runtime.retained import RetainedTraining as R
+
+    up = SimpleNamespace(
+        digests=torch.tensor([11, -3], dtype=torch.int64, device=device),
+        digest_complete=True,
+        groups=[SimpleNamespace(gid=0), SimpleNamespace(gid=1)],
+    )
+    job = SimpleNamespace(up=up, device=torch.device(device), replica=_Replica(), guard=None,
+                          _unchecked=None, _recheck=None)  # fmt: skip
+    if device == "cuda":
+        torch.cuda._sleep(50_000_000)  # the copy is queued behind work still running
+    job._unchecked = (4, R._digests_copy(job), 0, 1.5)
+    up.digests.fill_(7)  # the next update's digests, written in stream order after it
+    R._check_replicas(job)
+    R._check_replicas(job)
+    (t, got, flag), (t2, none, _) = job.replica.got
+    assert t == 4 and flag == 0 and got.device.type == "cpu"
+    assert torch.equal(got, torch.tensor([11, -3])), got
+    assert none is None and job._unchecked is None
+    up.digest_complete = False  # an update a recovery finished: nothing to compare
+    assert R._digests_copy(job) is None
