@@ -17,6 +17,7 @@ from leto.memory.config import PoolConfig
 from leto.memory.launch import start_state_manager
 from leto.update.chunk_pass import ENV
 from leto.update.recheck import Recheck, WrongUpdate
+from leto.update.rmu import Updater
 from tests import test_user_optim as u
 from tests.pool_helpers import small_config
 
@@ -107,3 +108,98 @@ def test_one_chunk_an_iteration_in_turn_or_every_chunk():
         0, 1, 2, 3, 4,
     ]  # fmt: skip
     assert all(Recheck(0, 5, None, every=True).due(7, o) for o in range(5))
+
+
+# -- the alarm policy: a disagreement repeated after the rollback is settled ----------
+
+
+def _flip_recheck(monkeypatch, at_iteration: int = 1):
+    """Make the recheck's own computation wrong, the same way every time (a software
+    mistake in the check): its second step of ``at_iteration`` flips a bit it wrote."""
+    orig = Updater._user_step
+
+    def wrong(self, it, units, points=True):
+        orig(self, it, units, points)
+        if not points and it == at_iteration:
+            self.state.flat["exp_avg_sq"][self.state.element_range(units)[0]].view(
+                torch.int32
+            ).bitwise_xor_(1)
+
+    monkeypatch.setattr(Updater, "_user_step", wrong)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_a_check_that_is_wrong_twice_is_switched_off_and_the_job_goes_on(
+    tmp_path, monkeypatch, fused, device, capsys
+):
+    monkeypatch.setenv(ENV, fused)
+    plain = _run(tmp_path / "plain", None, device=device)["state"]
+    _flip_recheck(monkeypatch)
+    with pytest.raises(WrongUpdate):  # the first time: the rollback (a device named once)
+        _run(tmp_path, True, device=device)
+    got = _run(tmp_path, True, device=device)  # the redo: settled, no alarm, exact
+    for k in plain:
+        assert torch.equal(plain[k].view(torch.uint8), got["state"][k].view(torch.uint8)), k
+    recs = [json.loads(x) for x in (tmp_path / "rank0.recheck.jsonl").read_text().splitlines()]
+    assert [r.get("settled") for r in recs] == [None, "recheck"], recs
+    evidence = json.loads((tmp_path / "rank0.recheck-evidence.json").read_text())
+    assert evidence["exp_avg_sq"]["first"] == evidence["exp_avg_sq"]["third"], evidence
+    assert evidence["exp_avg_sq"]["recheck"] != evidence["exp_avg_sq"]["first"], evidence
+    err = capsys.readouterr().err
+    assert "update recheck off for the rest of the job" in err and "evidence:" in err, err
+
+
+def _flip_first(at_iteration: int, times: list):
+    """A wrong first computation of the first chunk of ``at_iteration`` (faultkit's
+    sdc-update seam), the same bit in every run: a software mistake in the update."""
+
+    flipped = []
+
+    def at(name, it, dest):
+        if name == plugins.SDC_POINT and it == at_iteration and not flipped:
+            page = list(getattr(dest, "pages", dest))[0]
+            page.view(torch.uint8)[1000] ^= 1
+            flipped.append(it)
+            times.append(it)
+
+    return at
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_a_first_computation_wrong_twice_is_replaced_by_the_two_that_agree(
+    tmp_path, monkeypatch, fused, device
+):
+    monkeypatch.setenv(ENV, fused)
+    plain = _run(tmp_path / "plain", None, device=device)["state"]
+    times: list = []
+    before = plugins._point_handler
+    monkeypatch.setattr(plugins, "install_point_handler", lambda h: None)  # keep ours
+    plugins._point_handler = _flip_first(1, times)
+    try:
+        with pytest.raises(WrongUpdate):
+            _run(tmp_path, True, device=device)
+        plugins._point_handler = _flip_first(1, times)  # the redo: the same flip again
+        got = _run(tmp_path, True, device=device)
+    finally:
+        plugins._point_handler = before
+    assert times.count(1) == 2, f"the flip did not repeat: the test proves nothing ({times})"
+    # torch's values kept, and parity rebuilt for them: state and host parity exact.
+    for k in plain:
+        assert torch.equal(plain[k].view(torch.uint8), got["state"][k].view(torch.uint8)), k
+    recs = [json.loads(x) for x in (tmp_path / "rank0.recheck.jsonl").read_text().splitlines()]
+    assert [r.get("settled") for r in recs] == [None, "first"], recs
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_a_disagreement_that_does_not_repeat_was_transient(tmp_path, monkeypatch, fused):
+    monkeypatch.setenv(ENV, fused)
+    with pytest.raises(WrongUpdate):
+        _run(tmp_path, True, flip_at=1)
+    plain = _run(tmp_path / "plain", None)["state"]
+    got = _run(tmp_path, True)
+    for k in plain:
+        assert torch.equal(plain[k].view(torch.uint8), got["state"][k].view(torch.uint8)), k
+    recs = [json.loads(x) for x in (tmp_path / "rank0.recheck.jsonl").read_text().splitlines()]
+    assert [r.get("settled") for r in recs] == [None, "transient"], recs

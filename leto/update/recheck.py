@@ -16,6 +16,20 @@ of training. A difference: ``WrongUpdate``, a fatal
 failure — the job falls back to its last verified checkpoint, which predates it, and
 redoes the iterations. Each finding is a line of ``rank<r>.recheck.jsonl``.
 
+Settling a disagreement (the alarm policy, docs/integrity.md): a difference that repeats
+bit for bit after the rollback is no evidence of a faulty device — a computation that is
+wrong the same way twice is software, not hardware. So the redo does not compare two
+computations again: when it reaches the iteration and chunk its log names, the updater
+settles the chunk synchronously with a third, independent computation — torch's step on
+copies of the undo copy, out of place — and keeps what two of the three agree on
+(``Updater._settle``). Where the recheck's own computation is the odd one out, the
+recheck is off for the rest of the job (one console line, the evidence in
+``rank<r>.recheck-evidence.json``) and the job goes on; where the first computation is
+(the fused chunk pass), the chunk is redone by the unfused steps and the fused pass is off
+for the rest of the job, likewise said; where all three agree, the first finding was
+transient (a device named once, as before); where all three differ, ``WrongUpdate``.
+Nothing of a settled disagreement names a device, so none is recorded as faulty.
+
 Sampling: one chunk an iteration, chunk ``t mod chunks`` (counted over every group), so
 every chunk is rechecked once every ``chunks`` iterations; ``LETO_UPDATE_RECHECK=all``
 rechecks every chunk (faultkit's ``sdc-update`` on such jobs, so that the struck chunk is
@@ -31,6 +45,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -66,16 +81,60 @@ def words_sum(regions: list[torch.Tensor]) -> torch.Tensor:
 class Recheck:
     def __init__(self, rank: int, chunks: int, log: Path | None, every: bool = False):
         """``chunks``: the update's chunks over every group (the sampling's period);
-        ``every``: recheck every chunk."""
+        ``every``: recheck every chunk. Findings an earlier generation logged (``log``)
+        and did not settle are settled when the redo reaches them (``must_settle``)."""
         self.rank, self.chunks, self.log, self.every = rank, chunks, log, every
         self.checked = 0
+        self.off: str | None = None  # why the recheck is off for the rest of the job
+        self.on_notice = None  # (text) -> None: a line for the console (leto.Run sets it)
         # (t, group, chunk, flag, the event after its host copy: None on the CPU)
         self._pending: list[tuple[int, int, int, torch.Tensor, object]] = []
+        self.to_settle: set[tuple[int, int, int]] = set()
+        if log is not None and log.exists():
+            for line in log.read_text().splitlines():
+                rec = json.loads(line)
+                key = (rec["iteration"], rec["group"], rec["chunk"])
+                if rec.get("settled"):
+                    self.to_settle.discard(key)
+                elif rec.get("rank") == rank:
+                    self.to_settle.add(key)
 
     def due(self, t: int, ordinal: int) -> bool:
         """Whether the chunk that is the ``ordinal``-th of iteration ``t``'s update is
         rechecked."""
-        return self.every or ordinal == t % self.chunks
+        return self.off is None and (self.every or ordinal == t % self.chunks)
+
+    def must_settle(self, t: int, gi: int, j: int) -> bool:
+        """Whether chunk ``j`` of group ``gi`` in iteration ``t`` disagreed before the
+        rollback now being redone (it is settled by three computations, not rechecked)."""
+        return self.off is None and (t, gi, j) in self.to_settle
+
+    def settled(self, t: int, gi: int, j: int, verdict: str, evidence: dict) -> None:
+        """Log a settled disagreement (``verdict``: transient, recheck, first or
+        all-differ); the evidence goes to ``rank<r>.recheck-evidence.json``."""
+        self.to_settle.discard((t, gi, j))
+        rec = {"iteration": t, "group": gi, "chunk": j, "rank": self.rank, "settled": verdict,
+               "time": time.time()}  # fmt: skip
+        if self.log is not None:
+            with open(self.log, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            self.evidence_path().write_text(json.dumps({**rec, **evidence}, indent=1))
+
+    def evidence_path(self) -> Path:
+        return self.log.with_name(f"rank{self.rank}.recheck-evidence.json")
+
+    def switch_off(self, why: str) -> None:
+        """The recheck is off for the rest of the job (its pending comparisons dropped)."""
+        self.off, self._pending = why, []
+        self.notice(f"update recheck off for the rest of the job: {why}")
+
+    def notice(self, text: str) -> None:
+        line = f"rank {self.rank}: {text}"
+        if self.log is not None:
+            line += f" (evidence: {self.evidence_path()})"
+        print(line, file=sys.stderr, flush=True)
+        if self.on_notice is not None:
+            self.on_notice(line)
 
     def compared(self, t: int, gi: int, j: int, first: torch.Tensor, again: torch.Tensor):
         """The two sums of chunk ``j`` of group ``gi`` (device tensors): kept, read later.

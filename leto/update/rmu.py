@@ -58,6 +58,7 @@ from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.memory.lending import Lender
 from leto.plugins import SDC_POINT, point
+from leto.update import settle
 from leto.update.chunk_pass import ChunkPass
 from leto.update.layout import RetainedModel
 from leto.update.loop_record import LoopRecord
@@ -532,7 +533,10 @@ class Updater:
                             self._runs_copy(units, to_undo=False)
                         self._wait(scratch_event)
                         self._chunk_pass(it, gi, j, units, y, pages)
-                    self._recheck(it, gi, j, units)  # (parity has absorbed the pass)
+                    if self._settling(it, gi, j):  # disagreed before the rollback
+                        self._settle(it, gi, j, units, (x, y), pages, undo)
+                    else:
+                        self._recheck(it, gi, j, units)  # (parity has absorbed the pass)
                     m = m.but(step=Step.PARITY_DONE)  # not written: see UPDATE_DONE below
             if m.step is Step.UNDO_DONE:
                 with self._span("optimizer"):
@@ -554,7 +558,10 @@ class Updater:
                         self._copy(self._buf_flat[y], self._buf_flat[x])
                     point("update.parity", it)
                     point(SDC_POINT, it, dest=pages)  # a wrong value here, parity agrees
-                    self._recheck(it, gi, j, units)  # before parity absorbs the values
+                    if self._settling(it, gi, j):  # disagreed before the rollback
+                        self._settle(it, gi, j, units, None, pages, undo)
+                    else:
+                        self._recheck(it, gi, j, units)  # before parity absorbs the values
                     first, _ = self.state.chunk_pages(gi, units)
                     code.tier1.update(
                         self._pages(y, self.buf[y]),
@@ -699,6 +706,13 @@ class Updater:
         self._runs_copy(units, to_undo=False)
         self._user_step(it, units, points=False)
         rc.compared(it, gi, j, first, words_sum(regions))
+
+    def _settling(self, it: int, gi: int, j: int) -> bool:
+        rc = self.recheck
+        return rc is not None and self.user is not None and rc.must_settle(it, gi, j)
+
+    def _settle(self, it: int, gi: int, j: int, units, fused_bufs, pages, undo) -> None:
+        settle.chunk(self, it, gi, j, units, fused_bufs, pages, undo)
 
     def _user_step(self, it: int, units: tuple[int, int], points: bool = True) -> None:
         """The script's optimizer on a chunk: its trainable pieces, in two halves (the
