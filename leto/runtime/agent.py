@@ -90,6 +90,7 @@ class Agent:
             os.environ[plugins.ENV_PLUGINS] = ",".join(dict.fromkeys(names))
         plugins.load(",".join(n for n in names if n != plugins.VERIFY_PLUGIN))  # trainers' only
         self.records: list[RecoveryRecord] = []
+        self._notices_seen, self._notices_at = 0, 0.0  # trainers' console lines logged
         self._signatures: set[tuple] = set()  # script errors recovered from once
         # Recoverable failures Leto raised (EXIT_RECOVERABLE): signature -> generation.
         self._recoverable: dict[tuple, int] = {}
@@ -187,6 +188,7 @@ class Agent:
             reported = False
             while True:
                 time.sleep(c.poll_s)
+                self._notices(store)
                 dead = self.monitor.failures(gen)
                 if dead and not reported:
                     reported = True
@@ -471,6 +473,24 @@ class Agent:
         except Exception as e:  # the summary reports it; the run's outcome stands
             return {"rank": cl.rank, "error": f"{type(e).__name__}: {e}"}
 
+    def _notices(self, store, every_s: float = 1.0) -> None:
+        """Node 0: the trainers' console lines (a check switched off...), each once,
+        looked for once a second (the store's load stays flat)."""
+        now = time.time()
+        if self.cfg.node_rank != 0 or now - self._notices_at < every_s:
+            return
+        self._notices_at = now
+        try:
+            n = int(store.add(keys.NOTICES, 0))
+            while self._notices_seen < n:
+                key = keys.notice(self._notices_seen)
+                if not store.check([key]):
+                    return  # counted before set by a racing trainer: next time
+                log.warning("%s", store.get(key).decode())
+                self._notices_seen += 1
+        except Exception:  # noqa: BLE001 - a notice must never stop the job
+            return
+
     def _no_loss(self) -> int:
         if self.store is None:
             return 0
@@ -480,6 +500,8 @@ class Agent:
             return 0
 
     def summary(self, last_gen: int) -> dict:
+        if self.store is not None:
+            self._notices(self.store, every_s=0.0)  # any the loop had no time to show
         return {
             "measured": self.monitor.ettr() if self.monitor is not None else {"ettr": None},
             "config": asdict(self.cfg),

@@ -16,6 +16,16 @@ COLLECTED = "leto/collected"  # agents that read the recovery records (node 0 th
 # Trainers that committed an iteration without run.record_loss under --verify (agents
 # say so once on the console at the end).
 NO_LOSS = "leto/no_loss"
+# Lines a trainer has for the console (a check switched off, with its evidence file):
+# a trainer takes a number from NOTICES_TAKEN, sets notice(n), then counts NOTICES up;
+# node 0's agent logs each once.
+NOTICES_TAKEN = "leto/notices_taken"
+NOTICES = "leto/notices"
+
+
+def notice(n: int) -> str:
+    """The text of the n-th console line a trainer sent (see NOTICES)."""
+    return f"leto/notice/{n}"
 
 
 def failures(gen: int) -> str:

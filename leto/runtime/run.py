@@ -197,6 +197,8 @@ class Run:
         )
         if ctx.store is not None:
             self.job.on_no_loss = lambda: ctx.store.add(keys.NO_LOSS, 1)
+            if self.job.up.recheck is not None:
+                self.job.up.recheck.on_notice = lambda text: _notice(ctx.store, text)
         self.loop = self.job.loop = self.job.up.loop
         early = self._data is not None
         self._data = self._data or data_state.DataState(ctx.pool, data)
@@ -598,3 +600,10 @@ class Run:
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _notice(store, text: str) -> None:
+    """A line for the console, through the job's store (node 0's agent logs it once)."""
+    n = store.add(keys.NOTICES_TAKEN, 1) - 1
+    store.set(keys.notice(n), text)
+    store.add(keys.NOTICES, 1)
