@@ -233,3 +233,35 @@ def test_a_page_changed_while_its_chunk_is_in_flight_is_found(pool, monkeypatch,
             assert scrub.full()["repaired"] == []  # absorbed: nothing to find
     finally:
         tr.client.close()
+
+
+@pytest.mark.gpu
+def test_the_cuda_kernel_keeps_denormal_optimizer_state_as_torch_does(monkeypatch):
+    """A tied embedding's rows of tokens a batch lacks get gradients of ~1e-20: their
+    squared gradients and second moments are float32 denormals. Built with denormals
+    flushed, the kernel wrote 0 where torch keeps them (parameters still equal, optimizer
+    state not) and the update recheck stopped a healthy job."""
+    import tests.rmu_harness as h
+
+    plain = h.grads_for
+
+    def tiny(model, iteration):
+        plain(model, iteration)
+        for p in model.parameters():
+            p.grad.view(-1)[::2] *= 1e-17  # half: after clipping, denormal squares
+
+    monkeypatch.setattr(h, "grads_for", tiny)
+    cfg = PoolConfig.for_cuda(0, data_pages=12, tier1_pages=4, allow_fault_injection=True)
+    kw = {"dims": (1024, 2400, 7), "chunk_units": 2}
+    out = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv(ENV, env)
+        sm = start_state_manager(cfg)
+        try:
+            out[env] = u.train(sm, "adamw-fused", None, **kw)
+        finally:
+            sm.stop()
+    assert out["1"]["chunk pass"] == "cuda kernel", out["1"]["chunk pass"]
+    v = out["0"]["exp_avg_sq"]  # the test exercises what it names: denormals exist
+    assert ((v != 0) & (v.abs() < torch.finfo(torch.float32).tiny)).any()
+    same_bytes(out["1"], out["0"], "denormal second moments on CUDA")

@@ -108,11 +108,20 @@ def loss_of(arch: str, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Te
     return model(input_ids=tokens, labels=tokens).loss
 
 
+_ZIPF: dict[int, torch.Tensor] = {}
+
+
 def tokens(seed: int, rank: int, it: int, micro: int, s: Size) -> torch.Tensor:
     """A micro-batch of ``rank`` in iteration ``it``: a function of its position only (the
-    same on a recovered trainer)."""
+    same on a recovered trainer). Zipf-distributed, as text is: most of a large vocabulary
+    is absent from a batch, so a tied embedding's rows of those tokens get only the output
+    head's tiny gradients (float32 denormals in the optimizer state — what uniform tokens
+    never exercise, and where the fused pass once parted from torch)."""
+    if s.vocab not in _ZIPF:
+        _ZIPF[s.vocab] = 1.0 / torch.arange(1, s.vocab - 1, dtype=torch.float64)
     g = torch.Generator().manual_seed(seed + 1_000_003 * it + 1_009 * rank + micro)
-    return torch.randint(2, s.vocab, (s.batch, s.seq), generator=g)
+    drawn = torch.multinomial(_ZIPF[s.vocab], s.batch * s.seq, replacement=True, generator=g)
+    return (drawn + 2).view(s.batch, s.seq)
 
 
 @dataclass(frozen=True)

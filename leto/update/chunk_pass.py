@@ -252,10 +252,42 @@ class ChunkPass:
 
 @functools.cache
 def _module():
-    import cupy
+    """The kernel, built by NVRTC with IEEE denormals (``-ftz=false``), as torch's own
+    kernels are built. Not through ``cupy.RawModule``: CuPy appends ``-ftz=true`` to every
+    module it compiles, and with denormals flushed a second moment below 1.2e-38 (a tied
+    embedding's rows of tokens a batch lacks: gradients of ~1e-20) became 0 where torch
+    keeps it — the parameters still equal torch's (its square root is far below eps), the
+    optimizer state did not, and the update recheck rightly said so (the issue "Real
+    models on the GPU")."""
+    from cupy.cuda import compiler, function
 
     src = resources.files("leto.update").joinpath("chunk_pass.cu").read_text()
-    return cupy.RawModule(code=src, options=("-std=c++17", f"-I{tripwire.include_dir()}"))
+    opts = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "-fmad=true",
+            f"-I{tripwire.include_dir()}")  # fmt: skip
+    binary = compiler.compile_using_nvrtc(src, options=opts)
+    if isinstance(binary, tuple):  # (binary, name mapping) in CuPy >= 13
+        binary = binary[0]
+    module = function.Module()
+    module.load(binary if isinstance(binary, bytes) else binary.encode())
+    return _Module(module)
+
+
+class _Module:
+    """``get_function(name)``: a launcher on CuPy's current stream (the torch stream that
+    ``tripwire.launch_on_torch_stream`` makes current)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def get_function(self, name: str):
+        import cupy
+
+        fn = self.module.get_function(name)
+
+        def launch(grid, block, args):
+            fn(grid, block, args, stream=cupy.cuda.get_current_stream())
+
+        return launch
 
 
 _POINTERS: dict = {}
@@ -301,6 +333,11 @@ def _check(fn, device: torch.device, n: int) -> str | None:
     base["g"][:50] = 0.0
     base["g"][50:100] *= 1e6
     base["v"][100:150] = 0.0
+    # Denormal territory (the optimizer state of rarely-used embedding rows): squared
+    # gradients and second moments below float32's smallest normal, 1.2e-38.
+    base["g"][150:400] *= torch.logspace(-28, -14, 250, dtype=torch.float32)
+    base["v"][150:400] = torch.logspace(-45, -37, 250, dtype=torch.float32)
+    base["m"][400:500] *= 1e-35
     for adamw, wd, lr, step, betas, eps in (
         (1, 0.1, 3e-4, 1.0, (0.9, 0.95), 1e-8),
         (1, 0.0, 1e-2, 1234.0, (0.9, 0.999), 1e-6),
