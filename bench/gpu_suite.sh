@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -346,5 +346,15 @@ if [[ $what == sdc-userpath ]]; then
     --script-args=--deterministic --repeats 2 --leto-variant "norecheck=--no-replica-check" \
     --json "$OUT/userpath_recheck.json" > "$OUT/userpath_recheck.txt" 2>&1 || rc=1
   tail -c 4000 "$OUT/userpath_recheck.txt"
+fi
+if [[ $what == zoo ]]; then
+  # The issue "Real models on the GPU": the fused pass's exactness in every value regime
+  # (denormal moments included), then the model zoo (bench/zoo) at ~1 B parameters —
+  # torchrun vs leto run with every chunk rechecked, bit for bit, zero alarms — and the
+  # tiny cases with a rank killed in the update (LETO_ZOO_CASES / LETO_ZOO_SIZE override).
+  timeout 200 python3 -m pytest -p no:cacheprovider -q tests/test_chunk_pass.py tests/test_recheck.py \
+    2>&1 | tail -3 | tee "$OUT/zoo_gpu_tests.txt" || rc=1
+  timeout 560 python3 -m bench.zoo --device cuda --size ${LETO_ZOO_SIZE:-large} \
+    --cases ${LETO_ZOO_CASES:-tied} --no-kill --json "$OUT/zoo_cuda.json" 2>&1 | tee "$OUT/zoo_cuda.txt" || rc=1
 fi
 exit $rc

@@ -2,7 +2,8 @@
 computation is wrong the same way in every generation (a software mistake, planted by
 ``tests/scripts/wrong_recheck.py``) costs one rollback, is settled by a third computation,
 switched off with one console line naming its evidence — and the job goes on to the
-torchrun run's bytes, with no device recorded as faulty."""
+torchrun run's bytes, with no device recorded as faulty. The console also says, once at
+the start, where every check stands on the job."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ def test_a_check_wrong_twice_is_switched_off_and_no_device_is_named(tmp_path):
     assert [r["class"] for r in got["recoveries"]] == ["FF"], got["recoveries"]
     assert console.count("update recheck off for the rest of the job") == 1, console[-3000:]
     assert "recheck-evidence.json" in console
+    # Where every check stands, once, at the start (world 1: no replica; replay needs one).
+    said = [x for x in console.splitlines() if "checks: replica check" in x]
+    assert len(said) == 1 and "update recheck: on (every chunk)" in said[0], said
+    assert "gradient replay: off" in said[0] and "loss guard: on" in said[0], said
     assert not (tmp_path / "leto" / "logs" / FAULTY_FILE).exists()
     assert got["faulty"] == []
     recs = (tmp_path / "leto" / "train" / "rank0.recheck.jsonl").read_text().splitlines()

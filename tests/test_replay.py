@@ -139,6 +139,20 @@ def test_no_replay_when_not_due_or_not_deterministic():
     assert rp._payload() is None  # a recomputation need not be bit-exact: skipped
 
 
+def test_a_skipped_replay_is_not_counted_and_the_reason_is_kept(monkeypatch):
+    model, rp, flat, x, y = _setup()
+    monkeypatch.setattr(rp, "_exchange", lambda obj, dst, src: obj)  # its own, as a peer's
+    monkeypatch.setattr(rp, "_gather", lambda *words: [list(words), list(words)])
+    rp.begin(0)
+    model(x, y)[1].backward()
+    rp.whole()
+    torch.use_deterministic_algorithms(False)
+    rp.verify(0)
+    torch.use_deterministic_algorithms(True)
+    assert rp.replays == 0, "a replay that did not run was counted"
+    assert "use_deterministic_algorithms(True) is off" in (rp.skipped or ""), rp.skipped
+
+
 def test_an_output_of_another_type_is_not_replayed_and_is_said(capsys):
     class Out:
         def __init__(self, loss):

@@ -486,7 +486,10 @@ class Agent:
                 key = keys.notice(self._notices_seen)
                 if not store.check([key]):
                     return  # counted before set by a racing trainer: next time
-                log.warning("%s", store.get(key).decode())
+                text = store.get(key).decode()
+                # Where the checks stand is information; anything else a trainer says
+                # here (a check switched off) is a warning.
+                (log.info if text.startswith("checks:") else log.warning)("%s", text)
                 self._notices_seen += 1
         except Exception:  # noqa: BLE001 - a notice must never stop the job
             return

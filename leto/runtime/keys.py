@@ -20,6 +20,7 @@ NO_LOSS = "leto/no_loss"
 # a trainer takes a number from NOTICES_TAKEN, sets notice(n), then counts NOTICES up;
 # node 0's agent logs each once.
 NOTICES_TAKEN = "leto/notices_taken"
+CHECKS_SAID = "leto/checks_said"  # the checks' line was sent (rank 0, once a job)
 NOTICES = "leto/notices"
 
 

@@ -182,8 +182,9 @@ class GradReplay:
         self.device = grad.device
         self.pg = group or dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.replaying = False
-        self.replays = 0
+        self.replays = 0  # micro-batches this rank recomputed
         self.replay_s = 0.0
+        self.skipped: str | None = None  # why a due replay was skipped (first reason)
         self._said: set[str] = set()
         self._t: int | None = None
         self._reset()
@@ -197,6 +198,7 @@ class GradReplay:
         self._acc: torch.Tensor | None = None
 
     def _say(self, why: str) -> None:
+        self.skipped = self.skipped or why  # the closing line says it, not a count
         if why not in self._said:
             self._said.add(why)
             print(f"rank {self.rank}: gradient replay: {why}", file=sys.stderr, flush=True)
@@ -382,8 +384,9 @@ class GradReplay:
             rep = self._compute(theirs)
             status = 1 if rep == theirs["digest"] else 2
         rows = self._gather(status, mine["digest"] if mine else 0, rep)
-        self.replays += 1
-        self.replay_s += time.perf_counter() - t0
+        if status:  # counted only when this rank recomputed a micro-batch
+            self.replays += 1
+            self.replay_s += time.perf_counter() - t0
         bad = [(o - 1) % w for o in range(w) if rows[o][0] == 2]  # originals that differ
         if not bad:
             return

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from leto import plugins
 from leto.errors import InvalidInput
 from leto.plugins import point
-from leto.runtime import data_state, keys, replay
+from leto.runtime import checks_line, data_state, keys, replay
 from leto.runtime.batch_fn import BatchFunctions
 from leto.runtime.ddp_shape import DDPShaped
 from leto.runtime.loop_state import LoopState
@@ -266,6 +266,11 @@ class Run:
         stands (0 on a fresh start; after a recovery, the first unfinished one)."""
         self._batches.start()
         self._rng.apply()  # after the script's own seeding: a recovery's generator states
+        store = self.ctx.store
+        if self.ctx.rank == 0 and store is not None and store.add(keys.CHECKS_SAID, 1) == 1:
+            # Where every check stands on this job, once on the console (here, not in
+            # leto.Run: a script may turn deterministic algorithms on after it).
+            _notice(store, checks_line.describe(self.job, replay.every()))
         t = self.next_iteration
         t_first, t_loop = t, time.time()
         while t < total:
@@ -307,6 +312,8 @@ class Run:
             + (
                 f"{rp.replays} micro-batches replayed, {1e3 * rp.replay_s / rp.replays:.1f} ms each"
                 if rp is not None and rp.replays
+                else f"skipped ({rp.skipped})"
+                if rp is not None and rp.skipped
                 else f"every {rp.k} iterations, none due"
                 if rp is not None
                 else "off"
