@@ -364,6 +364,13 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
             "losses, so the verifiers compare no loss (call it before optimizer.step())",
             file=sys.stderr,
         )
+    for f in summary.get("unfired_faults", []):
+        print(
+            f"leto run: warning: fault-plan entry for generation {f['generation']} (rank "
+            f"{f['rank']} at {f['at']}, {f.get('mode', 'kill')}) never fired: the job "
+            f"{'ended' if not stopped else 'stopped'} before it, or the point was not reached",
+            file=sys.stderr,
+        )
     if not summary["recoveries"]:
         if not stopped:
             print(head)  # no failure: no table of recoveries to print

@@ -91,3 +91,23 @@ def test_leto_run_refuses_an_unreadable_faulty_devices_file_and_starts_nothing(t
     assert r.returncode == 2, r.stderr
     assert "is not a list of faulty-device records" in r.stderr, r.stderr
     assert "nothing was excluded and nothing started" in r.stderr, r.stderr
+
+
+def test_a_fault_plan_entry_that_never_fired_is_reported(tmp_path, monkeypatch, capsys):
+    from leto.cli import _print_summary
+    from leto.runtime.recovery import FailureClass, RecoveryRecord
+
+    plan = [{"generation": 0, "rank": 0, "at": "update.optimizer@2#1"},
+            {"generation": 1, "rank": 1, "at": "sync@40#1"}]  # fmt: skip
+    monkeypatch.setenv("LETO_FAULT_PLAN", json.dumps(plan))
+    cfg = RunConfig(nproc_per_node=2, log_dir=str(tmp_path), allow_fault_injection=True)
+    agent = Agent(cfg, ["t.py"])
+    agent._place()
+    agent.records = [RecoveryRecord(0, FailureClass.HOF, 0.0, 0.0, 0.0, "L2", [0, 1])]
+    summary = agent.summary(1)
+    assert [f["generation"] for f in summary["unfired_faults"]] == [1]
+    summary["measured"] = {"ettr": None, "why": "test"}
+    _print_summary(summary, cfg, 0)
+    err = capsys.readouterr().err
+    assert "fault-plan entry for generation 1 (rank 1 at sync@40#1" in err, err
+    assert err.count("never fired") == 1, err  # the entry that struck is not listed

@@ -494,6 +494,12 @@ class Agent:
         except Exception:  # noqa: BLE001 - a notice must never stop the job
             return
 
+    def _unfired(self) -> list[dict]:
+        """The fault plan's entries that never struck: a fired entry ends its generation
+        in a failure, so an entry of a generation no recovery record names did not."""
+        failed = {r.generation for r in self.records}
+        return [f for f in self.faults if f["generation"] not in failed]
+
     def _no_loss(self) -> int:
         if self.store is None:
             return 0
@@ -525,6 +531,8 @@ class Agent:
             # This agent's load on the job's TCPStore (every request it made).
             # Trainers that committed iterations without run.record_loss under --verify.
             "no_loss_ranks": self._no_loss(),
+            # Fault-plan entries whose generation ended without a failure (node 0 says so).
+            "unfired_faults": self._unfired(),
             "store_requests": self.store.requests if self.store is not None else 0,
             "store_requests_per_s": self.store.rate() if self.store is not None else 0.0,
         }
