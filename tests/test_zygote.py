@@ -119,3 +119,14 @@ def test_a_zygote_that_died_is_named_when_asked_to_fork(tmp_path):
     with pytest.raises(RuntimeError, match="zygote .* is not running.*LETO_ZYGOTE=0"):
         _spawn(z, tmp_path, "print(1)")
     z.close()
+
+
+def test_a_torchrun_script_left_unported_is_told_to_call_leto_init(zygote, tmp_path):
+    body = """
+        from torch.distributed import init_process_group
+        init_process_group("gloo")
+    """
+    p, log = _spawn(zygote, tmp_path, body)
+    assert p.wait(30) == 1
+    out = log.read_text()
+    assert "call leto.init() instead of torch.distributed.init_process_group()" in out, out

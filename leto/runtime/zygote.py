@@ -139,6 +139,7 @@ def _child(req: dict, fds: list[int]) -> None:
             faulthandler.enable()
         import runpy
 
+        _guard_rendezvous()
         try:
             runpy.run_path(script, run_name="__main__")
             code = 0
@@ -187,6 +188,30 @@ def _overwrite(start: int, end: int, payload: bytes) -> None:
     room = end - start
     if room > 1:
         ctypes.memmove(start, payload[: room - 1].ljust(room, b"\0"), room)
+
+
+def _guard_rendezvous() -> None:
+    """A torchrun script run under ``leto run`` unchanged calls
+    ``init_process_group()`` from the environment, and its rank 0 then tries to serve a
+    store on the port the agent's store holds: "address already in use", on a free port.
+    Say what to change instead. ``leto.init()`` passes its own store, so it is let by."""
+    import torch.distributed as dist
+
+    from leto.errors import InvalidInput
+
+    plain = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        if kwargs.get("store") is None:
+            raise InvalidInput(
+                "under leto run, call leto.init() instead of "
+                "torch.distributed.init_process_group(): Leto's agent owns the job's "
+                "rendezvous (leto.init() returns the rank, world and device, and sets up "
+                "the same process group); nothing was started (docs/porting.md)"
+            )
+        return plain(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
 
 
 def _exit_code(c) -> int:
