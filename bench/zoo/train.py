@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=2, help="micro-batches per iteration")
     ap.add_argument("--out", required=True, help="folder for the state and losses")
     ap.add_argument("--leto", action="store_true", help="the Leto port (under leto run)")
+    ap.add_argument("--zero1", action="store_true", help="Leto port: leto.Run(..., zero1=True)")
     args = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
@@ -69,7 +70,7 @@ def main() -> None:
     amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
     if args.leto:
         run = leto.Run(ctx, model, opts, scheds, scaler=scaler if fp16 else None,
-                       start_iteration=start)  # fmt: skip
+                       start_iteration=start, zero1=args.zero1)  # fmt: skip
         ddp = run.model
         loop = run.iterations(start + args.iterations)
     else:
@@ -114,7 +115,8 @@ def main() -> None:
     log.close()
     state = {
         "params": {n: p.detach().cpu().clone() for n, p in inner.named_parameters()},
-        "optim": [o.state_dict() for o in opts],
+        # (Under ZeRO-1 each rank holds a shard of it: state_dict() is refused.)
+        "optim": [] if args.zero1 else [o.state_dict() for o in opts],
     }
     torch.save(state, out / f"rank{rank}.state.pt")
     del ddp, model

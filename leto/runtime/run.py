@@ -325,6 +325,10 @@ class Run:
         # reached yet is found here (the fallback then redoes the iterations after it).
         self.job.settle_checks()
         self.job.scrub.full(when="at the end of training")
+        # ZeRO-1: the last update's shards into every rank's full parameters (the gather
+        # otherwise runs when the next iteration begins), so the model the script reads
+        # after the loop — to evaluate, to save — is the trained one, not one update behind.
+        self.job.up.state.gather()
         final = getattr(self.job.on_iteration, "final", None)
         if final is not None:  # verification's look at the final state (every rank)
             final(self.job.final_state())
