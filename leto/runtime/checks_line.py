@@ -19,9 +19,14 @@ def describe(job, replay_every: int) -> str:
     if job.replica is not None:
         parts.append(f"replica check: on (every update, {job.world} replicas compared)")
     else:
-        why = (
-            "no replica holds this rank's state" if job.world == 1 or not job.replicated else "off"
-        )
+        if job.world == 1:
+            why = "one rank: no replica"
+        elif not job.replicated or job.rank_local or job.up.state.shards is not None:
+            why = "parameters sharded or rank-local: no replica"
+        elif job.up.state.shard is not None:
+            why = "ZeRO-1: each rank's optimizer state is its own"
+        else:
+            why = "--no-replica-check"
         parts.append(f"replica check: off ({why})")
     rc = job.up.recheck
     if rc is not None:
