@@ -128,11 +128,11 @@ def alarms(job: Path) -> list[str]:
     return found
 
 
-def torchrun(args, case: str, out: Path, env: dict) -> None:
+def torchrun(args, case: str, out: Path, env: dict, extra: list[str] = ()) -> None:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", str(args.nproc_per_node), str(SCRIPT), "--case", case,
-        "--size", args.size, "--iterations", str(args.iterations), "--out", str(out),
+        "--size", args.size, "--iterations", str(args.iterations), "--out", str(out), *extra,
     ]  # fmt: skip
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if p.returncode != 0:

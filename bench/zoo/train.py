@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for the state and losses")
     ap.add_argument("--leto", action="store_true", help="the Leto port (under leto run)")
     ap.add_argument("--zero1", action="store_true", help="Leto port: leto.Run(..., zero1=True)")
+    ap.add_argument("--leave-at", type=int, help="break out of the loop at this iteration, "
+                    "before its step (as llm.c's loop does at its last step)")  # fmt: skip
     args = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
@@ -83,6 +85,8 @@ def main() -> None:
     # from the top and logs the iterations it redoes again (the latest line counts).
     log = open(out / f"rank{rank}.zoo-losses.jsonl", "a")  # noqa: SIM115
     for it in loop:
+        if args.leave_at is not None and it == start + args.leave_at:
+            break
         if hand_lr is not None:
             for o in opts:
                 for g in o.param_groups:

@@ -112,6 +112,7 @@ class Run:
         ``leto.Run``)."""
         t0 = time.time()
         self.ctx = ctx
+        _watch_exceptions()
         # The data position (data=) and the global generators, retained together.
         self._rng = GlobalRNG(ctx.device)
         self._batches = BatchFunctions(self._rng)  # run.batches()
@@ -279,7 +280,25 @@ class Run:
             self._got_grad.clear()
             self._reported = False
             self.job.begin(t)
-            yield t
+            try:
+                yield t
+            except GeneratorExit:
+                # The script left the loop (``break``, ``return``): what the end of
+                # training runs still runs — the checks settled, the full scrub, ZeRO-1's
+                # gather. An iteration whose update ran counts; one left before its
+                # step() did not happen (the retained state is the previous one's). Not
+                # when the loop is closed because the trainer is dying of an exception
+                # (its collectives would wait on peers that are not there).
+                if _dying or sys.is_finalizing():
+                    raise
+                if self._stepped:
+                    t += 1
+                    self.next_iteration = t
+                self._t = None
+                print(f"rank {self.ctx.rank}: the loop was left at iteration {t} of {total}: "
+                      "the end of training runs now", file=sys.stderr, flush=True)  # fmt: skip
+                self._end_of_training(t_first, t_loop, t)
+                return
             if not self._stepped:
                 if self.scaler is None or len(self._inf) < len(self.optimizers):
                     # (Under a GradScaler: step through scaler.step(), as torch's docs do.)
@@ -296,6 +315,11 @@ class Run:
                 self.checkpointer.after_iteration(t, self.job)
             t += 1
             self.next_iteration = t
+        self._end_of_training(t_first, t_loop, t)
+
+    def _end_of_training(self, t_first: int, t_loop: float, t: int) -> None:
+        """After the last iteration (or a loop the script left): the loop's figures in the
+        rank's log, every check settled, the full scrub, the final gather; collective."""
         self.ctx.loop_ended()
         # What the loop and the replica check took, in the rank's log (the check's
         # all_gather includes waiting for the slowest replica's update).
@@ -611,6 +635,26 @@ class Run:
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_dying = False  # an uncaught exception is ending this trainer (see _watch_exceptions)
+
+
+def _watch_exceptions() -> None:
+    """Wrap ``sys.excepthook`` (once) to note that an uncaught exception ends the trainer:
+    the loop's generator, closed as the traceback goes, must then not run the end of
+    training. (The zygote's child and the interpreter both call the hook.)"""
+    hook = sys.excepthook
+    if getattr(hook, "leto_watch", False):
+        return
+
+    def excepthook(*exc):
+        global _dying
+        _dying = True
+        hook(*exc)
+
+    excepthook.leto_watch = True
+    sys.excepthook = excepthook
 
 
 def _notice(store, text: str) -> None:
