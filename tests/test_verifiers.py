@@ -311,7 +311,17 @@ def test_report_writes_png_files(tmp_path, capsys):
     )
     assert code == 0 and (tmp_path / "cli" / "throughput.png").stat().st_size > 5_000
     assert (
-        main(["report", str(tmp_path / "ref"), str(tmp_path / "run"), "--out", "x", "--rank", "7"])
+        main(
+            [
+                "report",
+                str(tmp_path / "ref"),
+                str(tmp_path / "run"),
+                "--out",
+                str(tmp_path / "x"),
+                "--rank",
+                "7",
+            ]
+        )  # fmt: skip
         == 2
     )
     assert "no trace of rank 7" in capsys.readouterr().err
