@@ -112,7 +112,6 @@ class Run:
         ``leto.Run``)."""
         t0 = time.time()
         self.ctx = ctx
-        _watch_exceptions()
         # The data position (data=) and the global generators, retained together.
         self._rng = GlobalRNG(ctx.device)
         self._batches = BatchFunctions(self._rng)  # run.batches()
@@ -283,22 +282,19 @@ class Run:
             try:
                 yield t
             except GeneratorExit:
-                # The script left the loop (``break``, ``return``): what the end of
-                # training runs still runs — the checks settled, the full scrub, ZeRO-1's
-                # gather. An iteration whose update ran counts; one left before its
-                # step() did not happen (the retained state is the previous one's). Not
-                # when the loop is closed because the trainer is dying of an exception
-                # (its collectives would wait on peers that are not there).
-                if _dying or sys.is_finalizing():
-                    raise
-                if self._stepped:
-                    t += 1
-                    self.next_iteration = t
-                self._t = None
-                print(f"rank {self.ctx.rank}: the loop was left at iteration {t} of {total}: "
-                      "the end of training runs now", file=sys.stderr, flush=True)  # fmt: skip
-                self._end_of_training(t_first, t_loop, t)
-                return
+                # The loop was left (break, return — or an exception, sys.exit included,
+                # unwinding through it: from here the two cannot be told apart). The end
+                # of training is collective, and peers of a dying trainer would wait in
+                # it; so it does not run here, and the rank's log says so.
+                print(
+                    f"rank {self.ctx.rank}: the loop was left at iteration {t} of {total} "
+                    f"before run.iterations() ended: the end of training did not run (the "
+                    f"checks of the last updates settled, the full scrub, ZeRO-1's final "
+                    f"gather); to have it, let the loop run out — docs/porting.md",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raise
             if not self._stepped:
                 if self.scaler is None or len(self._inf) < len(self.optimizers):
                     # (Under a GradScaler: step through scaler.step(), as torch's docs do.)
@@ -635,26 +631,6 @@ class Run:
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-_dying = False  # an uncaught exception is ending this trainer (see _watch_exceptions)
-
-
-def _watch_exceptions() -> None:
-    """Wrap ``sys.excepthook`` (once) to note that an uncaught exception ends the trainer:
-    the loop's generator, closed as the traceback goes, must then not run the end of
-    training. (The zygote's child and the interpreter both call the hook.)"""
-    hook = sys.excepthook
-    if getattr(hook, "leto_watch", False):
-        return
-
-    def excepthook(*exc):
-        global _dying
-        _dying = True
-        hook(*exc)
-
-    excepthook.leto_watch = True
-    sys.excepthook = excepthook
 
 
 def _notice(store, text: str) -> None:
