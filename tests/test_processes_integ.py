@@ -72,6 +72,20 @@ def test_a_script_error_stops_the_job_instead_of_recovering(tmp_path, when):
 
 
 @pytest.mark.integ
+def test_a_scripts_own_exit_code_is_its_verdict(tmp_path):
+    # sys.exit(3) in training: not a hardware failure, not retried; leto run exits 3, as
+    # torchrun returns a child's code, and says which rank exited how.
+    p = _leto_run(tmp_path, {"LETO_TEST_RAISE": "exit"}, SCRIPT.parent / "raise_once.py",
+                  stderr=subprocess.PIPE)  # fmt: skip
+    out, err = p.communicate(timeout=150)
+    assert p.returncode == 3, err[-2000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["recoveries"] == [], summary["recoveries"]
+    assert "rank 1 exited with code 3 in generation 0 (the script's own exit" in summary["stopped"]
+    assert "stopping: the data ran out" in err, err[-2000:]  # the log's tail on the console
+
+
+@pytest.mark.integ
 def test_a_fatal_failure_that_repeats_falls_back_a_tier_then_stops_the_job(tmp_path):
     # The same fatal failure at the same place after every fallback (a persistent
     # fault): the first falls back to the newest checkpoint, the second to an older one,

@@ -91,6 +91,7 @@ class Agent:
         plugins.load(",".join(n for n in names if n != plugins.VERIFY_PLUGIN))  # trainers' only
         self.records: list[RecoveryRecord] = []
         self._notices_seen, self._notices_at = 0, 0.0  # trainers' console lines logged
+        self.script_exit: int | None = None  # a trainer's own sys.exit(n): leto run's code
         self._signatures: set[tuple] = set()  # script errors recovered from once
         # Recoverable failures Leto raised (EXIT_RECOVERABLE): signature -> generation.
         self._recoverable: dict[tuple, int] = {}
@@ -203,7 +204,7 @@ class Agent:
                     if stop is not None:
                         log.error("%s", stop)
                         self.stopped = stop
-                        code = 1
+                        code = self.script_exit or 1  # a script's sys.exit(n) is n
                         break
                 if dead and c.recovery == "checkpoint":
                     store.add(keys.fatal(gen), 1)  # the baseline: no in-place recovery
@@ -442,6 +443,17 @@ class Agent:
             said = f.first_error_line()
             if f.error is not None:  # "exited with code N" already says it otherwise
                 said = f"exit code {f.code}: {said}"
+            if f.error is None and f.code is not None and f.code > 0:
+                # An exit with a code and no exception (sys.exit(3), exit(), argparse's 2):
+                # the script's own verdict, as torchrun returns it — never retried.
+                self.script_exit = f.code
+                if self.store.check([keys.resumed(gen, f.rank)]):
+                    return (
+                        f"rank {f.rank} exited with code {f.code} in generation {gen} (the "
+                        f"script's own exit — sys.exit({f.code}), exit() — not an exception "
+                        f"and not a crash): the script's verdict, as under torchrun; the job "
+                        f"stops with exit code {f.code}.\n{f.traceback_tail()}\n({where})"
+                    )
             if not self.store.check([keys.resumed(gen, f.rank)]):
                 return (
                     f"rank {f.rank} {what} before it began training (generation {gen}; {said})"

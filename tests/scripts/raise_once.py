@@ -7,7 +7,8 @@ gets no gradient, which ``optimizer.step()`` refuses (torch would skip it; Leto 
 update it with a zero gradient instead) — in every generation, so the job stops after
 one recovery; ``fatal``: rank 1 reports retained state beyond repair (a ``FatalFailure``)
 at iteration 2 of every generation, as a persistent fault would — checkpoints every
-iteration. Every other trainer finishes at once."""
+iteration; ``exit``: rank 1 calls ``sys.exit(3)`` in iteration 1 (the script's own verdict:
+the job stops with code 3, nothing retried). Every other trainer finishes at once."""
 
 import os
 
@@ -32,6 +33,21 @@ if when == "unused":
         model["used"](torch.ones(2, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
+if when == "exit":
+    import sys
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = leto.Run(ctx, model, opt)
+    for t in run.iterations(4):
+        if t == 1 and ctx.rank == 1:
+            print("stopping: the data ran out", flush=True)
+            sys.exit(3)
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    raise SystemExit(0)
 if when == "fatal":
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
