@@ -169,7 +169,9 @@ def run_case(args, name: str, work: Path) -> dict:
     torchrun(args, name, ref, env)
     checks = []
     for label, faults in (("fault-free", ()), ("killed", (_kill(args, case, pool),))):
-        if label == "killed" and args.no_kill:
+        if label == "killed" and (
+            args.no_kill or (args.kill_cases and name not in args.kill_cases)
+        ):
             continue
         job = work / name / label
         got = leto(args, name, job, env, pool, faults)
@@ -216,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=4, help="optimizer steps per run")
     ap.add_argument("--nproc-per-node", type=int, default=1, help="ranks (world size)")
     ap.add_argument("--no-kill", action="store_true", help="fault-free runs only")
+    ap.add_argument("--kill-cases", type=lambda v: v.split(","), default=None,
+                    help="comma-separated: only these cases get the killed run (default all)")  # fmt: skip
     ap.add_argument("--timeout-s", type=float, default=600, help="limit of each job")
     ap.add_argument("--workdir", help="keep the jobs here (default: a temporary folder)")
     ap.add_argument("--json", help="write the results here")
