@@ -314,8 +314,9 @@ class Run:
         self._end_of_training(t_first, t_loop, t)
 
     def _end_of_training(self, t_first: int, t_loop: float, t: int) -> None:
-        """After the last iteration (or a loop the script left): the loop's figures in the
-        rank's log, every check settled, the full scrub, the final gather; collective."""
+        """After the last iteration: the loop's figures in the rank's log, every check
+        settled, the full scrub, ZeRO-1's final gather; collective (a loop the script
+        left early does not reach it: see iterations())."""
         self.ctx.loop_ended()
         # What the loop and the replica check took, in the rank's log (the check's
         # all_gather includes waiting for the slowest replica's update).
