@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -354,7 +354,25 @@ if [[ $what == zoo ]]; then
   # tiny cases with a rank killed in the update (LETO_ZOO_CASES / LETO_ZOO_SIZE override).
   timeout 200 python3 -m pytest -p no:cacheprovider -q tests/test_chunk_pass.py tests/test_recheck.py \
     2>&1 | tail -3 | tee "$OUT/zoo_gpu_tests.txt" || rc=1
-  timeout 560 python3 -m bench.zoo --device cuda --size ${LETO_ZOO_SIZE:-large} \
-    --cases ${LETO_ZOO_CASES:-tied} --no-kill --json "$OUT/zoo_cuda.json" 2>&1 | tee "$OUT/zoo_cuda.txt" || rc=1
+  # LETO_ZOO_KILL: the cases that also get the killed run (default none).
+  kill=${LETO_ZOO_KILL:+--kill-cases $LETO_ZOO_KILL}
+  timeout ${LETO_ZOO_TIMEOUT:-560} python3 -m bench.zoo --device cuda --size ${LETO_ZOO_SIZE:-large} \
+    --cases ${LETO_ZOO_CASES:-tied} ${kill:---no-kill} --json "$OUT/zoo_cuda.json" 2>&1 | tee "$OUT/zoo_cuda.txt" || rc=1
+fi
+if [[ $what == zoo-only ]]; then
+  # The zoo alone (the same variables as "zoo"), for cases that need the whole call.
+  kill=${LETO_ZOO_KILL:+--kill-cases $LETO_ZOO_KILL}
+  timeout ${LETO_ZOO_TIMEOUT:-580} python3 -m bench.zoo --device cuda --size ${LETO_ZOO_SIZE:-large} \
+    --cases ${LETO_ZOO_CASES:-tied} ${kill:---no-kill} --json "$OUT/zoo_cuda.json" 2>&1 | tee "$OUT/zoo_cuda.txt" || rc=1
+fi
+if [[ $what == tied-job ]]; then
+  # The job that raised the false alarm, as its user ran it: the 1.1 B nanoGPT-style port
+  # (tied embeddings, fused AdamW, two groups, LambdaLR warm-up, bf16 autocast), text-like
+  # (Zipf) tokens, 16 K tokens an iteration, one H200, leto run's default flags against
+  # torchrun; deterministic algorithms on, so parameters and losses are compared bit for bit.
+  timeout ${LETO_TIED_TIMEOUT:-400} python3 -m bench.user_path --preset h200-1b --iterations ${LETO_TIED_ITERS:-8} --skip 3 \
+    --timeout-s 200 --script-args="--deterministic --tokens zipf" \
+    --json "$OUT/tied_job.json" > "$OUT/tied_job.txt" 2>&1 || rc=1
+  tail -c 3000 "$OUT/tied_job.txt"
 fi
 exit $rc

@@ -40,6 +40,12 @@ def main() -> None:
     ap.add_argument("--out", default="out", help="folder for iterations.jsonl and params")
     ap.add_argument("--seed", type=int, default=0, help="initial weights and token stream")
     ap.add_argument(
+        "--tokens",
+        choices=("uniform", "zipf"),
+        default="uniform",
+        help="token frequencies: uniform, or zipf (as in text: rare rows of a tied embedding)",
+    )
+    ap.add_argument(
         "--deterministic",
         action="store_true",
         help="torch.use_deterministic_algorithms(True): runs repeat bit for bit on CUDA",
@@ -82,7 +88,9 @@ def main() -> None:
     for it in range(args.iterations):
         total = torch.zeros((), device=device)
         for micro in range(args.accum):
-            x, y = batch(args.seed, rank, it, micro, args.batch, args.seq, args.vocab, device)
+            x, y = batch(
+                args.seed, rank, it, micro, args.batch, args.seq, args.vocab, device, args.tokens
+            )
             with model.no_sync() if micro < args.accum - 1 else contextlib.nullcontext():
                 with amp:
                     loss = model(x, y) / args.accum

@@ -97,6 +97,15 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+_ZIPF: dict[int, torch.Tensor] = {}
+
+
+def _zipf(vocab: int) -> torch.Tensor:
+    if vocab not in _ZIPF:
+        _ZIPF[vocab] = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    return _ZIPF[vocab]
+
+
 def batch(
     seed: int,
     rank: int,
@@ -106,14 +115,26 @@ def batch(
     seq: int,
     vocab: int,
     device: torch.device,
+    tokens: str = "uniform",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Micro-batch ``micro`` of ``iteration`` on ``rank``: (inputs, targets), each
     (batch_size, seq) int64 on ``device``. A pure function of its arguments (random
     tokens from a CPU generator seeded by them), so every run, and every restart of a
-    rank, sees the same stream."""
+    rank, sees the same stream. ``tokens="zipf"`` draws them with text's frequencies
+    (token k with weight 1/k): most of the vocabulary is then absent from a batch, and a
+    tied embedding's rows for those tokens get only the output head's tiny gradients —
+    float32 denormals in AdamW's second moment, which uniform tokens never produce."""
     key = ((seed * 1_000_003 + rank) * 1_000_003 + iteration) * 1_009 + micro
     g = torch.Generator().manual_seed(key % 2**63)
-    tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
+    if tokens == "zipf":
+        n = batch_size * (seq + 1)
+        drawn = torch.multinomial(_zipf(vocab), n, replacement=True, generator=g)
+        tokens_ = drawn.view(batch_size, seq + 1)
+    elif tokens == "uniform":
+        tokens_ = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
+    else:
+        raise ValueError(f"tokens={tokens!r}: expected 'uniform' or 'zipf'")
+    tokens = tokens_
     if device.type == "cuda":
         tokens = tokens.pin_memory()  # so the copy is queued, not waited for
     tokens = tokens.to(device, non_blocking=True)
