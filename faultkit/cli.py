@@ -5,6 +5,7 @@ faultkit inject      fault-free and faulted runs of the example job, bit-exact v
 faultkit matrix      every phase x lost pages x host parity x mode, one shared reference
 faultkit plan        write a failure schedule (JSON): every X s, Poisson, trace window
 faultkit run-plan    replay a schedule against the example job, bit-exact verdict
+faultkit certify     your own Leto script, fault-free and killed at every phase: EXACT?
 
 Every argument is checked before anything runs (exit 2, the flag and its range named).
 inject, matrix and run-plan print a line per stage on stderr as they go (the table or
@@ -31,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from faultkit.certify_cli import register as register_certify
 from faultkit.schedule_cli import register as register_plan
 from leto.memory.mechanisms import probe
 
@@ -526,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     job_flags(p)
     p.set_defaults(fn=cmd_run_plan)
+    register_certify(sub)
     return ap
 
 

@@ -124,6 +124,12 @@ class InjectConfig:
     parallel: str = "dp"  # the job's parallelism: one of PARALLEL
     replica_check: bool = True  # False: the job runs with leto run --no-replica-check
     replay: bool = True  # False: sdc-grad / sdc-activation jobs run with --replay-every 0
+    # The user's own script (faultkit certify) instead of ``parallel``'s, with its own
+    # arguments as given: it sets its iterations, seed and output itself.
+    script: str = ""
+    script_args: tuple[str, ...] = ()
+    timeout_s: float = 600.0  # each leto run job
+    keep_tensors: bool | None = None  # save the traced tensors (None: on the CPU only)
 
 
 def _phase(cfg: InjectConfig, phase: str, salt: int = 0) -> str:
@@ -278,16 +284,22 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
     train, pool = _job(cfg)
     t0 = time.perf_counter()
     env = {"LETO_TRIPWIRE_BLOCKS": str(cfg.abort_after_blocks)}
-    if cfg.device == "cpu":  # a small CPU job: save the tensors, so a divergence names its byte
+    # A small CPU job: save the tensors, so a divergence names its byte.
+    if cfg.keep_tensors or (cfg.keep_tensors is None and cfg.device == "cpu"):
         env[ENV_KEEP] = "1"
     if cfg.mode == "sdc-update":  # where no replica checks the update, every chunk rechecked
         env[ENV_UPDATE_RECHECK] = "all"
     par = PARALLEL[cfg.parallel]
-    job = {} if par is None else {
+    if cfg.script:
+        job = {"script": Path(cfg.script), "script_args": list(cfg.script_args)}
+    elif par is None:
+        job = {}
+    else:
+        job = {
         "script": par[0],
         "script_args": ["--iterations", str(cfg.iterations), "--seed", str(cfg.seed),
                         *par[1](cfg.world_size), "--out", str(Path(out) / "train")],
-    }  # fmt: skip
+        }  # fmt: skip
     extra = () if cfg.replica_check else ("--no-replica-check",)
     if cfg.mode in ("sdc-grad", "sdc-activation") and faults:
         # The struck iterations replayed (and the first), or nothing replayed at all.
@@ -296,6 +308,7 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
     got = run_job(
         cfg.world_size, train, out, faults, pool=pool, device=cfg.device,
         shadow_level=cfg.shadow_level, allow_failure=bool(faults), env=env, extra=extra,
+        timeout_s=cfg.timeout_s,
         # The agent's lines only when someone shows them (the CLI's progress).
         watch=_agent_line if log.isEnabledFor(logging.INFO) else None, **job,
     )  # fmt: skip
@@ -414,6 +427,8 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         "faulty": got.get("faulty", []),
         # What faultkit flipped: target, group, [page, byte, bit] of each page.
         "flipped": [{k: x[k] for k in ("corrupt", "group", "at", "pages")} for x in flips],
+        # Plan entries that never struck (their point was not reached): leto run's list.
+        "unfired": got.get("unfired_faults", []),
         "reference_run_s": ref.get("run_s"),
         "faulted_run_s": got["run_s"],
         "workdir": str(work),
