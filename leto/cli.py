@@ -222,6 +222,18 @@ def cmd_pool_scrub(args: argparse.Namespace) -> int:
     return 0 if all(a["ok"] for a in answers.values()) else 1
 
 
+def _ranks(text: str) -> tuple[int, ...] | None:
+    """``--local-ranks-filter``'s list (None: every rank)."""
+    if not text.strip():
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--local-ranks-filter {text!r}: expected local ranks, comma-separated (0,1)"
+        ) from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from leto.runtime.agent import Agent, SignalStop
     from leto.runtime.config import RunConfig
@@ -258,6 +270,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             max_failures=args.max_failures,
             log_level=args.log_level,
             verify=args.verify,
+            console="stderr" if args.json else "stdout",
+            local_ranks_filter=_ranks(args.local_ranks_filter),
             scrub_mib=args.scrub_mib_per_iteration,
             replica_check=not args.no_replica_check,
             loss_guard=not args.no_loss_guard,
@@ -501,6 +515,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         default="INFO",
         help="the agent's log of every state transition on stderr: DEBUG, INFO, WARNING, ERROR",
+    )
+    p.add_argument(
+        "--local-ranks-filter",
+        default="",
+        metavar="RANKS",
+        help="the local ranks whose output is shown on the console, comma-separated (as "
+        "torchrun's; default all): every rank's is in its log under --log-dir either way",
     )
     p.add_argument(
         "--verify",

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -47,6 +48,7 @@ from leto.runtime.cell import Cell, kill_group
 from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
 from leto.runtime.monitor import Failure, FailureKind, Monitor
 from leto.runtime.recovery import Recovery, RecoveryRecord
+from leto.runtime.relay import Relay
 from leto.runtime.shadows import Shadows
 from leto.runtime.zygote import Zygote
 from leto.runtime.zygote import enabled as zygote_enabled
@@ -57,6 +59,7 @@ log = logging.getLogger("leto.agent")
 # `leto pool status --log-dir` — written 0600 (the token is the pool's only lock) while
 # the job runs and removed when it ends.
 POOLS_FILE = "node{node}.pools.json"
+RELAY_S = 0.1  # how often the script's new output is copied to the console
 
 
 class SignalStop(BaseException):
@@ -152,7 +155,7 @@ class Agent:
         store = self.store = self._connect()
         cells: list[Cell] = []
         self.cells = cells
-        shadows = recovery = zygote = None
+        shadows = recovery = zygote = relay = None
         gen = 0
         code = 0
         try:
@@ -182,6 +185,9 @@ class Agent:
                 [cl.rank for cl in cells], c.world_size, c.device, c.shadow_level, c.log_dir,
             )  # fmt: skip
             shadows.start_first()
+            out = {"stdout": sys.stdout, "stderr": sys.stderr}.get(c.console)
+            relay = Relay(cells, out, c.world_size, c.local_ranks_filter)
+            relayed = 0.0
             if not c.checkpointing:
                 log.warning(
                     "--no-checkpoints: a fatal failure restarts the job from its first iteration"
@@ -190,6 +196,9 @@ class Agent:
             while True:
                 time.sleep(c.poll_s)
                 self._notices(store)
+                if time.monotonic() - relayed >= RELAY_S:
+                    relay.poll()
+                    relayed = time.monotonic()
                 dead = self.monitor.failures(gen)
                 if dead and not reported:
                     reported = True
@@ -295,6 +304,8 @@ class Agent:
         finally:
             self._stopping = True
             self.fenced = self._fence_all(cells)
+            if relay is not None:
+                relay.poll(final=True)  # every line, a fenced trainer's last ones too
             if self.stopped in ("SIGTERM", "SIGINT"):
                 log.warning("%s: %d trainer(s) fenced", self.stopped, len(self.fenced))
             if shadows is not None and shadows.levels is not None:

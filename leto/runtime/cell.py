@@ -130,7 +130,7 @@ class Cell:
             else:
                 self.active = subprocess.Popen(
                     [sys.executable, *self.command],
-                    env=env,
+                    env=_flushed(env),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -151,7 +151,7 @@ class Cell:
                 else:
                     self.shadow = subprocess.Popen(
                         [sys.executable, *self.command],
-                        env=env,
+                        env=_flushed(env),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         pass_fds=(r,),
@@ -217,3 +217,11 @@ def kill_group(p: subprocess.Popen) -> None:
         os.killpg(p.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _flushed(env: dict) -> dict:
+    """A fresh interpreter's stdout on a file is block-buffered: what a SIGKILLed trainer
+    printed last would never reach its log (and leto run's console). Python has no
+    line-buffered mode for it but -u, so unbuffered (the zygote's forks are
+    line-buffered: leto.runtime.zygote)."""
+    return {**env, "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED") or "1"}

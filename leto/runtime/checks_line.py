@@ -51,4 +51,7 @@ def describe(job, replay_every: int) -> str:
     parts.append("loss guard: " + ("on" if job.guard is not None else "off"))
     mib = job.scrub.budget / 2**20
     parts.append(f"scrub: {mib:g} MiB an iteration" if mib > 0 else "scrub: off")
+    # Not a check, but what the checks check: the update's code (the fused pass, or the
+    # unfused steps and why — slower on a GPU, and said nowhere else on the console).
+    parts.append(f"chunk updates: {job.up.update_path}")
     return "checks: " + "; ".join(parts) + " (docs/integrity.md)"

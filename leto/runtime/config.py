@@ -184,6 +184,10 @@ class RunConfig:
     preinit_footprints: str = ""  # JSON {l1_bytes, l2_bytes, l3_bytes}; "": the paper's
     preinit_margin_bytes: int = 2 << 30  # kept free above the active peak when choosing
     reclaim_below_bytes: int = 1 << 30  # the allocation hook's gate (device free memory)
+    # The script's output on leto run's console (leto.runtime.relay): "stdout" (as
+    # torchrun), "stderr" (leto run --json: stdout carries the summary) or "off".
+    console: str = "stdout"
+    local_ranks_filter: tuple[int, ...] | None = None  # the local ranks shown (None: all)
 
     def __post_init__(self) -> None:
         if self.shadow_level not in LEVELS and self.shadow_level != "auto":
@@ -212,6 +216,15 @@ class RunConfig:
             raise ValueError(f"--device-memory-bytes {self.device_memory_bytes} is negative")
         if self.shadow_level == "auto":
             self.policy(capacity_bytes=1)  # bad footprints or margins fail before anything starts
+        if self.console not in ("stdout", "stderr", "off"):
+            raise ValueError(f"console={self.console!r}: stdout, stderr or off")
+        bad = [r for r in self.local_ranks_filter or () if not 0 <= r < self.nproc_per_node]
+        if bad:
+            raise ValueError(
+                f"--local-ranks-filter {','.join(map(str, self.local_ranks_filter))}: local "
+                f"ranks are 0..{self.nproc_per_node - 1} (--nproc-per-node "
+                f"{self.nproc_per_node}); nothing started"
+            )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
 

@@ -53,7 +53,6 @@ import copy
 import io
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -61,6 +60,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from leto import rank_log
 from leto.errors import RecoverableFailure, WrongComputation
 from leto.runtime.config import REPLAY_EVERY_DEFAULT
 
@@ -201,7 +201,7 @@ class GradReplay:
         self.skipped = self.skipped or why  # the closing line says it, not a count
         if why not in self._said:
             self._said.add(why)
-            print(f"rank {self.rank}: gradient replay: {why}", file=sys.stderr, flush=True)
+            rank_log.say(self.rank, f"gradient replay: {why}")
 
     # -- capture (the hooks) ------------------------------------------------------------
 

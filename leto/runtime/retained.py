@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from leto import rank_log
 from leto.errors import FatalFailure, InvalidInput
 from leto.memory.client import PoolClient
 from leto.plugins import SDC_GRAD_POINT, point
@@ -110,7 +111,7 @@ class RetainedTraining:
         self.fsdp = bool(shards) and any(sh.owner is not None for sh in shards.values())
         # Which code updates the chunks (the fused pass's kernel or twin, or the unfused
         # steps and why), in the rank's log.
-        print(f"rank {rank}: chunk updates: {self.up.update_path}", file=sys.stderr, flush=True)
+        rank_log.say(rank, f"chunk updates: {self.up.update_path}")
         # Silent corruption: the state checked against its parity (findings logged).
         self.scrub = Scrubber(self.up, log=self.out / f"rank{rank}.scrub.jsonl")
         self.scrub_requests = Path(scrub_requests) if scrub_requests else None

@@ -53,14 +53,13 @@ from __future__ import annotations
 
 import atexit
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from leto import plugins
+from leto import plugins, rank_log
 from leto.errors import InvalidInput
 from leto.plugins import point
 from leto.runtime import checks_line, data_state, keys, replay
@@ -286,13 +285,12 @@ class Run:
                 # unwinding through it: from here the two cannot be told apart). The end
                 # of training is collective, and peers of a dying trainer would wait in
                 # it; so it does not run here, and the rank's log says so.
-                print(
-                    f"rank {self.ctx.rank}: the loop was left at iteration {t} of {total} "
-                    f"before run.iterations() ended: the end of training did not run (the "
-                    f"checks of the last updates settled, the full scrub, ZeRO-1's final "
-                    f"gather); to have it, let the loop run out — docs/porting.md",
-                    file=sys.stderr,
-                    flush=True,
+                rank_log.tell(
+                    self.ctx.rank,
+                    f"the loop was left at iteration {t} of {total} before "
+                    f"run.iterations() ended: the end of training did not run (the checks "
+                    f"of the last updates settled, the full scrub, ZeRO-1's final gather); "
+                    f"to have it, let the loop run out — docs/porting.md",
                 )
                 raise
             if not self._stepped:
@@ -321,8 +319,9 @@ class Run:
         # What the loop and the replica check took, in the rank's log (the check's
         # all_gather includes waiting for the slowest replica's update).
         rc, rp = self.job.replica, self.job.replay
-        print(
-            f"rank {self.ctx.rank}: the loop ran {time.time() - t_loop:.2f} s for "
+        rank_log.say(
+            self.ctx.rank,
+            f"the loop ran {time.time() - t_loop:.2f} s for "
             f"{t - t_first} iteration(s); replica check: "
             + (
                 f"{rc.checks} updates compared, {1e3 * rc.check_s / rc.checks:.3f} ms each"
@@ -339,8 +338,6 @@ class Run:
                 if rp is not None
                 else "off"
             ),
-            file=sys.stderr,
-            flush=True,
         )
         # Nothing leaves the loop unverified: a corruption the background pass has not
         # reached yet is found here (the fallback then redoes the iterations after it).
@@ -461,11 +458,10 @@ class Run:
             return
         if skip and not self._reported:
             self._reported = True
-            print(
-                f"rank {self.ctx.rank}: iteration {t}: the GradScaler skipped the step of "
-                f"optimizer(s) {sorted(skip)} (inf/NaN gradients)",
-                file=sys.stderr,
-                flush=True,
+            rank_log.say(
+                self.ctx.rank,
+                f"iteration {t}: the GradScaler skipped the step of optimizer(s) "
+                f"{sorted(skip)} (inf/NaN gradients)",
             )
         if len(skip) == n:
             return  # every step skipped: the iteration's end records it

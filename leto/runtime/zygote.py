@@ -121,18 +121,20 @@ def _child(req: dict, fds: list[int]) -> None:
         script, *_ = req["argv"]
         sys.argv = list(req["argv"])
         sys.path[0] = os.path.dirname(os.path.realpath(script))
-        # The streams a fresh interpreter would open on a file: stdout block-buffered
-        # (unbuffered under PYTHONUNBUFFERED), stderr line-buffered.
+        # stdout and stderr line-buffered, as on torchrun's terminal: the rank log (and
+        # leto run's console, leto.runtime.relay) has every complete line a SIGKILLed
+        # trainer printed — block-buffered, its last few KiB died with it. Unbuffered
+        # under PYTHONUNBUFFERED, as a fresh interpreter is.
         unbuffered = bool(env.get("PYTHONUNBUFFERED"))
-        sys.stdout = io.TextIOWrapper(
-            io.BufferedWriter(io.FileIO(1, "w", closefd=False)), write_through=unbuffered
-        )
-        sys.stderr = io.TextIOWrapper(
-            io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
-            line_buffering=True,
-            write_through=unbuffered,
-            errors="backslashreplace",
-        )
+
+        def stream(fd: int, errors: str) -> io.TextIOWrapper:
+            raw = io.FileIO(fd, "w", closefd=False)
+            if unbuffered:
+                return io.TextIOWrapper(raw, write_through=True, errors=errors)  # type: ignore[arg-type]
+            return io.TextIOWrapper(io.BufferedWriter(raw), line_buffering=True, errors=errors)
+
+        sys.stdout = stream(1, "strict")
+        sys.stderr = stream(2, "backslashreplace")
         if env.get("PYTHONFAULTHANDLER"):  # what a fresh interpreter would enable
             import faulthandler
 

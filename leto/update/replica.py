@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -55,6 +54,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from leto import rank_log
 from leto.errors import FatalFailure, WrongComputation
 
 ENV_REPLICA_CHECK = "LETO_REPLICA_CHECK"  # "0": leto run --no-replica-check
@@ -209,9 +209,8 @@ class ReplicaCheck:
         if self.log is not None:
             with open(self.log, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-        print(
-            f"rank {self.rank}: replica check: iteration {t} redone and agreed; rank(s) "
-            f"{named} held different state after its first computation: they computed wrong",
-            file=sys.stderr,
-            flush=True,
+        rank_log.tell(
+            self.rank,
+            f"replica check: iteration {t} redone and agreed; rank(s) {named} held "
+            f"different state after its first computation: they computed wrong",
         )

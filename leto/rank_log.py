@@ -1,0 +1,27 @@
+"""Leto's own lines in a trainer's rank log.
+
+Runs in the trainer (its runtime and updater modules alike). The script's stdout and stderr share the rank log with these lines;
+``leto.runtime.relay`` shows the script's on ``leto run``'s console and tells Leto's
+apart by their mark: ``say`` lines (``leto: rank <r>: ...``, what the trainer did: its
+update path, the loop's figures) stay in the log; ``tell`` lines (an event the user must
+see: corruption found and repaired, a rank that computed wrong) reach the console too,
+as ``leto: rank <r>: ...``. Job-wide facts reach it once, as agent notices
+(``leto.runtime.run._notice``), not from every rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+MARK = "leto: "  # a line only for the rank log
+SHOWN = "leto! "  # a line for the console too (the relay writes it as "leto: ...")
+
+
+def say(rank: int, message: str) -> None:
+    """``leto: rank <rank>: <message>`` in the rank log (stderr), flushed."""
+    print(f"{MARK}rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
+def tell(rank: int, message: str) -> None:
+    """As ``say``, and on ``leto run``'s console."""
+    print(f"{SHOWN}rank {rank}: {message}", file=sys.stderr, flush=True)
