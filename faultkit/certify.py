@@ -21,9 +21,12 @@ strikes), so certifying costs two runs; ``separately`` gives each phase its own 
 (one run per phase, each divergence tied to one fault). Which fault a divergence
 follows is told by its iteration: the last fault at or before it.
 
-Each run starts the script in a folder of its own under the work directory; script
-arguments that name existing relative paths (inputs: data files, a config) are passed
-as absolute paths, so the script finds them (``resolve_args`` says which).
+Each run starts the script in a folder of its own under the work directory, so nothing
+it writes lands beside the user's files; script arguments that name existing relative
+paths (inputs: data files, a config) are passed as absolute paths, so the script finds
+them (``resolve_args`` says which). A script that opens files relative to where it
+starts (nanoGPT's ``configurator.py``) is given ``cwd``: every run starts there, and
+what the script writes there every run writes (give its outputs absolute paths).
 
 Not covered: the script's own outputs (only what ``leto.Run`` retains and the losses
 ``run.record_loss`` logs are compared), faults other than kills with pages lost
@@ -62,6 +65,7 @@ class CertifyConfig:
     separately: bool = False  # one run per phase, not all faults in one run
     budget_s: float | None = None  # stop starting runs past this (wall seconds)
     keep_tensors: bool = False  # save traced tensors: a divergence names its byte
+    cwd: str = ""  # every run starts the script here ("": each in its own folder)
 
     def inject_config(self) -> InjectConfig:
         return InjectConfig(
@@ -74,6 +78,7 @@ class CertifyConfig:
             script=self.script,
             script_args=self.script_args,
             keep_tensors=self.keep_tensors,
+            cwd=self.cwd,
         )
 
 
@@ -89,6 +94,8 @@ def check(cfg: CertifyConfig) -> None:
             raise ValueError(f"--phases: {phase!r} is not one of {', '.join(PHASES)}")
     if not cfg.phases:
         raise ValueError("--phases: name at least one phase")
+    if cfg.cwd and not Path(cfg.cwd).is_dir():
+        raise ValueError(f"--cwd {cfg.cwd!r} is not a folder; nothing was run")
     if cfg.budget_s is not None and not (cfg.budget_s > 0 and math.isfinite(cfg.budget_s)):
         raise ValueError(f"--time-budget {cfg.budget_s}: expected seconds > 0")
     check_job(cfg.inject_config())
@@ -195,8 +202,16 @@ def certify(cfg: CertifyConfig, work: Path) -> dict:
     check(cfg)
     t0 = time.monotonic()
     base = cfg.inject_config()
-    args, rewritten = resolve_args(cfg.script_args, Path.cwd())
-    base = replace(base, script=str(Path(cfg.script).resolve()), script_args=args)
+    # With --cwd the script starts where its relative paths point: nothing to rewrite.
+    args, rewritten = (
+        (cfg.script_args, []) if cfg.cwd else resolve_args(cfg.script_args, Path.cwd())
+    )
+    base = replace(
+        base,
+        script=str(Path(cfg.script).resolve()),
+        script_args=args,
+        cwd=str(Path(cfg.cwd).resolve()) if cfg.cwd else "",
+    )
     for r in rewritten:
         log.info("argument made absolute (each run starts in its own folder): %s", r)
 

@@ -37,6 +37,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
         separately=args.separately,
         budget_s=args.time_budget,
         keep_tensors=args.keep_tensors,
+        cwd=args.cwd or "",
     )
     try:
         check(cfg)  # before the work directory, before anything runs
@@ -138,6 +139,14 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="store_true",
         help="save every traced tensor, so a divergence names its byte (disk: the retained "
         "state once per iteration and rank)",
+    )
+    p.add_argument(
+        "--cwd",
+        default=None,
+        metavar="DIR",
+        help="start every run of the script in DIR (for a script that opens files relative "
+        "to where it starts, as nanoGPT's configurator.py); default: each run in its own "
+        "folder, relative paths among the script's arguments made absolute",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     workdir_flags(p)

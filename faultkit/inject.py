@@ -130,6 +130,7 @@ class InjectConfig:
     script_args: tuple[str, ...] = ()
     timeout_s: float = 600.0  # each leto run job
     keep_tensors: bool | None = None  # save the traced tensors (None: on the CPU only)
+    cwd: str = ""  # where the script starts ("": the run's own folder)
 
 
 def _phase(cfg: InjectConfig, phase: str, salt: int = 0) -> str:
@@ -292,6 +293,8 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
     par = PARALLEL[cfg.parallel]
     if cfg.script:
         job = {"script": Path(cfg.script), "script_args": list(cfg.script_args)}
+        if cfg.cwd:
+            job["cwd"] = Path(cfg.cwd)
     elif par is None:
         job = {}
     else:

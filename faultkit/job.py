@@ -124,6 +124,7 @@ def start_job(
     script_args: list[str] | None = None,
     pressure: Pressure | None = None,
     save_state: bool = False,
+    cwd: Path | None = None,
 ) -> list[subprocess.Popen]:
     """Start the job on ``world`` ranks over ``nnodes`` agents (nodes over loopback),
     without waiting (the example job with ``cfg``'s flags, or ``script`` with
@@ -131,9 +132,11 @@ def start_job(
     logs, the checkpoints) — node 0's are ``out/logs``. Training output goes to
     ``out/train``, with the verifiers' trace (``--verify``; with ``save_state`` also
     each rank's final state); ``pressure`` runs the example under memory pressure
-    (``pressure_job.py``). ``finish_job`` waits. Every test, faultkit and the benchmarks
+    (``pressure_job.py``); ``cwd``: where node 0's script starts (default ``out``; its
+    logs stay in ``out/logs``). ``finish_job`` waits. Every test, faultkit and the benchmarks
     start jobs here (or through ``run_job``)."""
     out = Path(out)
+    script_cwd = cwd
     if world % nnodes:
         raise ValueError(f"{world} ranks do not split evenly over {nnodes} nodes")
     port = free_port()
@@ -165,7 +168,8 @@ def start_job(
             str(script), *script_args,
         ]  # fmt: skip
         log = open(cwd / "leto-run.log", "w")  # noqa: SIM115 - closed by finish_job
-        p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=log, text=True)
+        start = script_cwd if node == 0 and script_cwd is not None else cwd
+        p = subprocess.Popen(cmd, env=env, cwd=start, stdout=subprocess.PIPE, stderr=log, text=True)
         p.log = log  # type: ignore[attr-defined]
         procs.append(p)
     return procs
@@ -289,6 +293,7 @@ def run_job(
     pressure: Pressure | None = None,
     save_state: bool = False,
     watch: Callable[[str], None] | None = None,
+    cwd: Path | None = None,
 ) -> dict:
     """Run the job on ``world`` ranks; returns leto run's summary (node 0's; every
     node's under ``"nodes"``) plus each rank's losses (and final state with
@@ -302,6 +307,7 @@ def run_job(
         procs = start_job(
             world, cfg, out, plan, pool, device, shadow_level, extra, env, nnodes,
             script=script, script_args=script_args, pressure=pressure, save_state=save_state,
+            cwd=cwd,
         )  # fmt: skip
         nodes = finish_job(procs, timeout_s, watch)
         code = next((c for c, _ in nodes if c != 0), 0)

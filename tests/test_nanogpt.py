@@ -13,13 +13,11 @@ Leto, so the ``--verify`` run's trainers each say so once.
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -50,13 +48,10 @@ def _workdir(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for f in FILES:
         shutil.copy(HERE / f, root / f)
-    data = root / "data" / "synthetic"
-    data.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 4096), ("val", 1024)):
-        rng.integers(0, VOCAB, n, dtype=np.uint16).tofile(data / f"{split}.bin")
-    with open(data / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": VOCAB}, f)
+    subprocess.run(
+        [sys.executable, str(HERE / "prepare_synthetic.py"), "--vocab", str(VOCAB)],
+        check=True, cwd=root, timeout=60,
+    )  # fmt: skip
     return root
 
 
