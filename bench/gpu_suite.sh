@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -364,6 +364,20 @@ if [[ $what == zoo-only ]]; then
   kill=${LETO_ZOO_KILL:+--kill-cases $LETO_ZOO_KILL}
   timeout ${LETO_ZOO_TIMEOUT:-580} python3 -m bench.zoo --device cuda --size ${LETO_ZOO_SIZE:-large} \
     --cases ${LETO_ZOO_CASES:-tied} ${kill:---no-kill} --json "$OUT/zoo_cuda.json" 2>&1 | tee "$OUT/zoo_cuda.txt" || rc=1
+fi
+if [[ $what == certify ]]; then
+  # faultkit certify on the GPU: the nanoGPT-style port (a small shape), one rank, killed
+  # at every phase with pages lost, against its fault-free run.
+  timeout ${LETO_CERTIFY_TIMEOUT:-300} python3 -m faultkit.cli certify --device cuda --json \
+    -- examples/porting/gpt_leto.py --n-layer 2 --n-embd 256 --n-head 4 --vocab 4096 --seq 128 \
+    --batch 4 --iterations 10 --deterministic > "$OUT/certify_cuda.json" 2> "$OUT/certify_cuda.txt" || rc=1
+  tail -c 1500 "$OUT/certify_cuda.txt"; python3 -c "import json,sys; v=json.load(open(sys.argv[1])); print(v['verdict'], [(r['phase'], r['exact']) for r in v['faults']], v['first_divergence'], round(v['total_s']))" "$OUT/certify_cuda.json"
+fi
+if [[ $what == sdc-inject ]]; then
+  # faultkit's sdc-update at world 1 on the GPU: the update recheck finds it, EXACT.
+  timeout 200 python3 -m faultkit.cli inject --device cuda --world-size 1 --mode sdc-update \
+    --phase update --json > "$OUT/sdc_update_cuda.json" 2>"$OUT/sdc_err.txt" || rc=1
+  tail -c 600 "$OUT/sdc_err.txt"; python3 -c "import json,sys; v=json.load(open(sys.argv[1])); print({k: v.get(k) for k in ('exact','detected','detected_by','detected_at','named_rank','rolled_back','first_divergence')})" "$OUT/sdc_update_cuda.json"
 fi
 if [[ $what == tied-job ]]; then
   # The job that raised the false alarm, as its user ran it: the 1.1 B nanoGPT-style port
