@@ -394,6 +394,17 @@ class RetainedTraining:
             m = m.but(loss=value)
         self._log(t, m)
 
+    def skipped(self, t: int, loss: torch.Tensor | float | None) -> None:
+        """Iteration ``t`` ended with every step skipped by the GradScaler: nothing was
+        updated, and its loss is logged (and traced, with the state it left: the one
+        before) as any iteration's — the script's own log has it, and torchrun's."""
+        if loss is None:
+            self._no_loss(t)
+            value = float("nan")
+        else:
+            value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self._log(t, self.up.marker.state.but(loss=value))
+
     def settle_checks(self) -> None:
         """Every check of the updates made so far, before a checkpoint and at the end of
         training: the replica check of the last update (with the loss guard's flags)

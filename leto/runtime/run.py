@@ -302,6 +302,9 @@ class Run:
                     )
                 if self.checkpointer is not None:
                     self.checkpointer.before_update()  # the loop record is checkpointed
+                # Every step skipped (inf/NaN gradients): no update, but the iteration
+                # and its loss happened — in the loss log and the trace as any other.
+                self.job.skipped(t, self._loss)
                 self._loop.write_end(t)
             self._t = None
             self._check_schedulers(t)
