@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -389,9 +390,9 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
         if not stopped:
             print(head)  # no failure: no table of recoveries to print
         return code
-    t = Table(title=head)
-    cols = ("generation", "class", "shadow level", "failed ranks", "fencing", "promotion", "trainer steps, s (slowest rank)", "recovery (to training)")  # fmt: skip
-    for col in cols:
+    # Fits 80 columns: the slowest trainer's steps go below the table, a line a failure.
+    t = Table(title=head, title_justify="left")
+    for col in ("failure", "kind", "ranks", "shadows", "fence", "promote", "to training"):
         t.add_column(col)
     steps = {
         "deferred_init_s": "init",
@@ -401,20 +402,31 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
         "agree_s": "agree",
         "finish_update_s": "finish",
     }
-    for r in summary["recoveries"]:
+    notes = []
+    for n, r in enumerate(summary["recoveries"], 1):
         tr = list(r.get("trainers", {}).values())
         slow = max(tr, key=lambda x: x.get("resume_s", 0), default={})
+        kind = {"HOF": "in place", "FF": "checkpoint"}.get(r["class"], r["class"])
         t.add_row(
-            str(r["generation"]),
-            r["class"],
-            str(r.get("level") or "none (cold)"),
-            str(r.get("failed_ranks", "?")),
+            str(n),
+            kind,
+            ",".join(map(str, r.get("failed_ranks", []))) or "?",
+            str(r.get("level") or "cold"),
             f"{r['fencing_s'] * 1e3:.0f} ms",
             f"{r['promotion_s'] * 1e3:.0f} ms",
-            " ".join(f"{v} {slow[k]:.2f}" for k, v in steps.items() if k in slow) or "-",
             f"{r['recovery_s']:.2f} s" if "recovery_s" in r else "-",
         )
+        said = ", ".join(f"{v} {slow[k]:.2f} s" for k, v in steps.items() if k in slow)
+        if said:
+            notes.append(f"failure {n}, the slowest trainer's steps: {said}")
     Console().print(t)
+    legend = (
+        "kind: in place (recovered from memory and parity) or checkpoint (a fatal "
+        "failure: every rank restarted from the newest checkpoint); fence: every trainer "
+        "stopped before the pool is touched; promote: a waiting shadow became the trainer"
+    )
+    for line in [legend, *notes]:
+        print(textwrap.fill(line, 78, initial_indent="  ", subsequent_indent="    "))
     return code
 
 

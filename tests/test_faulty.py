@@ -111,3 +111,12 @@ def test_a_fault_plan_entry_that_never_fired_is_reported(tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert "fault-plan entry for generation 1 (rank 1 at sync@40#1" in err, err
     assert err.count("never fired") == 1, err  # the entry that struck is not listed
+
+
+def test_the_pages_a_fault_plan_took_are_said_in_words():
+    from leto.runtime.recovery import said_lost
+
+    text = said_lost({"device": 66, "host": 1, "short": [[1, 2, 3]]})
+    assert "66 device page(s) (all ranks' protection groups together)" in text
+    assert "1 host parity page(s)" in text and "rank 1 group 2 (3 pages)" in text
+    assert "{" not in text

@@ -252,6 +252,14 @@ def warm_device(device: torch.device) -> None:
         lending.warm_workspaces(device)
 
 
+_UNCAUGHT: list[str] = []  # the uncaught exception this trainer is dying of, if any
+
+
+def uncaught() -> bool:
+    """Whether this trainer is exiting with an uncaught exception (after the hook ran)."""
+    return bool(_UNCAUGHT)
+
+
 def _record_uncaught(path: str | None) -> None:
     """An uncaught exception is written to ``path`` (type, message, traceback) before
     the interpreter reports it and exits, so the agent's record says why this trainer
@@ -263,6 +271,7 @@ def _record_uncaught(path: str | None) -> None:
     def hook(kind, value, tb):
         import traceback
 
+        _UNCAUGHT.append(kind.__name__)
         try:
             if not path:
                 raise OSError("no error file")

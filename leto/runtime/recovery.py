@@ -95,7 +95,7 @@ class Recovery:
         t_all = time.time()
         lost = self.lose(gen)
         if lost.get("device") or lost.get("host"):
-            log.info("generation %d: fault plan lost %s", gen, lost)
+            log.info("generation %d: %s", gen, said_lost(lost))
         new = gen + 1
         promoted = self.shadows.level if self.shadows.on else None
         for cl in self.cells:
@@ -203,3 +203,19 @@ class Recovery:
             rec.failed_ranks = sorted(int(r) for r in rec.failures)
             if rec.trainers:
                 rec.recovery_s = max(v["time"] for v in rec.trainers.values()) - rec.detected_at
+
+
+def said_lost(lost: dict) -> str:
+    """The fault plan's page losses in words: the device pages count every rank's
+    groups (a plan's ``lose_pages`` is per protection group, on every rank), and groups
+    that held fewer pages than asked are named."""
+    text = (
+        f"the fault plan took {lost.get('device', 0)} device page(s) (all ranks' "
+        f"protection groups together) and {lost.get('host', 0)} host parity page(s)"
+    )
+    short = lost.get("short") or []
+    if short:
+        text += "; smaller than asked, so wholly lost: " + ", ".join(
+            f"rank {r} group {g} ({n} pages)" for r, g, n in short
+        )
+    return text

@@ -63,6 +63,7 @@ from leto import plugins, rank_log
 from leto.errors import InvalidInput
 from leto.plugins import point
 from leto.runtime import checks_line, data_state, keys, replay
+from leto.runtime.api import uncaught
 from leto.runtime.batch_fn import BatchFunctions
 from leto.runtime.ddp_shape import DDPShaped
 from leto.runtime.loop_state import LoopState
@@ -231,6 +232,7 @@ class Run:
             self.loop, self.user, self.schedulers, self.scaler, len(self.optimizers), self._data
         )
         self._loss = None  # run.record_loss's, this iteration (None: not given)
+        self._left_early: tuple[int, int] | None = None  # (iteration, of) the loop was left
         self._epochs: list[int] = []  # the schedulers' last_epoch when the iteration began
         t_resume = time.time()
         self.next_iteration = self.job.resume(
@@ -284,14 +286,12 @@ class Run:
                 # The loop was left (break, return — or an exception, sys.exit included,
                 # unwinding through it: from here the two cannot be told apart). The end
                 # of training is collective, and peers of a dying trainer would wait in
-                # it; so it does not run here, and the rank's log says so.
-                rank_log.tell(
-                    self.ctx.rank,
-                    f"the loop was left at iteration {t} of {total} before "
-                    f"run.iterations() ended: the end of training did not run (the checks "
-                    f"of the last updates settled, the full scrub, ZeRO-1's final gather); "
-                    f"to have it, let the loop run out — docs/porting.md",
-                )
+                # it; so it does not run here. Whether the script left it or died is
+                # known at exit: only a script that ended without an uncaught exception
+                # is told (a healthy rank whose collective failed with a peer's death
+                # is not — it is being recovered).
+                self._left_early = (t, total)
+                atexit.register(self._said_left_early)
                 raise
             if not self._stepped:
                 if self.scaler is None or len(self._inf) < len(self.optimizers):
@@ -623,6 +623,18 @@ class Run:
                     f"initialize the model identically on every data-parallel rank (same "
                     f"seed); nothing was trained"
                 )
+
+    def _said_left_early(self) -> None:
+        if self._left_early is None or uncaught():
+            return
+        t, total = self._left_early
+        rank_log.tell(
+            self.ctx.rank,
+            f"the loop was left at iteration {t} of {total} before run.iterations() "
+            f"ended: the end of training did not run (the checks of the last updates "
+            f"settled, the full scrub, ZeRO-1's final gather); to have it, let the loop "
+            f"run out — docs/porting.md",
+        )
 
     def _close(self) -> None:
         try:
