@@ -72,11 +72,14 @@ def attach_first(report: dict) -> bool:
 
 
 class DataState:
-    def __init__(self, client: PoolClient, objects: list):
+    def __init__(self, client: PoolClient, objects: list, extra_bytes: int = 0):
+        """``extra_bytes``: room beyond the 64 KiB for objects whose state is large
+        (the model's running statistics); the same on every start of the rank."""
         self.client, self.objects = client, objects
         page = client.config.record_page_bytes
-        self.records = [client.attach(n, PAGES * page, kind=AllocationKind.RECORD) for n in NAMES]
-        self.capacity = PAGES * page - _HEAD.size
+        pages = PAGES + -(-extra_bytes // page)
+        self.records = [client.attach(n, pages * page, kind=AllocationKind.RECORD) for n in NAMES]
+        self.capacity = pages * page - _HEAD.size
         self._pages: list[list[torch.Tensor]] = []  # per slot: its data pages (int64)
         self._parity: list[list[torch.Tensor]] = []  # per slot: tier 1, tier 2 (int64)
 

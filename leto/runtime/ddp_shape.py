@@ -13,7 +13,9 @@ object — so its port is ``model = run.model`` where it had ``model = DDP(model
   ``state_dict()`` are DDP's, names prefixed ``module.`` (a script that saves
   ``model.module.state_dict()`` or ``model.state_dict()`` saves what it saved under DDP);
 * ``zero_grad()`` zeroes the retained gradients in place (as ``optimizer.zero_grad()``
-  does under Leto: never None).
+  does under Leto: never None);
+* buffers: rank 0's running statistics are broadcast before a forward that follows a
+  synchronizing one, as DDP's ``broadcast_buffers`` (``leto.runtime.buffer_state``).
 
 Not covered: ``isinstance(model, DistributedDataParallel)`` (it is not one),
 communication hooks, ``static_graph``, ``find_unused_parameters`` (Leto refuses a
@@ -37,12 +39,20 @@ class DDPShaped(torch.nn.Module):
         # A plain attribute (Run is no Module): not part of state_dict or parameters.
         self._run = run
         self.require_backward_grad_sync = True
+        # DDP's require_forward_param_sync: rank 0's buffers are broadcast before a
+        # forward that follows one with gradient synchronization (and before the first).
+        self._sync_buffers = True
 
     def forward(self, *args, **kwargs):
+        run = self._run
+        if self._sync_buffers and run._buffers.stats and run.ctx.world_size > 1:
+            run._buffers.broadcast()  # the running statistics: DDP's broadcast_buffers
         if torch.is_grad_enabled():
             # DDP prepares its reducer here, for the backward of this forward.
-            self._run.job.sync_backward(self.require_backward_grad_sync)
-        return self.module(*args, **kwargs)
+            run.job.sync_backward(self.require_backward_grad_sync)
+        out = self.module(*args, **kwargs)
+        self._sync_buffers = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):

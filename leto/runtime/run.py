@@ -18,8 +18,9 @@ keeps its objects and its loop; Leto takes over what survives a failure::
 What Leto does with them:
 
 * the model's parameters become views of retained pool memory (tied parameters once,
-  under every name; frozen ones retained, never updated; buffers on the meta device or
-  persistent ones refused by name); gradients accumulate in retained memory and are
+  under every name; frozen ones retained, never updated; buffers on the meta device
+  refused by name; running statistics retained with the data records,
+  ``leto.runtime.buffer_state``); gradients accumulate in retained memory and are
   reduced across data-parallel ranks in buckets while backward runs, averaged by the
   time ``backward()`` returns (as DDP: do not wrap the model in DDP);
 * on a fresh pool the parameters take the model's own initial values (or ``init()``
@@ -65,6 +66,7 @@ from leto.plugins import point
 from leto.runtime import checks_line, data_state, keys, replay
 from leto.runtime.api import uncaught
 from leto.runtime.batch_fn import BatchFunctions
+from leto.runtime.buffer_state import RetainedBuffers
 from leto.runtime.ddp_shape import DDPShaped
 from leto.runtime.loop_state import LoopState
 from leto.runtime.retained import RetainedTraining
@@ -115,7 +117,13 @@ class Run:
         # The data position (data=) and the global generators, retained together.
         self._rng = GlobalRNG(ctx.device)
         self._batches = BatchFunctions(self._rng)  # run.batches()
-        data = [*(data_state.stateful(data) if data is not None else []), self._rng, self._batches]
+        # The model's running statistics (BatchNorm's) travel with them.
+        self._buffers = RetainedBuffers(model, ctx.device)
+        data = [
+            *(data_state.stateful(data) if data is not None else []),
+            self._rng, self._batches, self._buffers,
+        ]  # fmt: skip
+        extra = self._buffers.record_bytes()
         self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         self.schedulers = (
             [] if scheduler is None
@@ -176,7 +184,7 @@ class Run:
         # among them, else after its allocations (data_state.attach_first).
         self._data = None
         if data_state.attach_first(ctx.localization):
-            self._data = data_state.DataState(ctx.pool, data)
+            self._data = data_state.DataState(ctx.pool, data, extra)
         self.job = RetainedTraining(
             ctx.pool,
             model,
@@ -201,7 +209,13 @@ class Run:
                 self.job.up.recheck.on_notice = lambda text: _notice(ctx.store, text)
         self.loop = self.job.loop = self.job.up.loop
         early = self._data is not None
-        self._data = self._data or data_state.DataState(ctx.pool, data)
+        self._data = self._data or data_state.DataState(ctx.pool, data, extra)
+        if self._buffers.stats and not (self.job.replicated or ctx.world_size == 1):
+            raise InvalidInput(
+                f"buffer {self._buffers.stats[0]} holds running statistics in a model that is "
+                f"not data parallel (sharded, tensor or pipeline parallel): Leto retains "
+                f"them in data-parallel models only; nothing was retained"
+            )
         self._data.bind(self.job.up.views if early else None)
         self.job.data = self._data
         self.model = DDPShaped(model, self)  # what the script uses where it had DDP(model)

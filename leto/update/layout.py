@@ -329,19 +329,11 @@ class RetainedModel:
 
 
 def check_buffers(model: torch.nn.Module) -> None:
-    """Leto retains parameters only: a buffer on the meta device would never get a value,
-    and a persistent buffer (in the state dict, e.g. BatchNorm statistics) would lose
-    what training wrote into it at a recovery. Both are refused by name."""
-    persistent = set(model.state_dict(keep_vars=True).keys())
+    """A buffer on the meta device would never get a value: refused by name. (Persistent
+    buffers: ``leto.runtime.buffer_state`` under ``leto.Run``.)"""
     for name, b in model.named_buffers():
         if b.device.type == "meta":
             raise ValueError(
                 f"buffer {name} is on the meta device; build buffers on the real device "
-                f"(Leto retains parameters only)"
-            )
-        if name in persistent:
-            raise ValueError(
-                f"buffer {name} is persistent (in the model's state dict): Leto retains "
-                f"parameters only, so what training writes into it would be lost at a "
-                f"recovery; register it with persistent=False if it is recomputed"
+                f"(the script's construction gives them their values)"
             )
