@@ -22,6 +22,7 @@ def say(rank: int, message: str) -> None:
     print(f"{MARK}rank {rank}: {message}", file=sys.stderr, flush=True)
 
 
-def tell(rank: int, message: str) -> None:
-    """As ``say``, and on ``leto run``'s console."""
-    print(f"{SHOWN}rank {rank}: {message}", file=sys.stderr, flush=True)
+def tell(rank: int | None, message: str) -> None:
+    """As ``say``, and on ``leto run``'s console (``rank`` None: a line of no rank's)."""
+    who = "" if rank is None else f"rank {rank}: "
+    print(f"{SHOWN}{who}{message}", file=sys.stderr, flush=True)

@@ -45,12 +45,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from leto import rank_log
 from leto.errors import FatalFailure, WrongComputation
 
 ENV_UPDATE_RECHECK = "LETO_UPDATE_RECHECK"  # "1" one chunk an iteration, "all", "0"
@@ -129,12 +129,13 @@ class Recheck:
         self.notice(f"update recheck off for the rest of the job: {why}")
 
     def notice(self, text: str) -> None:
-        line = f"rank {self.rank}: {text}"
         if self.log is not None:
-            line += f" (evidence: {self.evidence_path()})"
-        print(line, file=sys.stderr, flush=True)
+            text += f" (evidence: {self.evidence_path()})"
+        # On the console once: through the agent's notices where there is a job, else
+        # from this rank's log.
+        (rank_log.say if self.on_notice is not None else rank_log.tell)(self.rank, text)
         if self.on_notice is not None:
-            self.on_notice(line)
+            self.on_notice(f"rank {self.rank}: {text}")
 
     def compared(self, t: int, gi: int, j: int, first: torch.Tensor, again: torch.Tensor):
         """The two sums of chunk ``j`` of group ``gi`` (device tensors): kept, read later.

@@ -40,12 +40,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from leto import rank_log
 from leto.erasure.locate import SymbolError, Unlocatable, locate, syndromes
 from leto.errors import FatalFailure
 
@@ -167,11 +167,10 @@ class Scrubber:
         self.findings += found
         for f in found:
             what = "repaired" if f.repaired else "NOT repaired (fatal)"
-            print(
+            rank_log.tell(
+                None,
                 f"scrub ({when}): group {f.group} {f.tier} page {f.page} "
                 f"{f.allocation or ''} {f.symbols} symbol(s) from byte {f.first_byte}: {what}",
-                file=sys.stderr,
-                flush=True,
             )
         if self.log is not None:
             with open(self.log, "a") as fh:
