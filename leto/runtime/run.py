@@ -312,7 +312,9 @@ class Run:
                     # (Under a GradScaler: step through scaler.step(), as torch's docs do.)
                     raise InvalidInput(
                         f"iteration {t} ended without the step() of every optimizer given "
-                        f"to leto.Run"
+                        f"to leto.Run: every iteration of run.iterations() updates. A last "
+                        f"pass that only evaluates (llm.c's last step) goes after the loop: "
+                        f"loop one iteration fewer, then evaluate — docs/porting.md"
                     )
                 if self.checkpointer is not None:
                     self.checkpointer.before_update()  # the loop record is checkpointed
