@@ -49,8 +49,8 @@ class RetainedBuffers:
     """``state_dict``/``load_state_dict`` over ``model``'s running statistics (one of the
     data records' objects), and the checks and broadcast of its persistent buffers."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, device: torch.device, world: int = 1):
+        self.model, self.world = model, world
         persistent = set(model.state_dict(keep_vars=True).keys())
         buffers = dict(model.named_buffers())
         self.stats = [

@@ -32,12 +32,14 @@ from leto.errors import InvalidInput
 
 
 class DDPShaped(torch.nn.Module):
-    def __init__(self, module: torch.nn.Module, run):
-        """``run``: the ``leto.Run`` that retains ``module``."""
+    def __init__(self, module: torch.nn.Module, run, buffers=None):
+        """``run``: the ``leto.Run`` that retains ``module``; ``buffers``: its
+        ``RetainedBuffers`` (None: none to broadcast)."""
         super().__init__()
         self.module = module
-        # A plain attribute (Run is no Module): not part of state_dict or parameters.
+        # Plain attributes (Run is no Module): not part of state_dict or parameters.
         self._run = run
+        self._stats = buffers if buffers is not None and buffers.stats else None
         self.require_backward_grad_sync = True
         # DDP's require_forward_param_sync: rank 0's buffers are broadcast before a
         # forward that follows one with gradient synchronization (and before the first).
@@ -45,8 +47,8 @@ class DDPShaped(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         run = self._run
-        if self._sync_buffers and run._buffers.stats and run.ctx.world_size > 1:
-            run._buffers.broadcast()  # the running statistics: DDP's broadcast_buffers
+        if self._sync_buffers and self._stats is not None and self._stats.world > 1:
+            self._stats.broadcast()  # the running statistics: DDP's broadcast_buffers
         if torch.is_grad_enabled():
             # DDP prepares its reducer here, for the backward of this forward.
             run.job.sync_backward(self.require_backward_grad_sync)

@@ -118,7 +118,7 @@ class Run:
         self._rng = GlobalRNG(ctx.device)
         self._batches = BatchFunctions(self._rng)  # run.batches()
         # The model's running statistics (BatchNorm's) travel with them.
-        self._buffers = RetainedBuffers(model, ctx.device)
+        self._buffers = RetainedBuffers(model, ctx.device, ctx.world_size)
         data = [
             *(data_state.stateful(data) if data is not None else []),
             self._rng, self._batches, self._buffers,
@@ -218,7 +218,7 @@ class Run:
             )
         self._data.bind(self.job.up.views if early else None)
         self.job.data = self._data
-        self.model = DDPShaped(model, self)  # what the script uses where it had DDP(model)
+        self.model = DDPShaped(model, self, self._buffers)  # what the script uses where it had DDP(model)
         self.user.adopt(self.job.params)  # the optimizers now hold the retained parameters
         for oi, opt in enumerate(self.optimizers):
             self._patch(oi, opt)
