@@ -18,9 +18,9 @@ and one process start is paid per case, not per model. What a case sets:
 Sizes: ``tiny`` (CPU, CI: a few thousand parameters a model) and ``large`` (the H200:
 100 M – 1 B parameters in all, the embeddings spanning several of Leto's chunks).
 
-Not covered: models with persistent buffers (refused by Leto, issue "Certify your own
-script"), sequence lengths and batch sizes users train at (the zoo checks exactness,
-not speed).
+Not covered: models with BatchNorm statistics (their own test against DDP:
+``tests/test_buffers_integ.py``), sequence lengths and batch sizes users train at (the
+zoo checks exactness, not speed).
 """
 
 from __future__ import annotations
