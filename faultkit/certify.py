@@ -121,25 +121,31 @@ def resolve_args(args: tuple[str, ...], cwd: Path) -> tuple[tuple[str, ...], lis
     return tuple(out), changed
 
 
-def _iterations_of(ref: dict) -> int:
-    """How many iterations the script's loop ran in the reference (every rank's trace)."""
+def _iterations_of(ref: dict) -> tuple[int, int]:
+    """The first iteration the script's loop ran in the reference and how many it ran
+    (every rank's trace; a script resuming its own checkpoint starts past 0)."""
     run = read_run(Path(ref["out"]))
-    counts = {len(t.records) for t in run.traces.values()}
-    return min(counts) if counts else 0
+    its = [sorted(t.records) for t in run.traces.values() if t.records]
+    if not its:
+        return 0, 0
+    return min(i[0] for i in its), min(len(i) for i in its)
 
 
-def placement(phases: tuple[str, ...], iterations: int, world: int, h1: int) -> list[JobFault]:
+def placement(
+    phases: tuple[str, ...], iterations: int, world: int, h1: int, first: int = 0
+) -> list[JobFault]:
     """One fault per phase, in the order given: rank k % world killed at phase k's point
     in an iteration spread over 1 .. iterations - 1 (repeating one when the loop is
     shorter than the list: each fault strikes in its own generation, so a redone
     iteration is struck again at the next phase), H1 device pages lost in each
-    protection group of every rank, and a tier-1 host parity page at every other phase."""
+    protection group of every rank, and a tier-1 host parity page at every other phase.
+    ``first``: the loop's first iteration (the iterations are counted from it)."""
     n = len(phases)
     span = max(1, iterations - 1)
     return [
         JobFault(
             rank=k % world,
-            at=f"{PHASES[phase]}@{1 + (k * span) // n if iterations > 1 else 0}#1",
+            at=f"{PHASES[phase]}@{first + (1 + (k * span) // n if iterations > 1 else 0)}#1",
             lose_pages=h1,
             host_parity_pages=1 if k % 2 == 0 else 0,
         )
@@ -224,7 +230,7 @@ def certify(cfg: CertifyConfig, work: Path) -> dict:
         ref = reference_run(base, work)
     except AssertionError as e:  # run_job: the fault-free run failed
         return _result(cfg, t0, "NOT EXACT", iterations=0, rows=[], reference_error=str(e))
-    iterations = _iterations_of(ref)
+    first_it, iterations = _iterations_of(ref)
     log.info("the script ran %d iteration(s) on %d rank(s)", iterations, cfg.nproc_per_node)
     if iterations < 1:
         return _result(
@@ -234,7 +240,7 @@ def certify(cfg: CertifyConfig, work: Path) -> dict:
             ),
         )  # fmt: skip
     base = replace(base, iterations=iterations)
-    faults = placement(cfg.phases, iterations, cfg.nproc_per_node, base.tier1_pages)
+    faults = placement(cfg.phases, iterations, cfg.nproc_per_node, base.tier1_pages, first_it)
     todo = list(zip(cfg.phases, faults, strict=True))
     groups = [[x] for x in todo] if cfg.separately else [todo]
     rows: list[dict] = []

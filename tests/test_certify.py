@@ -40,6 +40,10 @@ def test_a_short_loop_is_struck_again_in_a_redone_iteration():
     assert all(f.rank == 0 for f in faults)
     one = cert.placement(("update",), iterations=1, world=1, h1=4)
     assert one[0].iteration == 0
+    # A loop that resumes the script's own checkpoint at 1234: struck inside it.
+    late = cert.placement(tuple(PHASES), iterations=10, world=2, h1=4, first=1234)
+    base = cert.placement(tuple(PHASES), iterations=10, world=2, h1=4)
+    assert [f.iteration - 1234 for f in late] == [f.iteration for f in base]
 
 
 def test_relative_paths_that_exist_are_made_absolute(tmp_path):
@@ -104,7 +108,7 @@ def _fake(monkeypatch, tmp_path, unfired_at=(), ref_s=1.0):
 
     monkeypatch.setattr(cert, "reference_run", reference_run)
     monkeypatch.setattr(cert, "faulted_run", faulted_run)
-    monkeypatch.setattr(cert, "_iterations_of", lambda ref: 10)
+    monkeypatch.setattr(cert, "_iterations_of", lambda ref: (0, 10))
     script = tmp_path / "s.py"
     script.write_text("")
     return runs, str(script)
