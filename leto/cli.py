@@ -235,6 +235,23 @@ def _ranks(text: str) -> tuple[int, ...] | None:
         ) from None
 
 
+def _missing_module(name: str) -> str | None:
+    """Why ``python -m name`` would not start, or None. Looked up as the trainers will
+    (the working directory first on the path, as ``python -m`` puts it)."""
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as e:
+        return f"module {name} cannot be found ({e})"
+    finally:
+        sys.path.pop(0)
+    if spec is None:
+        return f"module {name} cannot be found (on the working directory or sys.path)"
+    return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from leto.runtime.agent import Agent, SignalStop
     from leto.runtime.config import RunConfig
@@ -287,7 +304,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"leto run: {e}", file=sys.stderr)
         return 2
-    if not Path(args.script).is_file():
+    if args.module:
+        missing = _missing_module(args.script)
+        if missing:
+            print(f"leto run: {missing}; nothing started", file=sys.stderr)
+            return 2
+    elif not Path(args.script).is_file():
         print(
             f"leto run: training script {args.script} does not exist; nothing started",
             file=sys.stderr,
@@ -313,7 +335,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             cfg.nproc_per_node,
         )
     try:
-        agent = Agent(cfg, [args.script, *args.script_args])
+        command = ["-m", args.script] if args.module else [args.script]
+        agent = Agent(cfg, [*command, *args.script_args])
     except InvalidInput as e:
         print(f"leto run: {e}", file=sys.stderr)
         return 2
@@ -632,7 +655,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: the allocation hook reclaims the shadow when device free memory is below this",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("script", help="the training script")
+    p.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="the script is a module, run as python -m runs it (torchrun's -m): "
+        "leto run -m leto.titan.train ...",
+    )
+    p.add_argument("script", help="the training script (with -m: a module's dotted name)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
     p.set_defaults(fn=cmd_run)
     register_bench(sub)

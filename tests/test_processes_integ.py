@@ -318,3 +318,26 @@ def test_without_checkpoints_a_fatal_failure_restarts_from_the_first_iteration(t
     assert "a restart from the first iteration was tried" in summary["stopped"], summary
     assert "falling back to the first iteration (--no-checkpoints)" in err, err[-2000:]
     assert not (tmp_path / "logs" / "checkpoints").exists()
+
+
+@pytest.mark.integ
+def test_leto_run_m_runs_a_module_as_python_m_does(tmp_path):
+    # leto run -m pkg.job: each trainer runs the module as __main__, its file as argv[0],
+    # the working directory first on sys.path (what torchrun -m does); a module that is
+    # not there stops nothing but leto run, before any process starts.
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "job.py").write_text(
+        "import sys\nprint('ran', __name__, sys.argv[1:], sys.argv[0], sys.path[0])\nsys.exit(7)\n"
+    )
+    p = _leto_run(tmp_path, {}, "pkg.job", stderr=subprocess.PIPE, nproc=1, extra=("-m",))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 7, err[-2000:]  # the module's own exit code
+    log = (tmp_path / "logs" / "rank0.gen0.active.log").read_text()
+    job = tmp_path / "pkg" / "job.py"
+    assert f"ran __main__ ['{tmp_path}'] {job} {tmp_path}" in log, log[-2000:]
+    bad = subprocess.run(
+        [sys.executable, "-m", "leto.cli", "run", "-m", "pkg.not_there"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "module pkg.not_there cannot be found" in bad.stderr, bad.stderr
+    assert not (tmp_path / "leto-run").exists()  # nothing started

@@ -118,9 +118,14 @@ def _child(req: dict, fds: list[int]) -> None:
         os.environ.update(env)
         _set_cmdline([sys.executable, *req["argv"]], env)
         os.chdir(req["cwd"])
-        script, *_ = req["argv"]
-        sys.argv = list(req["argv"])
-        sys.path[0] = os.path.dirname(os.path.realpath(script))
+        script, *rest = req["argv"]
+        module = rest[0] if script == "-m" else None  # leto run -m: python -m's way
+        if module is not None:
+            sys.argv = [module, *rest[1:]]  # argv[0] becomes the module's file
+            sys.path[0] = os.getcwd()
+        else:
+            sys.argv = list(req["argv"])
+            sys.path[0] = os.path.dirname(os.path.realpath(script))
         # stdout and stderr line-buffered, as on torchrun's terminal: the rank log (and
         # leto run's console, leto.runtime.relay) has every complete line a SIGKILLed
         # trainer printed — block-buffered, its last few KiB died with it. Unbuffered
@@ -143,7 +148,10 @@ def _child(req: dict, fds: list[int]) -> None:
 
         _guard_rendezvous()
         try:
-            runpy.run_path(script, run_name="__main__")
+            if module is not None:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as e:
             code = _exit_code(e.code)
