@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|titan|titan-*|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -372,6 +372,38 @@ if [[ $what == certify ]]; then
     -- examples/porting/gpt_leto.py --n-layer 2 --n-embd 256 --n-head 4 --vocab 4096 --seq 128 \
     --batch 4 --iterations 10 --deterministic > "$OUT/certify_cuda.json" 2> "$OUT/certify_cuda.txt" || rc=1
   tail -c 1500 "$OUT/certify_cuda.txt"; python3 -c "import json,sys; v=json.load(open(sys.argv[1])); print(v['verdict'], [(r['phase'], r['exact']) for r in v['faults']], v['first_divergence'], round(v['total_s']))" "$OUT/certify_cuda.json"
+fi
+if [[ $what == titan* ]]; then
+  # torchtitan 0.2.2 under Leto (issue 45). torchtitan and what it needs beyond the
+  # machine's packages travel as wheels in .whl (docs/porting.md, "torchtitan"):
+  # titan-exact, titan-certify, titan-overhead, titan-recovery, or titan for all four.
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/titan-site .whl/*.whl || rc=1
+  export PYTHONPATH=$PYTHONPATH:/tmp/titan-site HF_DATASETS_OFFLINE=1
+  if [[ $what == titan || $what == titan-exact ]]; then
+    # The debug model, deterministic: torchrun -m torchtitan.train against leto run -m
+    # leto.titan.train (defaults), checkpoint and losses bit for bit.
+    timeout 420 python3 -m bench.titan_path exact --steps 20 --timeout-s 200 \
+      --json "$OUT/titan_exact.json" 2>&1 | tail -30 | tee "$OUT/titan_exact.txt" || rc=1
+  fi
+  if [[ $what == titan || $what == titan-certify ]]; then
+    # Killed at every phase (forward/backward, the update and the rest) with pages lost.
+    timeout 420 python3 -m faultkit.cli certify --device cuda --json -- \
+      examples/titan/debug_job.py --iterations 9 > "$OUT/titan_certify.json" 2> "$OUT/titan_certify.txt" || rc=1
+    tail -c 1500 "$OUT/titan_certify.txt"
+  fi
+  if [[ $what == titan || $what == titan-overhead ]]; then
+    # Llama 3.2 1B's shape, 16 K tokens a step: torchtitan's tokens/s, torchrun vs leto run.
+    timeout 540 python3 -m bench.titan_path overhead --steps ${LETO_TITAN_STEPS:-30} --skip 10 \
+      --timeout-s 260 --json "$OUT/titan_overhead.json" 2>&1 | tail -40 | tee "$OUT/titan_overhead.txt" || rc=1
+  fi
+  if [[ $what == titan || $what == titan-recovery ]]; then
+    # L3 recovery of the 1B model: kill in the forward of step 5 → training again.
+    timeout 400 python3 -m bench.plain_recovery --device cuda --nproc-per-node 1 --shadow-level L3 \
+      --trials 1 --iterations 8 --warmup generic --script examples/titan/debug_job.py \
+      --script-args="--experimental.custom_import examples.titan.flavors --model.flavor 1B --training.seq_len 4096 --training.local_batch_size 4 --checkpoint.no-enable --metrics.no-enable_tensorboard" \
+      --json-out "$OUT/titan_recovery.json" 2>&1 | tail -20 | tee "$OUT/titan_recovery.txt" || rc=1
+  fi
 fi
 if [[ $what == sdc-inject ]]; then
   # faultkit's sdc-update at world 1 on the GPU: the update recheck finds it, EXACT.

@@ -50,7 +50,7 @@ def trial(args, out: Path) -> dict:
     pool = {"pool": PoolConfig.for_cuda(0, tier1_pages=4)} if args.device == "cuda" else {}
     got = run_job(
         args.nproc_per_node, TrainConfig(), out, [JobFault(args.nproc_per_node - 1, args.at)],
-        shadow_level=args.shadow_level, script=SCRIPT, device=args.device,
+        shadow_level=args.shadow_level, script=Path(args.script), device=args.device,
         script_args=[*shlex.split(args.script_args), "--iterations", str(args.iterations),
                      "--out", str(out / "train")],
         **pool,
@@ -90,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the parked shadow's warm-up of a script that gives none: Leto's generic "
         "step (the default), none (LETO_GENERIC_WARMUP=0), or both, side by side per trial",
     )
+    ap.add_argument(
+        "--script",
+        default=str(SCRIPT),
+        help="the job (default: the nanoGPT-style port; e.g. examples/titan/debug_job.py, "
+        "torchtitan under Leto); it takes --iterations and --out besides --script-args",
+    )
     ap.add_argument("--work-dir", help="jobs' folders (default: a new temporary folder)")
     ap.add_argument("--json-out", help="write the trials as JSON here")
     args = ap.parse_args(argv)
@@ -110,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             row.update(trial=i, warmup=kind, job_s=time.time() - t0)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    t = Table(title=f"plain script ({SCRIPT.name}), {args.shadow_level}, kill at {args.at}")
+    t = Table(
+        title=f"plain script ({Path(args.script).name}), {args.shadow_level}, kill at {args.at}"
+    )
     cols = ("trial", "warm-up", "to training s", "regained s", "promoted imports", "ahead s")
     for col in cols:
         t.add_column(col)

@@ -43,6 +43,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out")
     ap.add_argument("--plain", action="store_true", help="torchtitan's Trainer (torchrun)")
+    ap.add_argument(
+        "--print-flags",
+        action="store_true",
+        help="make the assets, print the torchtitan flags (for -m torchtitan.train / "
+        "-m leto.titan.train) and exit",
+    )
     args, rest = ap.parse_known_args()
     out = Path(args.out).resolve()
     sys.path.insert(0, str(HERE))
@@ -56,6 +62,9 @@ def main() -> None:
         except OSError:
             shutil.rmtree(tmp)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files: no hub
+    if args.print_flags:
+        print(" ".join(titan_flags(args.iterations, args.seed, out)))
+        return
     if not torch.cuda.is_available():
         import cpu  # noqa: F401  (before torchtitan)
     # torchtitan's parse_args() reads sys.argv[1:] as it was when torchtitan was imported.
