@@ -373,7 +373,9 @@ PARALLEL_HELP = (
     "all-to-all, the rest data parallel; a world size dividing 8) or ep+fsdp (the same, "
     "the rest sharded by FSDP2, the experts DTensors outside it); dp-loader "
     "(examples/porting/loader_leto.py: data parallel, batches from a shuffled two-worker "
-    "StatefulDataLoader handed to leto.Run(data=...))"
+    "StatefulDataLoader handed to leto.Run(data=...)); titan (examples/titan/debug_job.py: "
+    "torchtitan's Llama 3 debug model under leto.titan's LetoTrainer; torchtitan 0.2 "
+    "installed; world size 1 on the CPU)"
 )
 
 

@@ -88,7 +88,9 @@ MODES = ("kill", "copy-corrupt", "kernel-abort", *CORRUPT_MODES, *SDC_MODES)
 # ranks, "pp" one pipeline stage per rank (GPipe); "ep" a mixture of experts, 8 experts
 # a layer sharded over the ranks (expert parallel, all-to-all dispatch), the rest data
 # parallel, "ep+fsdp" the same with FSDP2 over the rest; "dp-loader" a data-parallel script reading a shuffled two-worker
-# StatefulDataLoader given to leto.Run(data=...).
+# StatefulDataLoader given to leto.Run(data=...); "titan" torchtitan's Llama 3 debug
+# model under LetoTrainer (examples/titan/debug_job.py; torchtitan 0.2 installed; on a CPU
+# at world 1 only, see examples/titan/cpu.py).
 # -> (script, its flags for a world size)
 _PAR = Path(__file__).resolve().parents[1] / "examples" / "parallel"
 _PORTING = Path(__file__).resolve().parents[1] / "examples" / "porting"
@@ -101,6 +103,7 @@ PARALLEL = {
     "ep": (_PAR / "gpt_moe_leto.py", lambda world: []),
     "ep+fsdp": (_PAR / "gpt_moe_leto.py", lambda world: ["--fsdp"]),
     "dp-loader": (_PORTING / "loader_leto.py", lambda world: []),
+    "titan": (_PAR.parent / "titan" / "debug_job.py", lambda world: []),
 }
 
 
@@ -175,6 +178,11 @@ def check_job(cfg: InjectConfig) -> None:
         raise ValueError(
             f"--parallel fsdp+tp puts TP over pairs of ranks and FSDP2 across the pairs: "
             f"it needs an even world size of at least 4, not {cfg.world_size}"
+        )
+    if cfg.parallel == "titan" and cfg.device == "cpu" and cfg.world_size != 1:
+        raise ValueError(
+            "--parallel titan on the CPU runs at --world-size 1: torchtitan shards with "
+            "FSDP2 above it, whose reduce-scatter over gloo needs PREMUL_SUM (gloo lacks it)"
         )
     if cfg.parallel in ("ep", "ep+fsdp") and 8 % cfg.world_size:
         raise ValueError(
