@@ -6,7 +6,8 @@ Tests marked ``gpu`` run only where torch sees a CUDA device; elsewhere they are
 reported as skipped with that reason, never silently passed. Tests marked ``integ``
 start whole ``leto run`` jobs (seconds each, CPU-bound on 2 cores): ``pytest -m "not
 integ"`` is the quick loop. Fault-free references are built once per session and job
-configuration (``job_reference``, ``inject_reference``) and shared by every module.
+configuration (``job_reference``, ``inject_reference``) and shared by every module; so is
+a faulted job two modules assert on (``ported_llama_killed``).
 """
 
 from __future__ import annotations
@@ -86,3 +87,23 @@ def inject_reference(tmp_path_factory):
         return cache[job]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def ported_llama_killed(tmp_path_factory):
+    """``(summary, out)``: the ported Llama (``examples/porting/llama_leto.py``) under
+    ``leto run`` on two ranks with L2 shadows, rank 1 killed in the middle of iteration 2's
+    optimizer step with pages of every kind lost on every rank. One job, two claims:
+    tests/test_porting.py compares its bytes with DDP's, tests/test_promoted_imports.py
+    reads what its promoted trainers imported."""
+    from faultkit.job import JobFault, run_job
+    from leto.workload.train import TrainConfig
+    from tests.test_porting import CPU_LOSE, ITERS, LETO
+
+    out = tmp_path_factory.mktemp("ported_llama") / "faulted"
+    got = run_job(
+        2, TrainConfig(), out, [JobFault(1, "update.optimizer@2#1", inject=CPU_LOSE)],
+        shadow_level="L2", script=LETO,
+        script_args=["--iterations", str(ITERS), "--out", str(out / "train")],
+    )  # fmt: skip
+    return got, out

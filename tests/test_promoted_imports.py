@@ -132,7 +132,6 @@ def test_a_shadow_imports_ahead_what_the_scripts_optimizer_would_and_keeps_the_r
 
 # -- end to end ------------------------------------------------------------------------
 
-PORTED = REPO / "examples" / "porting" / "llama_leto.py"
 ITERS = 4
 KILL = "update.optimizer@2#1"  # rank 1, mid-update: the promoted trainers finish it
 
@@ -161,13 +160,11 @@ def test_the_example_gpt_promoted_at_l2_imports_nothing_on_its_way_to_training(t
 
 
 @pytest.mark.integ
-def test_the_ported_llama_promoted_at_l2_imports_nothing_on_its_way_to_training(tmp_path):
-    t0 = time.monotonic()
-    args = ["--iterations", str(ITERS), "--out", str(tmp_path / "train")]
-    got = run_job(
-        2, TrainConfig(), tmp_path, [JobFault(1, KILL)], shadow_level="L2", script=PORTED,
-        script_args=args,
-    )  # fmt: skip
+def test_the_ported_llama_promoted_at_l2_imports_nothing_on_its_way_to_training(
+    ported_llama_killed,
+):
+    # The job tests/test_porting.py compares with DDP (tests/conftest.py): rank 1 killed
+    # at KILL, L2 shadows, pages of every kind lost (the rebuild on the path too).
+    got, _ = ported_llama_killed
     lazy = _promoted_imports(got)
     assert not lazy, f"modules imported after promotion (rank: module, s): {lazy}"
-    print(f"job {time.monotonic() - t0:.1f} s")
