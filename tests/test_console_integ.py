@@ -145,12 +145,25 @@ def test_an_error_before_leto_init_shows_the_end_of_its_log(tmp_path):
     assert "no data at /data/shard0" in record["stopped"], record["stopped"]
 
 
-def test_faultkit_inject_prints_its_stages_and_removes_its_work_directory(tmp_path):
-    tmp = tmp_path / "tmp"
+@pytest.fixture(scope="module")
+def inject_cli(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """``faultkit inject`` as a user runs it (its table on stdout, its stages on
+    stderr): one run of the CLI that the two tests below read; and its TMPDIR."""
+    work = tmp_path_factory.mktemp("inject_cli")
+    tmp = work / "tmp"
     cmd = [sys.executable, "-m", "faultkit.cli", "inject", "--iterations", "2", "--pages", "2"]
-    r = subprocess.run(
-        cmd, env=_env(tmp), cwd=tmp_path, capture_output=True, text=True, timeout=280
-    )
+    r = subprocess.run(cmd, env=_env(tmp), cwd=work, capture_output=True, text=True, timeout=280)
+    return r, tmp
+
+
+def test_faultkit_inject_table_names_the_verdict(inject_cli):
+    r, _ = inject_cli
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert "EXACT" in r.stdout and "first divergence" in r.stdout, r.stdout
+
+
+def test_faultkit_inject_prints_its_stages_and_removes_its_work_directory(inject_cli):
+    r, tmp = inject_cli
     assert r.returncode == 0 and "EXACT" in r.stdout, r.stdout + r.stderr[-2000:]
     stages = [
         "work directory",

@@ -2,14 +2,13 @@
 
 The verdict tests call ``faultkit.inject.inject`` / ``run_plan`` (what the CLI's
 ``--json`` prints) against the session's shared fault-free reference; the CLI itself is
-tested for its refusals and its table. The update phase with 16 lost pages and the
+tested for its refusals here and for its table in tests/test_console_integ.py (one CLI
+run that the stages test reads too). The update phase with 16 lost pages and the
 parity store's copy-corrupt with lost pages are cases of the CI's faultkit matrix."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -30,16 +29,6 @@ def verdict(inject_reference, tmp_path):
         return inject_run(cfg, tmp_path, reference=inject_reference(cfg))
 
     return run
-
-
-def inject(*args: str, cmd: str = "inject") -> tuple[int, str, str]:
-    r = subprocess.run(
-        [sys.executable, "-m", "faultkit.cli", cmd, *args],
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    return r.returncode, r.stdout, r.stderr
 
 
 @pytest.mark.integ
@@ -140,12 +129,6 @@ def test_any_phase_draws_only_phases_the_mode_can_strike():
     for mode, valid in (("kernel-abort", KERNEL_PHASES), ("copy-corrupt", COPY_PHASES)):
         drawn = {_phase(InjectConfig(mode=mode, seed=s), "any") for s in range(60)}
         assert drawn <= set(valid) and len(drawn) > 1, (mode, drawn)
-
-
-@pytest.mark.integ
-def test_table_output_names_the_verdict():
-    code, out, _ = inject("--phase", "sync", "--iterations", "4")
-    assert code == 0 and "EXACT" in out and "first divergence" in out
 
 
 @pytest.mark.integ
