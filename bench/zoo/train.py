@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -41,7 +42,15 @@ def main() -> None:
     ap.add_argument("--zero1", action="store_true", help="Leto port: leto.Run(..., zero1=True)")
     ap.add_argument("--leave-at", type=int, help="break out of the loop at this iteration, "
                     "before its step (as llm.c's loop does at its last step)")  # fmt: skip
+    ap.add_argument("--models", help="comma-separated: train only these of the case's models "
+                    "(default all; a test whose claim one model shows)")  # fmt: skip
     args = ap.parse_args()
+    case = CASES[args.case]
+    if args.models:
+        models = tuple(args.models.split(","))
+        if not set(models) <= set(case.models):
+            ap.error(f"--models {args.models}: case {case.name} has {', '.join(case.models)}")
+        case = dataclasses.replace(case, models=models)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
     import torch.distributed as dist
@@ -62,7 +71,7 @@ def main() -> None:
     else:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
-    case, size = CASES[args.case], SIZES[args.size]
+    size = SIZES[args.size]
     model = make_model(case, args.size, device)
     start = 1234 if case.optim.endswith("-loaded") else 0  # the script resumes its checkpoint
     opts, scheds, hand_lr = make_optimizers(case, model, args.iterations)
