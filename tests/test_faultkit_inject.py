@@ -42,7 +42,9 @@ def test_sdc_update_is_detected_in_its_iteration_and_ends_exact(verdict):
     # One bit of rank 1's freshly updated parameters, before parity absorbs it: the scrub
     # cannot see it; the replica check must, after that very update, and the checkpoint
     # fallback redoes the iterations. World 2: no majority; the redo names rank 1.
-    v = verdict(mode="sdc-update", phase="update", rank=1)
+    # (Shadows off: the fallback starts cold trainers from the checkpoint; no shadow is
+    # promoted, so a parked one per rank would be a start-up for nothing.)
+    v = verdict(mode="sdc-update", phase="update", rank=1, shadow_level="off")
     (flip,) = v["flipped"]
     it = int(flip["at"].split("@")[1].split("#")[0])
     assert v["detected"] and v["detected_at"] == it, v["fatal_detail"]
@@ -54,7 +56,8 @@ def test_sdc_update_is_detected_in_its_iteration_and_ends_exact(verdict):
 @pytest.mark.integ
 def test_sdc_update_without_the_replica_check_ends_not_exact(verdict):
     # What shows the check is what finds it: without it nothing does.
-    v = verdict(mode="sdc-update", phase="update", rank=1, replica_check=False)
+    # (Nothing recovers here: shadows off.)
+    v = verdict(mode="sdc-update", phase="update", rank=1, replica_check=False, shadow_level="off")
     assert len(v["flipped"]) == 1 and not v["detected"] and v["scrub"] is None, v
     assert not v["exact"] and "'param' differs" in v["first_divergence"], v["first_divergence"]
 
@@ -83,7 +86,8 @@ def test_sdc_grad_is_found_by_replay_named_redone_in_place_and_twice_is_faulty(v
 @pytest.mark.integ
 def test_sdc_activation_without_replay_ends_not_exact(verdict):
     # What shows the replay is what finds it: a flipped GEMM output, --replay-every 0.
-    v = verdict(mode="sdc-activation", phase="compute", rank=0, replay=False)
+    # (Nothing recovers here: shadows off.)
+    v = verdict(mode="sdc-activation", phase="compute", rank=0, replay=False, shadow_level="off")
     assert len(v["flipped"]) == 1 and not v["detected"], v
     assert not v["exact"] and "differs" in v["first_divergence"], v["first_divergence"]
 
