@@ -50,7 +50,7 @@ def trial(args, out: Path) -> dict:
     pool = {"pool": PoolConfig.for_cuda(0, tier1_pages=4)} if args.device == "cuda" else {}
     got = run_job(
         args.nproc_per_node, TrainConfig(), out, [JobFault(args.nproc_per_node - 1, args.at)],
-        shadow_level=args.shadow_level, script=Path(args.script), device=args.device,
+        shadow_level=args.shadow_level, script=Path(args.script).resolve(), device=args.device,
         script_args=[*shlex.split(args.script_args), "--iterations", str(args.iterations),
                      "--out", str(out / "train")],
         **pool,
