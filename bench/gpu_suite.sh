@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|titan|titan-*|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|titan|titan-*|world2-shared|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -404,6 +404,15 @@ if [[ $what == titan* ]]; then
       --script-args="--experimental.custom_import examples.titan.flavors --model.flavor 1B --training.seq_len 4096 --training.local_batch_size 4 --checkpoint.no-enable --metrics.no-enable_tensorboard" \
       --json-out "$OUT/titan_recovery.json" 2>&1 | tail -20 | tee "$OUT/titan_recovery.txt" || rc=1
   fi
+fi
+if [[ $what == world2-shared ]]; then
+  # Issue 47's first step: two ranks sharing the one GPU over gloo (leto run
+  # --ranks-per-gpu 2), the example job killed in the forward/backward and inside the
+  # update with pages lost, against its fault-free run (LETO_W2_PHASES: more phases).
+  timeout ${LETO_W2_TIMEOUT:-560} python3 -m faultkit.cli certify --device cuda --nproc-per-node 2 \
+    --ranks-per-gpu 2 --phases ${LETO_W2_PHASES:-compute,update} --json -- examples/train_gpt.py \
+    --iterations 6 > "$OUT/w2_certify.json" 2> "$OUT/w2_certify.txt" || rc=1
+  tail -c 3000 "$OUT/w2_certify.txt"
 fi
 if [[ $what == sdc-inject ]]; then
   # faultkit's sdc-update at world 1 on the GPU: the update recheck finds it, EXACT.

@@ -38,6 +38,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
         budget_s=args.time_budget,
         keep_tensors=args.keep_tensors,
         cwd=args.cwd or "",
+        ranks_per_gpu=args.ranks_per_gpu,
     )
     try:
         check(cfg)  # before the work directory, before anything runs
@@ -117,6 +118,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks (as leto run)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (as leto run)")
+    p.add_argument(
+        "--ranks-per-gpu",
+        type=int,
+        default=1,
+        help="ranks sharing each GPU over gloo (as leto run; testing on fewer GPUs)",
+    )
     p.add_argument(
         "--phases",
         default=None,

@@ -65,6 +65,7 @@ def _config(args: argparse.Namespace):
         seed=args.seed,
         world_size=args.world_size,
         device=args.device,
+        ranks_per_gpu=getattr(args, "ranks_per_gpu", 1),
         every=getattr(args, "every", 0),
         shadow_level=args.shadow_level,
         abort_after_blocks=getattr(args, "abort_after_blocks", 3),
@@ -471,6 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the job and of the fault draw")
     p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--ranks-per-gpu",
+        type=int,
+        default=1,
+        help="ranks sharing each GPU over gloo (leto run --ranks-per-gpu; testing)",
+    )
     p.add_argument("--shadow-level", default="L2", help="leto run's shadows: L1, L2, L3, off")
     p.add_argument("--parallel", default="dp", help=PARALLEL_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -482,6 +489,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0, help="seed of the job and the fault draws")
         p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks")
         p.add_argument("--device", default="cpu", help="cpu or cuda")
+        p.add_argument(
+            "--ranks-per-gpu",
+            type=int,
+            default=1,
+            help="ranks sharing each GPU over gloo (leto run --ranks-per-gpu; testing)",
+        )
         p.add_argument("--shadow-level", default="L2", help="leto run's shadows: L1, L2, L3, off")
         p.add_argument("--parallel", default="dp", help=PARALLEL_HELP)
         p.add_argument("--json", action="store_true", help="print one JSON object")

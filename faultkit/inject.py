@@ -126,6 +126,7 @@ class InjectConfig:
     abort_after_blocks: int = 3  # kernel-abort: blocks of the kernel that run
     parallel: str = "dp"  # the job's parallelism: one of PARALLEL
     replica_check: bool = True  # False: the job runs with leto run --no-replica-check
+    ranks_per_gpu: int = 1  # >1: leto run --ranks-per-gpu (ranks share a GPU over gloo)
     replay: bool = True  # False: sdc-grad / sdc-activation jobs run with --replay-every 0
     # The user's own script (faultkit certify) instead of ``parallel``'s, with its own
     # arguments as given: it sets its iterations, seed and output itself.
@@ -312,6 +313,8 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
                         *par[1](cfg.world_size), "--out", str(Path(out) / "train")],
         }  # fmt: skip
     extra = () if cfg.replica_check else ("--no-replica-check",)
+    if cfg.ranks_per_gpu > 1:
+        extra += ("--ranks-per-gpu", str(cfg.ranks_per_gpu))
     if cfg.mode in ("sdc-grad", "sdc-activation") and faults:
         # The struck iterations replayed (and the first), or nothing replayed at all.
         k = cfg.every or max(1, cfg.iterations // 2)

@@ -271,6 +271,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             master_addr=args.master_addr,
             master_port=args.master_port,
             device=args.device,
+            ranks_per_gpu=args.ranks_per_gpu,
             shadow_level=args.shadow_level,
             page_bytes=args.page_bytes,
             data_pages=args.data_pages,
@@ -655,6 +656,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: the allocation hook reclaims the shadow when device free memory is below this",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--ranks-per-gpu",
+        type=int,
+        default=1,
+        help="testing on fewer GPUs than ranks: local ranks share each GPU N at a time, each "
+        "with its own pool, parity and shadow, over gloo (NCCL refuses two ranks on one GPU)",
+    )
     p.add_argument(
         "-m",
         "--module",

@@ -341,3 +341,35 @@ def test_leto_run_m_runs_a_module_as_python_m_does(tmp_path):
     )  # fmt: skip
     assert bad.returncode == 2 and "module pkg.not_there cannot be found" in bad.stderr, bad.stderr
     assert not (tmp_path / "leto-run").exists()  # nothing started
+
+
+def test_ranks_per_gpu_places_local_ranks_on_shared_gpus_over_gloo():
+    # leto run --ranks-per-gpu 2 (testing with fewer GPUs than ranks): local ranks 0 and 1
+    # train on GPU 0 and keep their pools there, 2 and 3 on GPU 1, over gloo (NCCL refuses
+    # two ranks on one GPU); 1 is the usual one GPU a rank over NCCL. On a GPU machine:
+    # bash bench/gpu_suite.sh world2-shared.
+    import types
+
+    from leto.runtime.agent import Agent
+    from leto.runtime.api import placement
+    from leto.runtime.config import RunConfig, TrainerEnv
+
+    got = [placement("cuda", r, 2, 2) for r in range(4)]
+    assert [(str(d), b) for d, b in got] == [
+        ("cuda:0", "gloo"), ("cuda:0", "gloo"), ("cuda:1", "gloo"), ("cuda:1", "gloo")
+    ]  # fmt: skip
+    assert [str(placement("cuda", r, 1, 4)[0]) for r in range(4)] == [f"cuda:{r}" for r in range(4)]
+    assert placement("cuda", 1, 1, 4)[1] == "nccl"
+    assert placement("cpu", 1, 1, 0) == (torch.device("cpu"), "gloo")
+    cfg = RunConfig(device="cuda", nproc_per_node=4, ranks_per_gpu=2)
+    pools = [Agent._pool(types.SimpleNamespace(cfg=cfg), lr).device for lr in range(4)]
+    assert pools == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"], pools
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        RunConfig(device="cpu", ranks_per_gpu=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        RunConfig(device="cuda", ranks_per_gpu=0)
+    base = {"LETO_ROLE": "active", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+            "LETO_GENERATION": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1",
+            "LETO_POOL_SOCKET": "/tmp/s", "LETO_POOL_TOKEN": "t"}  # fmt: skip
+    assert TrainerEnv.from_environ(base).ranks_per_gpu == 1
+    assert TrainerEnv.from_environ({**base, "LETO_RANKS_PER_GPU": "2"}).ranks_per_gpu == 2

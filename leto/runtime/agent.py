@@ -115,7 +115,7 @@ class Agent:
     def _pool(self, local_rank: int) -> PoolConfig:
         c = self.cfg
         kw = dict(
-            device="cpu" if c.device == "cpu" else f"cuda:{local_rank}",
+            device="cpu" if c.device == "cpu" else f"cuda:{local_rank // c.ranks_per_gpu}",
             data_pages=c.data_pages,
             tier1_pages=c.tier1_pages,
             allow_fault_injection=c.allow_fault_injection,

@@ -322,6 +322,19 @@ def _park(fd: int, tick=None, every_s: float = 0.5) -> dict:
     return json.loads(line)
 
 
+def placement(
+    device: str, local_rank: int, ranks_per_gpu: int, gpus: int
+) -> tuple[torch.device, str]:
+    """A trainer's device and process-group backend: on the CPU gloo; on a GPU its own
+    with NCCL, or with ``leto run --ranks-per-gpu N`` (testing on fewer GPUs than ranks)
+    the GPU of local ranks ``N*g .. N*g+N-1`` shared over gloo — NCCL refuses two ranks on
+    one GPU, gloo takes CUDA tensors for what data parallelism needs."""
+    if device != "cuda":
+        return torch.device("cpu"), "gloo"
+    gpu = torch.device("cuda", (local_rank // ranks_per_gpu) % gpus)
+    return gpu, "nccl" if ranks_per_gpu == 1 else "gloo"
+
+
 def init(prepare=None, warmup=None) -> Context:
     try:
         env = TrainerEnv.from_environ()
@@ -339,10 +352,10 @@ def init(prepare=None, warmup=None) -> Context:
     if env.device == "cuda":
         # Deterministic cuBLAS needs its workspace fixed before the first handle.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    else:
-        device = torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    device, backend = placement(
+        env.device, local_rank, env.ranks_per_gpu,
+        torch.cuda.device_count() if env.device == "cuda" else 0,
+    )  # fmt: skip
     store = job_store.connect(env.master_addr, env.master_port, False, timeout_s)
     done: set[str] = set()
     prepared = None
@@ -371,7 +384,7 @@ def init(prepare=None, warmup=None) -> Context:
                 timeout=timedelta(seconds=timeout_s),
                 # NCCL creates its communicator at the first collective unless given the
                 # device: eagerly, an L3 shadow parks with it built (0.35 s on the H200).
-                device_id=device if device.type == "cuda" else None,
+                device_id=device if backend == "nccl" else None,
             )
         done.add(name)
 

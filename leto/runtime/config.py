@@ -14,6 +14,7 @@ ENV_SHADOW_LEVEL = "LETO_SHADOW_LEVEL"  # L1, L2, L3
 ENV_PROMOTE_FD = "LETO_PROMOTE_FD"  # a shadow's pipe: one JSON line promotes it
 ENV_POOL_SOCKET = "LETO_POOL_SOCKET"  # this rank's state manager
 ENV_DEVICE = "LETO_DEVICE"  # cpu or cuda
+ENV_RANKS_PER_GPU = "LETO_RANKS_PER_GPU"  # >1: ranks share a GPU over gloo (testing)
 ENV_FAULT_PLAN = "LETO_FAULT_PLAN"  # faultkit: JSON list of {generation, rank, at, mode}
 ENV_TIMEOUT_S = "LETO_TIMEOUT_S"
 ENV_CHECKPOINT_DIR = "LETO_CHECKPOINT_DIR"
@@ -62,6 +63,7 @@ class TrainerEnv:
     pool_token: str
     level: str = "off"
     device: str = "cpu"
+    ranks_per_gpu: int = 1  # >1: local ranks r, r+1.. share GPU r // n, over gloo
     timeout_s: float = 120.0
     pg_attempt: str = "0.0"
     promote_fd: int | None = None  # a shadow's pipe
@@ -107,6 +109,7 @@ class TrainerEnv:
             pool_token=e[ENV_POOL_TOKEN],
             level=e.get(ENV_SHADOW_LEVEL, "off"),
             device=e.get(ENV_DEVICE, "cpu"),
+            ranks_per_gpu=int(e.get(ENV_RANKS_PER_GPU, "1")),
             timeout_s=float(e.get(ENV_TIMEOUT_S, "120")),
             pg_attempt=e.get(ENV_PG_ATTEMPT, "0.0"),
             promote_fd=int(e[ENV_PROMOTE_FD]) if e.get(ENV_PROMOTE_FD) else None,
@@ -132,6 +135,10 @@ class RunConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     device: str = "cpu"  # cpu (gloo, memfd pool) or cuda (NCCL, VMM pool)
+    # Testing on fewer GPUs than ranks: local ranks r, r+1.. share GPU r // n, each with
+    # its own pool, parity and shadow; the process group is gloo (NCCL refuses two ranks
+    # on one GPU). 1: one GPU a rank, NCCL.
+    ranks_per_gpu: int = 1
     shadow_level: str = "L2"  # off: a failed rank restarts cold, like torchrun
     page_bytes: int = 0  # 0: the pool's default for the device
     data_pages: int = 1024
@@ -190,6 +197,12 @@ class RunConfig:
     local_ranks_filter: tuple[int, ...] | None = None  # the local ranks shown (None: all)
 
     def __post_init__(self) -> None:
+        if self.ranks_per_gpu < 1:
+            raise ValueError(f"--ranks-per-gpu {self.ranks_per_gpu}: at least 1")
+        if self.ranks_per_gpu > 1 and self.device != "cuda":
+            raise ValueError(
+                f"--ranks-per-gpu {self.ranks_per_gpu} shares GPUs: it needs --device cuda"
+            )
         if self.shadow_level not in LEVELS and self.shadow_level != "auto":
             raise ValueError(f"--shadow-level {self.shadow_level!r}: use auto, off, L1, L2 or L3")
         if self.recovery not in ("in-place", "checkpoint"):
