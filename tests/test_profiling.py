@@ -4,6 +4,9 @@ a first-generation trainer's third — with the hang detection relaxed only mean
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
 from leto.runtime.profiling import Profiles
@@ -28,6 +31,7 @@ def test_a_recovered_trainer_profiles_its_recovery_and_its_first_iteration(tmp_p
     assert sorted(f.name for f in tmp_path.iterdir()) == [
         "rank1.gen2.iteration.txt",
         "rank1.gen2.profile.txt",
+        "rank1.gen2.trace.json",
     ]
     assert "aten::mm" in (tmp_path / "rank1.gen2.iteration.txt").read_text()
 
@@ -36,7 +40,10 @@ def test_a_first_generation_trainer_profiles_its_third_iteration_only(tmp_path):
     p = Profiles(str(tmp_path), rank=0, generation=0, device=CPU)
     p.recovery_done()  # (never started: nothing written)
     assert _iterations(p, 6) == [0, 0, 1, -1, 0, 0]
-    assert [f.name for f in tmp_path.iterdir()] == ["rank0.gen0.iteration.txt"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        "rank0.gen0.iteration.txt",
+        "rank0.gen0.trace.json",
+    ]
 
 
 def test_the_loop_end_closes_an_open_window_before_the_end_of_training_work(tmp_path):
@@ -49,3 +56,31 @@ def test_the_loop_end_closes_an_open_window_before_the_end_of_training_work(tmp_
     assert p.loop_ended() == 0  # nothing open any more
     text = (tmp_path / "rank0.gen1.iteration.txt").read_text()
     assert "aten::mm" in text and "linalg_qr" not in text, text
+
+
+def test_a_window_traces_the_iterations_it_names_with_leto_ranges(tmp_path):
+    # LETO_PROFILE_WINDOW=2:3: iterations 2, 3 and 4; the trace holds Leto's named ranges.
+    from leto.ranges import leto_range
+
+    p = Profiles(str(tmp_path), rank=0, generation=0, device=CPU, window="2:3")
+    changes = []
+    for _ in range(6):
+        changes.append(p.beat())
+        with leto_range("update"):
+            torch.ones(4).sum()
+    assert changes == [0, 1, 0, 0, -1, 0]
+    trace = json.loads((tmp_path / "rank0.gen0.trace.json").read_text())
+    names = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
+    assert names.count("leto.update") == 3, names
+
+
+def test_a_window_that_is_not_first_colon_count_is_refused_saying_so():
+    for bad in ("3", "0:1", "2:0", "a:b"):
+        with pytest.raises(ValueError, match="LETO_PROFILE_WINDOW"):
+            Profiles("x", rank=0, generation=0, device=CPU, window=bad)
+
+
+def test_leto_ranges_cost_nothing_but_a_check_with_no_profiler():
+    from leto.ranges import leto_range
+
+    assert leto_range("update") is leto_range("scrub")  # the one shared null context

@@ -363,7 +363,9 @@ def init(prepare=None, warmup=None) -> Context:
     if env.profile_recovery:
         from leto.runtime.profiling import Profiles
 
-        profiles = Profiles(env.profile_recovery, rank, generation, device)
+        profiles = Profiles(
+            env.profile_recovery, rank, generation, device, window=env.profile_window
+        )
 
     def profile_recovery() -> None:
         if profiles is not None:

@@ -28,6 +28,9 @@ ENV_PG_ATTEMPT = "LETO_PG_ATTEMPT"  # checkpoint fallbacks so far (process-group
 # A directory: a restarted or promoted trainer profiles (cProfile) its recovery, from
 # promotion (or process start) to ``Context.resumed``, into rank<r>.gen<g>.profile.txt.
 ENV_PROFILE_RECOVERY = "LETO_PROFILE_RECOVERY"
+# With it, a first-generation trainer's profiled iterations: "FIRST:COUNT" (iterations
+# counted from 1 as they start; default "3:1"), traced for bench.update_breakdown.
+ENV_PROFILE_WINDOW = "LETO_PROFILE_WINDOW"
 # Where a trainer writes its uncaught exception (type, message, traceback) before it
 # dies; the agent puts it in the failure's record (as torch elastic's error files).
 ENV_ERROR_FILE = "LETO_ERROR_FILE"
@@ -74,6 +77,7 @@ class TrainerEnv:
     hof_ratio: float = 0.5
     preinit: str | None = None  # the guard's JSON configuration (--shadow-level auto)
     profile_recovery: str | None = None
+    profile_window: str = "3:1"
     error_file: str | None = None
     log_dir: str = "leto-run"
     train_dir: str = ""  # a Run's output; "" is <log_dir>/train
@@ -120,6 +124,7 @@ class TrainerEnv:
             hof_ratio=float(e.get(ENV_HOF_RATIO, "0.5")),
             preinit=e.get(ENV_PREINIT) or None,
             profile_recovery=e.get(ENV_PROFILE_RECOVERY) or None,
+            profile_window=e.get(ENV_PROFILE_WINDOW) or "3:1",
             error_file=e.get(ENV_ERROR_FILE) or None,
             premap=e.get(ENV_PREMAP, "1") != "0",
             log_dir=e.get(ENV_LOG_DIR, "leto-run"),

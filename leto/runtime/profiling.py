@@ -9,7 +9,11 @@ Runs in a trainer. Two profiles per process, written under DIR:
   update, the verifiers' record), by cProfile and by torch.profiler with CUDA activity
   (the CUDA runtime calls — allocations, module loads, synchronizations — and kernels):
   a recovered trainer's first iteration in its process, or, in a first-generation
-  trainer, its third (a steady one, to compare with).
+  trainer, its third (a steady one, to compare with) — or the iterations
+  ``LETO_PROFILE_WINDOW=FIRST:COUNT`` names;
+* ``rank<r>.gen<g>.trace.json`` — the same window's torch.profiler trace (Chrome
+  format), Leto's work in named ranges (``leto.ranges``): ``bench.update_breakdown``
+  attributes every kernel and copy to the range that launched it.
 
 Not covered: other ranks' time in the collectives they wait in (each rank profiles only
 itself); the profilers' own overhead is in the figures.
@@ -25,6 +29,19 @@ from pathlib import Path
 import torch
 
 
+def _window(text: str) -> tuple[int, int]:
+    """``"FIRST:COUNT"`` -> the beats that open and close the window."""
+    try:
+        first, count = (int(v) for v in text.split(":"))
+    except ValueError:
+        first = count = 0
+    if first < 1 or count < 1:
+        raise ValueError(
+            f"LETO_PROFILE_WINDOW={text!r}: expected FIRST:COUNT, both at least 1 (e.g. 3:1)"
+        )
+    return first, first + count
+
+
 def _stats(p: cProfile.Profile, n_cumulative: int = 60, n_own: int = 40) -> str:
     buf = io.StringIO()
     stats = pstats.Stats(p, stream=buf)
@@ -34,12 +51,14 @@ def _stats(p: cProfile.Profile, n_cumulative: int = 60, n_own: int = 40) -> str:
 
 
 class Profiles:
-    def __init__(self, folder: str, rank: int, generation: int, device: torch.device):
+    def __init__(
+        self, folder: str, rank: int, generation: int, device: torch.device, window: str = "3:1"
+    ):
         self.dir = Path(folder)
         self.stem = f"rank{rank}.gen{generation}"
         self.device = device
-        # Beats (iteration starts) of this process between which one iteration is profiled.
-        self.window = (1, 2) if generation > 0 else (3, 4)
+        # Beats (iteration starts) of this process between which iterations are profiled.
+        self.window = (1, 2) if generation > 0 else _window(window)
         self.beats = 0
         self.recovery: cProfile.Profile | None = None
         self.iteration: tuple[cProfile.Profile, object] | None = None
@@ -90,6 +109,7 @@ class Profiles:
             by_gpu = tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
             table += "\n" + by_gpu
         self._write("iteration", table + "\n" + _stats(cp, 50, 40))
+        tp.export_chrome_trace(str(self.dir / f"{self.stem}.trace.json"))
         self.iteration = None
         return -1
 

@@ -44,6 +44,7 @@ from leto import rank_log
 from leto.errors import FatalFailure, InvalidInput
 from leto.memory.client import PoolClient
 from leto.plugins import SDC_GRAD_POINT, point
+from leto.ranges import leto_range
 from leto.runtime import loss_guard
 from leto.runtime.buckets import GradBuckets
 from leto.update import recheck, replica
@@ -272,18 +273,22 @@ class RetainedTraining:
 
     def begin(self, t: int) -> None:
         if self.heartbeat is not None:
-            self.heartbeat(t)
-        self.scrub.step()  # the previous update is done: parity matches the pages
-        self._scrub_on_demand(t)
+            with leto_range("heartbeat"):
+                self.heartbeat(t)
+        with leto_range("scrub"):
+            self.scrub.step()  # the previous update is done: parity matches the pages
+            self._scrub_on_demand(t)
         point("gather", t)
-        self.up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
-        self.up.state.attach_grads(self.params)
-        if self.buckets is not None:
-            self.buckets.begin()
-        self.up.begin(t)
+        with leto_range("begin"):
+            self.up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
+            self.up.state.attach_grads(self.params)
+            if self.buckets is not None:
+                self.buckets.begin()
+            self.up.begin(t)
         self._t = t
         if self.replay is not None:
-            self.replay.begin(t)
+            with leto_range("gradient replay"):
+                self.replay.begin(t)
 
     def _scrub_on_demand(self, t: int) -> None:
         """A full scrub when ``leto pool scrub`` asked (a new request id), answered in
@@ -361,8 +366,10 @@ class RetainedTraining:
         stream order — waiting for the backward pass, not for the update."""
         # The last update's replica check, before anything of this iteration can fail
         # (a replay mismatch redoes it in place, and a check left pending would be lost).
-        self._check_replicas()
-        self.reduce(t)
+        with leto_range("replica check"):
+            self._check_replicas()
+        with leto_range("reduce"):
+            self.reduce(t)
         value, later = float("nan"), None
         if loss is None:
             self._no_loss(t)
@@ -373,16 +380,22 @@ class RetainedTraining:
         else:
             value = float(loss)
         if self.up.recheck is not None:  # earlier updates' rechecks the device finished
-            self.up.recheck.settle(wait=False)
-        self.scrub.before_update()
-        self.up.protect_grads(t, loss=loss if later is not None else value)
-        self.up.sync(t, group=dist.group.WORLD)
-        self.up.update(t)
+            with leto_range("update recheck"):
+                self.up.recheck.settle(wait=False)
+        with leto_range("scrub"):
+            self.scrub.before_update()
+        with leto_range("protect grads"):
+            self.up.protect_grads(t, loss=loss if later is not None else value)
+        with leto_range("sync"):
+            self.up.sync(t, group=dist.group.WORLD)
+        with leto_range("update"):
+            self.up.update(t)
         if self.device.type == "cpu" and self.up.recheck is not None:
             self.up.recheck.settle()  # nothing to overlap on the CPU: read it now
         if later is not None:  # the pinned copy: waits for backward, not for the update
             host, ev = later
-            ev.synchronize()
+            with leto_range("loss read"):
+                ev.synchronize()
             value = float(host)
         bad = self.guard is not None and loss is not None and not math.isfinite(value)
         if self.replica is not None:  # compared before the next update (_check_replicas)
@@ -392,7 +405,8 @@ class RetainedTraining:
         m = self.up.marker.state
         if later is not None:
             m = m.but(loss=value)
-        self._log(t, m)
+        with leto_range("log"):
+            self._log(t, m)
 
     def skipped(self, t: int, loss: torch.Tensor | float | None) -> None:
         """Iteration ``t`` ended with every step skipped by the GradScaler: nothing was

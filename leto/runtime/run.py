@@ -63,6 +63,7 @@ import torch.distributed as dist
 from leto import plugins, rank_log
 from leto.errors import InvalidInput
 from leto.plugins import point
+from leto.ranges import leto_range
 from leto.runtime import checks_line, data_state, keys, replay
 from leto.runtime.api import uncaught
 from leto.runtime.batch_fn import BatchFunctions
@@ -325,7 +326,8 @@ class Run:
             self._t = None
             self._check_schedulers(t)
             if self.checkpointer is not None:
-                self.checkpointer.after_iteration(t, self.job)
+                with leto_range("checkpoint"):
+                    self.checkpointer.after_iteration(t, self.job)
             t += 1
             self.next_iteration = t
         self._end_of_training(t_first, t_loop, t)

@@ -58,6 +58,7 @@ from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.memory.lending import Lender
 from leto.plugins import SDC_POINT, point
+from leto.ranges import leto_range
 from leto.update import settle
 from leto.update.chunk_pass import ChunkPass
 from leto.update.layout import RetainedModel
@@ -334,9 +335,11 @@ class Updater:
 
     @contextlib.contextmanager
     def _span(self, name: str):
-        """Time a step when profiling (benchmarks): device work is waited for."""
+        """Time a step when profiling (benchmarks): device work is waited for. Always a
+        named range in a torch.profiler trace (``leto.ranges``)."""
         if self.profile is None:
-            yield
+            with leto_range(name):
+                yield
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -524,7 +527,7 @@ class Updater:
             if m.step is Step.UNDO_DONE:
                 # The scratch buffer starts as a copy of the authoritative parity; that
                 # needs nothing from the optimizer, so it runs beside it.
-                with self._side():
+                with leto_range("scratch parity copy"), self._side():
                     self._copy(self._buf_flat[y], self._buf_flat[x])
                 scratch_event, scratch_copied = self._side_done(), True
                 if self._fused is not None:
@@ -577,7 +580,8 @@ class Updater:
             if self.digest_on:
                 # The group's whole tier-1 parity after its last chunk, read where it is:
                 # no state is read again.
-                self.digests[gi] = group_digest(self._buf_flat[m.auth])
+                with leto_range("replica digest"):
+                    self.digests[gi] = group_digest(self._buf_flat[m.auth])
                 self._digested[gi] = True
             if m.step is Step.START:
                 m = self._write(m.but(step=Step.STORE))
@@ -702,10 +706,11 @@ class Updater:
             self._alloc_pages[name][u0 * up * pb : u1 * up * pb]
             for name, up in zip(self.state.set_names, self.state.unit_pages, strict=True)
         ]
-        first = words_sum(regions)
-        self._runs_copy(units, to_undo=False)
-        self._user_step(it, units, points=False)
-        rc.compared(it, gi, j, first, words_sum(regions))
+        with leto_range("update recheck"):
+            first = words_sum(regions)
+            self._runs_copy(units, to_undo=False)
+            self._user_step(it, units, points=False)
+            rc.compared(it, gi, j, first, words_sum(regions))
 
     def _settling(self, it: int, gi: int, j: int) -> bool:
         rc = self.recheck
