@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|titan|titan-*|world2-shared|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|titan|titan-*|world2-shared|breakdown|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -419,6 +419,18 @@ if [[ $what == sdc-inject ]]; then
   timeout 200 python3 -m faultkit.cli inject --device cuda --world-size 1 --mode sdc-update \
     --phase update --json > "$OUT/sdc_update_cuda.json" 2>"$OUT/sdc_err.txt" || rc=1
   tail -c 600 "$OUT/sdc_err.txt"; python3 -c "import json,sys; v=json.load(open(sys.argv[1])); print({k: v.get(k) for k in ('exact','detected','detected_by','detected_at','named_rank','rolled_back','first_divergence')})" "$OUT/sdc_update_cuda.json"
+fi
+if [[ $what == breakdown ]]; then
+  # Issue 46's breakdown: the GPU time of each piece leto run (defaults) adds to an
+  # iteration of the 1.1 B nanoGPT-style port (torch.profiler on rank 0, Leto's named
+  # ranges), at 16 K and 128 K tokens an iteration, beside torch's fused AdamW on the
+  # same parameters (in-process). LETO_BD_PRESETS: which.
+  for p in ${LETO_BD_PRESETS:-h200-1b h200-1b-128k}; do
+    timeout ${LETO_BD_TIMEOUT:-280} python3 -m bench.update_breakdown --preset $p --window 4:3 \
+      --script-args="--deterministic --tokens zipf" --timeout-s 260 \
+      --json "$OUT/breakdown_$p.json" > "$OUT/breakdown_$p.txt" 2>&1 || rc=1
+    tail -c 2500 "$OUT/breakdown_$p.txt"
+  done
 fi
 if [[ $what == tied-job ]]; then
   # The job that raised the false alarm, as its user ran it: the 1.1 B nanoGPT-style port

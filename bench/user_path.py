@@ -146,15 +146,23 @@ def split_script_args(text: str, shape: dict) -> tuple[dict, list[str]]:
     return {k: getattr(ns, k) for k in shape}, rest
 
 
+def load_model_module():
+    """The ``nanogpt_model.py`` both scripts import, as a module."""
+    if "nanogpt_model" in sys.modules:
+        return sys.modules["nanogpt_model"]
+    spec = importlib.util.spec_from_file_location("nanogpt_model", PORTING / "nanogpt_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (dataclasses look their module up while it loads)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def parameters(shape: dict) -> int:
     """The script's GPT's parameter count (tied weights once), built on the meta device
     from the same ``nanogpt_model.py`` the scripts import."""
     import torch
 
-    spec = importlib.util.spec_from_file_location("nanogpt_model", PORTING / "nanogpt_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (dataclasses look their module up while it loads)
-    spec.loader.exec_module(mod)
+    mod = load_model_module()
     cfg = mod.GPTConfig(shape["vocab"], shape["seq"], shape["n_layer"], shape["n_head"],
                         shape["n_embd"])  # fmt: skip
     with torch.device("meta"):
@@ -276,14 +284,16 @@ def run_one(
     script_args: list[str],
     timeout_s: float,
     job: str = "gpt",
+    extra_env: dict[str, str] | None = None,
 ) -> dict:
     """Start one job in ``work`` (its cwd: leto run's default log folder and checkpoints
     land there) and wait for it; what it measured, as a dict. ``script_args`` hold
-    everything but ``--out`` (``work/out``)."""
+    everything but ``--out`` (``work/out``); ``extra_env`` is added to the job's
+    environment (e.g. a profiler's variables, bench.update_breakdown)."""
     work.mkdir(parents=True, exist_ok=True)
     out = work / "out"
     cmd = command(launch, nproc, device, script_args, out, job)
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the scripts take a GPU whenever they see one
     memory = DeviceMemory() if device == "cuda" else None
