@@ -64,7 +64,7 @@ from leto import plugins, rank_log
 from leto.errors import InvalidInput
 from leto.plugins import point
 from leto.ranges import leto_range
-from leto.runtime import checks_line, data_state, keys, replay
+from leto.runtime import checks_line, data_state, keys, replay, shared_gpu
 from leto.runtime.api import uncaught
 from leto.runtime.batch_fn import BatchFunctions
 from leto.runtime.buffer_state import RetainedBuffers
@@ -114,6 +114,16 @@ class Run:
         retained per iteration and restored on a recovery (iterate it after
         ``leto.Run``)."""
         t0 = time.time()
+        backend = dist.get_backend() if dist.is_initialized() else None
+        if (
+            not data_parallel
+            and ctx.world_size > 1
+            and shared_gpu.gloo_on_cuda(ctx.device, backend)
+        ):
+            # A pipeline stage's first send would hand gloo a CUDA address (issue 47).
+            raise InvalidInput(
+                f"leto.Run(data_parallel=False): {shared_gpu.refusal('pp')}; nothing was retained"
+            )
         self.ctx = ctx
         # The data position (data=) and the global generators, retained together.
         self._rng = GlobalRNG(ctx.device)
