@@ -66,6 +66,7 @@ def _config(args: argparse.Namespace):
         world_size=args.world_size,
         device=args.device,
         ranks_per_gpu=getattr(args, "ranks_per_gpu", 1),
+        all_ranks=getattr(args, "all_ranks", False),
         every=getattr(args, "every", 0),
         shadow_level=args.shadow_level,
         abort_after_blocks=getattr(args, "abort_after_blocks", 3),
@@ -188,7 +189,9 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         print(json.dumps({"exact": not bad, "cases": rows}))
         return 0 if not bad else 1
     t = Table(
-        title=f"faultkit matrix ({args.parallel}): {len(rows) - len(bad)} of {len(rows)} EXACT"
+        title=f"faultkit matrix ({args.parallel}"
+        + (", every rank failing at once" if args.all_ranks else "")
+        + f"): {len(rows) - len(bad)} of {len(rows)} EXACT"
     )
     for c in ("phase", "mode", "pages/group", "host parity", "rebuilt", "recovery", "verdict"):
         t.add_column(c)
@@ -274,7 +277,12 @@ def _verdict_table(v: dict, title: str) -> int:
     t.add_column("item")
     t.add_column("value")
     rows = [
-        ("fault", f"{v['mode']} rank {v['config']['rank']} at {', '.join(v['points'])}"),
+        (
+            "fault",
+            f"{v['mode']} "
+            + ("every rank" if v["config"].get("all_ranks") else f"rank {v['config']['rank']}")
+            + f" at {', '.join(v['points'])}",
+        ),
         ("job", f"{v['config']['parallel']}, world size {v['config']['world_size']}"),
         ("injections / recoveries", f"{v['injections']} / {v['recoveries']}"),
         (
@@ -464,6 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rank", type=int, default=0, help="the rank that fails")
     p.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help="every rank fails at the point at once, one failure (kill, copy-corrupt, "
+        "kernel-abort; its page losses taken once)",
+    )
+    p.add_argument(
         "--iterations",
         type=int,
         default=6,
@@ -526,10 +540,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--losses",
         default="all",
-        choices=("all", "pairs", "alternate"),
+        choices=("all", "pairs", "alternate", "beyond"),
         help="kill/copy-corrupt/kernel-abort: every loss ({0, H1} pages x host parity page "
         "or not) at every phase (all); two per phase, {none, both} or {host, device} taking "
-        "turns (pairs); or one per phase, the four taking turns (alternate)",
+        "turns (pairs); or one per phase, the four taking turns (alternate); or one per "
+        "phase beyond parity (beyond: H1+1 device pages per group and every tier-1 host page "
+        "of the first group: the fatal path, the checkpoint fallback)",
+    )
+    p.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help="every case fails every rank at once (kill, copy-corrupt, kernel-abort modes)",
     )
     p.set_defaults(fn=cmd_matrix)
     register_plan(sub)

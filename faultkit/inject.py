@@ -13,7 +13,8 @@ rank is SIGKILLed with it in flight (``nvbit_tools.tripwire``; emulated on the C
 build). The agents detect the death, fence every trainer; ``pages`` device pages are
 lost in *each* protection group of every rank (spread over parameters and moments),
 ``host_parity_pages`` tier-1 host pages of the first group, and a gradient page; then
-the shadows are promoted and recover in place. More pages than parity covers is a
+the shadows are promoted and recover in place (``all_ranks``: every rank fails at the
+point at once, one failure, its losses taken once). More pages than parity covers is a
 fatal failure: the runtime falls back to its newest checkpoint (or the initial state)
 and the verdict says so. One fault in the middle iteration, or one every ``every`` (for
 ``sdc-grad`` and ``sdc-activation`` too: a GPU that computes wrong every K iterations,
@@ -54,6 +55,7 @@ from pathlib import Path
 from faultkit.job import JobFault, run_job
 from leto import plugins
 from leto.memory.config import PoolConfig
+from leto.runtime import shared_gpu
 from leto.runtime.config import LEVELS
 from leto.sim.schedule import Schedule
 from leto.update.recheck import ENV_UPDATE_RECHECK
@@ -127,6 +129,9 @@ class InjectConfig:
     parallel: str = "dp"  # the job's parallelism: one of PARALLEL
     replica_check: bool = True  # False: the job runs with leto run --no-replica-check
     ranks_per_gpu: int = 1  # >1: leto run --ranks-per-gpu (ranks share a GPU over gloo)
+    # Every rank fails at the point at once (kill, copy-corrupt, kernel-abort): one
+    # failure of several ranks, its page losses taken once.
+    all_ranks: bool = False
     replay: bool = True  # False: sdc-grad / sdc-activation jobs run with --replay-every 0
     # The user's own script (faultkit certify) instead of ``parallel``'s, with its own
     # arguments as given: it sets its iterations, seed and output itself.
@@ -161,17 +166,30 @@ def check_job(cfg: InjectConfig) -> None:
     reached ``random.sample`` in the agent, ``--iterations 0`` a missing loss file."""
     if cfg.device not in ("cpu", "cuda"):
         raise ValueError(f"--device {cfg.device!r}: choose cpu or cuda")
-    if cfg.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
     if cfg.shadow_level not in (*LEVELS, "auto"):
         raise ValueError(
             f"--shadow-level {cfg.shadow_level!r}: choose one of {', '.join(LEVELS)} or auto"
         )
     if cfg.parallel not in PARALLEL:
         raise ValueError(f"--parallel {cfg.parallel!r}: choose one of {', '.join(PARALLEL)}")
+    # Ranks sharing a GPU (leto run --ranks-per-gpu) talk over gloo: refused here, not by
+    # leto run after the reference run began, and before the device is looked at.
+    if cfg.ranks_per_gpu < 1:
+        raise _outside("--ranks-per-gpu", cfg.ranks_per_gpu, 1, None, "ranks sharing each GPU")
+    if cfg.ranks_per_gpu > 1 and cfg.device != "cuda":
+        raise ValueError(
+            f"--ranks-per-gpu {cfg.ranks_per_gpu} shares GPUs between ranks: it needs --device "
+            "cuda (on the CPU every rank has its own process and memory anyway); nothing was run"
+        )
+    if cfg.ranks_per_gpu > 1 and cfg.world_size > 1 and (why := shared_gpu.refusal(cfg.parallel)):
+        raise ValueError(
+            f"--parallel {cfg.parallel} --ranks-per-gpu {cfg.ranks_per_gpu}: {why}; nothing was run"
+        )
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
     # The world size before the rank: --world-size 0 must not read as a bad --rank.
     if cfg.world_size < 1:
         raise _outside("--world-size", cfg.world_size, 1, None, "ranks of the job")
@@ -258,6 +276,13 @@ def _check(cfg: InjectConfig, phase: str, mode: str) -> None:
         )
     if mode in (*CORRUPT_MODES, "sdc-update") and cfg.every:
         raise ValueError(f"--mode {mode} injects one fault: --every is not for it")
+    if cfg.all_ranks and mode in (*CORRUPT_MODES, *SDC_MODES):
+        raise ValueError(
+            f"--all-ranks fails every rank at once (kill, copy-corrupt, kernel-abort); --mode "
+            f"{mode} is silent, on one rank: a wrong value on every rank is no disagreement"
+        )
+    if cfg.all_ranks and cfg.world_size < 2:
+        raise ValueError("--all-ranks fails every rank at once: give --world-size 2 or more")
     if mode == "corrupt-parity" and cfg.pages > cfg.tier1_pages:
         raise _outside(
             "--pages", cfg.pages, 0, cfg.tier1_pages,
@@ -421,6 +446,9 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         "points": [f.at for f in faults],
         "injections": len(recs),
         "recoveries": len(recs) if ok else 0,
+        # The ranks the agent found dead at each failure's detection (--all-ranks: all,
+        # unless one was fenced before it reached the point).
+        "failed_ranks": [r.get("failed_ranks", []) for r in recs],
         "pages_asked_per_group": max((f.lose_pages for f in faults), default=0),
         "groups_smaller_than_asked": short,
         "pages_lost_device": lost["device"],
@@ -586,20 +614,26 @@ def inject(cfg: InjectConfig, workdir: Path | None = None, reference: dict | Non
     _check(cfg, phase, cfg.mode)
     work = Path(workdir or tempfile.mkdtemp(prefix="faultkit-"))
     ref = reference or reference_run(cfg, work)
-    faults = [
+    faults = []
+    for k, it in enumerate(_iterations(cfg)):
         # nth=1: the first chunk/group, reached whatever the model's size and page size
-        JobFault(
-            cfg.rank,
-            f"{_point(cfg, k)}@{it}#1",
-            _hook_mode(cfg),
-            lose_pages=0 if cfg.mode in (*CORRUPT_MODES, *SDC_MODES) else cfg.pages,
-            host_parity_pages=(
-                0 if cfg.mode in (*CORRUPT_MODES, *SDC_MODES) else cfg.host_parity_pages
-            ),
+        at = f"{_point(cfg, k)}@{it}#1"
+        faults.append(
+            JobFault(
+                cfg.rank,
+                at,
+                _hook_mode(cfg),
+                lose_pages=0 if cfg.mode in (*CORRUPT_MODES, *SDC_MODES) else cfg.pages,
+                host_parity_pages=(
+                    0 if cfg.mode in (*CORRUPT_MODES, *SDC_MODES) else cfg.host_parity_pages
+                ),
+            )
         )
-        for k, it in enumerate(_iterations(cfg))
-    ]
+        if cfg.all_ranks:  # the other ranks, at the same point of the same failure
+            others = [r for r in range(cfg.world_size) if r != cfg.rank]
+            faults += [JobFault(r, at, _hook_mode(cfg), with_previous=True) for r in others]
     label = f"faulted-{phase}-{cfg.mode}-p{cfg.pages}-h{cfg.host_parity_pages}"
+    label += "-all" if cfg.all_ranks else ""
     res = faulted_run(cfg, faults, ref, work, label)
     return {
         **res,
@@ -628,11 +662,14 @@ def matrix_cases(
     phase, or one per phase and mode (``"alternate"``: the four take turns, so each is
     run at a quarter of the phases — the CI's cut for the parallel jobs), or two
     (``"pairs"``: none with H1 pages and a host page, or each alone, the pairs taking
-    turns, so each loss is run at half the phases — the CI's cut for the example job)."""
+    turns, so each loss is run at half the phases — the CI's cut for the example job), or
+    one beyond parity (``"beyond"``: H1 + 1 device pages per group, all of a smaller
+    group's, and every tier-1 host page of the first group — more than parity covers
+    whatever the groups hold, so the fatal path: the checkpoint fallback)."""
     if corrupt_pages not in ("both", "alternate"):
         raise ValueError(f"--corrupt-pages {corrupt_pages!r}: expected both or alternate")
-    if losses not in ("all", "pairs", "alternate"):
-        raise ValueError(f"--losses {losses!r}: expected all, pairs or alternate")
+    if losses not in ("all", "pairs", "alternate", "beyond"):
+        raise ValueError(f"--losses {losses!r}: expected all, pairs, alternate or beyond")
     check_job(base)
     for mode in modes:
         if mode not in MODES:
@@ -662,6 +699,9 @@ def matrix_cases(
                 "all": combos,
                 "pairs": combos[2 * ((i + j) % 2) : 2 * ((i + j) % 2) + 2],
                 "alternate": [combos[(i + j) % 4]],
+                # A small group (2 MiB CUDA pages) holds fewer than H1 + 1 pages: its
+                # tier-1 pages lost too put it beyond parity all the same.
+                "beyond": [(base.tier1_pages + 1, base.tier1_pages)],
             }[losses]
             cases += [(phase, mode, pages, host) for pages, host in chosen]
     return cases

@@ -64,6 +64,9 @@ class JobFault:
     lose_pages: int = 0  # data pages lost in each protection group of every rank
     host_parity_pages: int = 0  # tier-1 host pages of the first group
     inject: tuple = field(default=())  # explicit ((kind, name, (pages...)), ...) losses
+    # Another rank failing in the same failure as the fault before it (several ranks at
+    # once): the same generation; the losses are the first fault's, taken once.
+    with_previous: bool = False
 
     @property
     def iteration(self) -> int:
@@ -98,13 +101,18 @@ def _pool_flags(pool: PoolConfig) -> list[str]:
 
 
 def plan_of(faults, pool: PoolConfig) -> list[dict]:
-    """``leto run``'s fault plan for faults striking in order, one per generation; a
+    """``leto run``'s fault plan for faults striking in order, one per generation (a
+    fault ``with_previous`` in its predecessor's: another rank of the same failure); a
     fault that loses more pages than parity covers is fatal and takes two (the promoted
     trainers exit fatal, then the checkpoint fallback starts the next)."""
-    plan, gen = [], 0
+    plan, gen, step = [], 0, 0
     for f in faults:
+        if f.with_previous and plan:
+            plan.append(f.plan_entry(gen - step))
+            continue
         plan.append(f.plan_entry(gen))
-        gen += 2 if f.lose_pages > pool.tier1_pages else 1
+        step = 2 if f.lose_pages > pool.tier1_pages else 1
+        gen += step
     return plan
 
 
@@ -368,9 +376,12 @@ def _mark(train_out: Path, faults, records: list[dict]) -> None:
     for rec in records:
         t0 = rec["detected_at"]
         if rec["class"] == "HOF" and todo:
-            f = todo.pop(0)
-            with Recorder(train_out, f.rank, clock=lambda t=t0: t) as victim:
-                victim.mark(EVENT_INJECTION, f.iteration, point=f.at, mode=f.mode)
+            struck = [todo.pop(0)]
+            while todo and todo[0].with_previous:  # the other ranks of the same failure
+                struck.append(todo.pop(0))
+            for f in struck:
+                with Recorder(train_out, f.rank, clock=lambda t=t0: t) as victim:
+                    victim.mark(EVENT_INJECTION, f.iteration, point=f.at, mode=f.mode)
         for r, tr in rec.get("trainers", {}).items():
             with Recorder(train_out, int(r), clock=lambda t=tr["time"]: t) as mark:
                 mark.mark(EVENT_RECOVERED, tr["next_iteration"], since=t0, failure=rec["class"])

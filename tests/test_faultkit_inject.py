@@ -304,3 +304,50 @@ def test_a_kill_mode_ends_the_process_at_the_armed_point_and_nowhere_else(mode):
     p = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=60)
     assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr)
     assert p.stdout == "reached\n", p.stdout
+
+
+def test_ranks_sharing_a_gpu_and_every_rank_failing_are_refused_with_a_reason(capsys):
+    # Issue 47: --ranks-per-gpu (gloo on one GPU) and --all-ranks, refused before anything
+    # runs, the flag, the parallelism and the missing collective named.
+    from faultkit.cli import main
+
+    def refused(*args: str) -> tuple[int, str]:
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code
+        return code, capsys.readouterr().err
+
+    code, err = refused("inject", "--ranks-per-gpu", "2")
+    assert code == 2 and "--ranks-per-gpu 2 shares GPUs" in err and "--device cuda" in err, err
+    code, err = refused("matrix", "--ranks-per-gpu", "0")
+    assert code == 2 and "--ranks-per-gpu 0" in err, err
+    # The parallelism's refusal comes before the device is looked at (none here).
+    code, err = refused("inject", "--device", "cuda", "--ranks-per-gpu", "2", "--parallel", "pp")
+    assert code == 2 and "pipeline parallelism" in err and "send/recv" in err, err
+    code, err = refused("matrix", "--device", "cuda", "--ranks-per-gpu", "2", "--parallel", "titan")
+    assert code == 2 and "torchtitan" in err and "PREMUL_SUM" in err, err
+    code, err = refused("inject", "--all-ranks", "--mode", "sdc-update", "--phase", "update")
+    assert code == 2 and "--all-ranks fails every rank" in err, err
+    code, err = refused("inject", "--all-ranks", "--world-size", "1")
+    assert code == 2 and "--world-size 2 or more" in err, err
+
+
+def test_every_rank_failing_is_one_generation_and_beyond_h1_one_case_a_phase():
+    import faultkit.inject as fi
+    from faultkit.job import POOL, JobFault, plan_of
+
+    faults = [
+        JobFault(0, "update.optimizer@2#1", lose_pages=POOL.tier1_pages + 1),
+        JobFault(1, "update.optimizer@2#1", with_previous=True),
+        JobFault(1, "compute.forward@4#1"),
+        JobFault(0, "compute.forward@4#1", with_previous=True),
+    ]
+    # The fatal first failure takes two generations (the fallback is the second).
+    assert [(e["generation"], e["rank"]) for e in plan_of(faults, POOL)] == [
+        (0, 0), (0, 1), (2, 1), (2, 0)
+    ]  # fmt: skip
+    cases = fi.matrix_cases(InjectConfig(), phases=("compute", "update"), losses="beyond")
+    assert cases == [("compute", "kill", 17, 16), ("update", "kill", 17, 16)], cases
+    with pytest.raises(ValueError, match="expected all, pairs, alternate or beyond"):
+        fi.matrix_cases(InjectConfig(), losses="some")
