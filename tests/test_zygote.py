@@ -109,6 +109,27 @@ def test_threads_are_joined_and_atexit_runs_before_the_exit(zygote, tmp_path):
     assert log.read_text().splitlines() == ["thread done", "atexit ran"]
 
 
+def test_a_forked_script_finds_torchs_lazy_imports_already_loaded(zygote, tmp_path):
+    # What use_deterministic_algorithms and an optimizer's first call import (1.5-3 s of
+    # a core each) is the zygote's, once; nothing of a device is initialized with it.
+    body = """
+        import sys, torch
+        print([m for m in ("torch._dynamo", "torch._inductor.config") if m not in sys.modules])
+        print("cuda initialized", torch.cuda.is_initialized())
+    """
+    p, log = _spawn(zygote, tmp_path, body)
+    assert p.wait(30) == 0
+    assert log.read_text().splitlines() == ["[]", "cuda initialized False"], log.read_text()
+
+
+def test_a_zygote_closed_while_it_imports_is_killed_not_waited_for():
+    z = Zygote(60)  # closed at once: still importing torch (seconds)
+    t0 = time.monotonic()
+    z.close()
+    took = time.monotonic() - t0
+    assert z.proc.returncode is not None and took < 1.0, f"close took {took:.2f} s"
+
+
 def test_a_zygote_that_died_is_named_when_asked_to_fork(tmp_path):
     z = Zygote(60)
     z.proc.kill()

@@ -1,13 +1,14 @@
 """The node's zygote: trainers and shadows forked from a process that imported torch once.
 
-Runs as its own process, one per node, started by the agent (``leto run``) before the
-first trainer. Importing torch takes 1-3 s of a core in every trainer and every shadow
+Runs as its own process, one per node, started by ``leto run`` before it imports the
+agent (or by the agent). Importing torch takes 1-3 s of a core in every trainer and every shadow
 (2.4 s on a 2-core CPU VM); a job of two ranks at L2 starts four such processes, and
-four more after each recovery. The zygote imports torch once — while the state managers
-start — and forks each trainer and shadow from there, so they begin with torch in
-memory (shared copy-on-write), as torch elastic's workers never do. Nothing of CUDA is
-initialized in the zygote (torch's import does not), so a forked child initializes the
-device as a fresh process would; of Leto only this module (and ``leto.proc``) is
+four more after each recovery. The zygote imports torch once (with the parts of it a
+script imports lazily: ``PRELOAD``) — while ``leto run`` imports its own and the state
+managers start — and forks each trainer and shadow from there, so they begin with torch
+in memory (shared copy-on-write), as torch elastic's workers never do. Nothing of CUDA
+is initialized in the zygote (torch's import does not), so a forked child initializes
+the device as a fresh process would; of Leto only this module (and ``leto.proc``) is
 imported in it, so no module reads a trainer's environment before the trainer's own is
 set.
 
@@ -21,13 +22,14 @@ process group), takes the environment, working directory, ``sys.argv`` and ``sys
 a fresh ``python script.py`` would have, runs the script as ``__main__`` and exits the
 way the interpreter does (non-daemon threads joined, ``atexit`` run, an uncaught
 exception through ``sys.excepthook``). The zygote exits when the agent's end closes
-(also when the agent is SIGKILLed).
+(also when the agent is SIGKILLed), at once: ``os._exit``, no interpreter teardown.
 
 ``LETO_ZYGOTE=0`` starts every trainer as its own interpreter instead (for diagnosis).
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
@@ -61,9 +63,11 @@ def serve(sock: socket.socket) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake select()
-    import torch  # noqa: F401  (the preload: every trainer's first heavy import)
-
-    sock.send(b'{"ready": true}')
+    preload()
+    try:
+        sock.send(b'{"ready": true}')
+    except OSError:  # leto run stopped while this imported (refused, Ctrl-C)
+        os._exit(0)
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:
@@ -72,7 +76,10 @@ def serve(sock: socket.socket) -> None:
         if sock in ready:
             msg, fds, _, _ = socket.recv_fds(sock, PACKET, MAX_FDS)
             if not msg:
-                return  # the agent is gone
+                # The agent is gone. No interpreter teardown: torch's finalizers and
+                # module cleanup took 1.2 s of a core here, with the agent waiting in
+                # Zygote.close at every job's end; the zygote holds nothing to flush.
+                os._exit(0)
             req = json.loads(msg)
             pid = os.fork()
             if pid == 0:
@@ -83,6 +90,24 @@ def serve(sock: socket.socket) -> None:
             for fd in fds:
                 os.close(fd)
             sock.send(json.dumps({"pid": pid}).encode())
+
+
+# What the zygote imports before it forks anyone: torch, and the parts of torch a
+# training script's process imports lazily on its way to its first iteration.
+# ``torch.use_deterministic_algorithms`` imports ``torch._inductor.config`` (and with it
+# torch._dynamo, sympy and triton where installed) and every ``torch.optim`` optimizer's
+# first method call imports ``torch._dynamo``: 1.5 s of a core on an idle 2-core VM, 2-3 s
+# in each of a job's four trainers and shadows starting at once, paid once here instead.
+# Neither reads a rank's environment or initializes a device as it imports.
+PRELOAD = ("torch", "torch._dynamo", "torch._inductor.config")
+
+
+def preload() -> None:
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a torch without one of them: the trainer imports it
+            print(f"leto run's zygote: {name} not preloaded: {e}", file=sys.stderr)
 
 
 def _reap(sock: socket.socket) -> None:
@@ -316,7 +341,11 @@ class Zygote:
                 return ForkedProcess(self, self._pids.pop(0))
 
     def close(self) -> None:
-        """End the zygote (its children run on: each is fenced or ends by itself)."""
+        """End the zygote (its children run on: each is fenced or ends by itself). One
+        still importing has forked no one and is killed, not waited for (a ``leto run``
+        refused after it started: a busy port, a fault plan its pools refuse)."""
+        if not self._ready.is_set():
+            self.proc.kill()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
