@@ -77,12 +77,13 @@ from rich.table import Table
 
 from leto.errors import InvalidInput
 from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
-from leto.runtime.store import free_port
 from leto.sim.events import simulate
 from leto.sim.model import INTERVAL, LETO, Job, System, choose_interval
 from leto.sim.schedule import GCP_TRACE, Failure, Schedule, every, trace_window
-from verifiers import compare
-from verifiers.trace import read_run
+
+# torch (through leto.runtime.store and verifiers) is imported where a run needs it, not
+# here: ``leto bench`` registers this module's flags in the ``leto`` parser, and ``leto
+# run`` must not pay 1.5 s of torch import before it starts its zygote (leto.cli).
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -469,6 +470,8 @@ def _machine() -> dict:
 
 
 def _histories(out: Path) -> dict[int, list[tuple[int, float]]]:
+    from verifiers.trace import read_run
+
     run = read_run(out)
     return {r: [(x.iteration, x.wall_time) for x in t.history] for r, t in run.traces.items()}
 
@@ -485,6 +488,8 @@ def run_leto(
 ) -> dict:
     """One ``leto run`` of the example job; returns its JSON summary, with the run's
     wall time (launch to exit) as ``run_wall_s``."""
+    from leto.runtime.store import free_port
+
     work.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "leto.cli", "run", "--json", "--verify", "--device", args.device,
@@ -532,6 +537,8 @@ def build_schedule(name: str, args, t_iter_s: float) -> Schedule:
 
 
 def run_schedule(name: str, args, root: Path, mem_root: Path, cal: dict, ref_out: Path) -> dict:
+    from verifiers import compare
+
     t_iter = cal["t_iter_s"]
     schedule = build_schedule(name, args, t_iter)
     injections, notes = place(schedule, t_iter, args.iterations)
@@ -725,6 +732,8 @@ def _check(ap: argparse.ArgumentParser, args) -> None:
 
 def run(args, argv_text: str) -> dict:
     """Run the comparison for parsed ``args``; returns (and optionally writes) results."""
+    from verifiers import compare
+
     # The pools of bench/recovery_speed.py; an FF loses one page more than tier-1 covers.
     args.tier1_pages = 4
     args.pool_flags = ["--tier1-pages", str(args.tier1_pages)] + (

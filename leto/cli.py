@@ -20,13 +20,11 @@ import textwrap
 import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 import leto
 from leto.bench_cli import register as register_bench
-from leto.erasure import FIELD_POLY
 from leto.errors import InvalidInput
 from leto.runtime.config import REPLAY_EVERY_DEFAULT as DEFAULT_REPLAY_EVERY
 from leto.sim.cli import register as register_sim
@@ -35,6 +33,8 @@ ENV_OMP = "OMP_NUM_THREADS"
 
 
 def _codec_kernels() -> dict[str, str]:
+    import torch
+
     found = {
         "reference": "available (host, per-symbol Python)",
         "cpu": "available (NumPy split tables)",
@@ -53,6 +53,10 @@ def _codec_kernels() -> dict[str, str]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from leto.erasure import FIELD_POLY
+
     info = {
         "leto": leto.__version__,
         "torch": torch.__version__,
@@ -253,11 +257,15 @@ def _missing_module(name: str) -> str | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from leto.runtime.agent import Agent, SignalStop
-    from leto.runtime.config import RunConfig
+    from leto.runtime import fault_plan
+    from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
+    from leto.runtime.zygote import Zygote
+    from leto.runtime.zygote import enabled as zygote_enabled
 
     device_note = None
     if args.device is None:
+        import torch
+
         # As a torchrun user expects: the GPU when there is one (training on the CPU of
         # a GPU machine by default would be silent and slow).
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -335,9 +343,31 @@ def cmd_run(args: argparse.Namespace) -> int:
             "set it yourself to tune it",
             cfg.nproc_per_node,
         )
+    try:  # (the agent parses it again; refused here, no zygote was started)
+        fault_plan.parse(
+            os.environ.get(ENV_FAULT_PLAN, "[]"), cfg.world_size, cfg.allow_fault_injection
+        )
+    except InvalidInput as e:
+        print(f"leto run: {e}", file=sys.stderr)
+        return 2
+    # The zygote (the trainers' parent, leto.runtime.zygote) starts before this process
+    # imports the agent and torch with it: the two imports overlap instead of following
+    # each other (1.9 s sooner to the first trainer on an idle 2-core VM). Its
+    # environment is final by now (OMP_NUM_THREADS above).
+    zygote = Zygote(cfg.timeout_s) if zygote_enabled() else None
+    try:
+        return _run_agent(args, cfg, zygote)
+    finally:
+        if zygote is not None:
+            zygote.close()  # (closed by the agent already, unless refused before it ran)
+
+
+def _run_agent(args: argparse.Namespace, cfg, zygote) -> int:
+    from leto.runtime.agent import Agent, SignalStop
+
     try:
         command = ["-m", args.script] if args.module else [args.script]
-        agent = Agent(cfg, [*command, *args.script_args])
+        agent = Agent(cfg, [*command, *args.script_args], zygote=zygote)
     except InvalidInput as e:
         print(f"leto run: {e}", file=sys.stderr)
         return 2

@@ -74,8 +74,12 @@ class SignalStop(BaseException):
 
 
 class Agent:
-    def __init__(self, cfg: RunConfig, command: list[str]):
+    def __init__(self, cfg: RunConfig, command: list[str], zygote: Zygote | None = None):
+        """``zygote``: one ``leto run`` started before it imported torch (the two
+        imports then overlap); the agent owns it from here and closes it at the end.
+        None: ``run()`` starts one (``LETO_ZYGOTE=0``: none)."""
         self.cfg, self.command = cfg, command
+        self.zygote = zygote
         # Checked against its schema first: a guessed key or page loss the pools refuse
         # stops the job before anything starts (leto.runtime.fault_plan).
         self.faults = fault_plan.parse(
@@ -162,7 +166,9 @@ class Agent:
             self._place()  # before any process that could touch a GPU starts
             # Importing torch while the state managers start: every trainer and shadow
             # is forked from it (leto.runtime.zygote).
-            zygote = Zygote(c.timeout_s) if zygote_enabled() else None
+            zygote = self.zygote
+            if zygote is None and zygote_enabled():
+                zygote = Zygote(c.timeout_s)
             store.add(keys.AGENTS, 1)
             job_store.wait_count(store, keys.AGENTS, c.nnodes, c.timeout_s, "every node's agent")
             first = c.node_rank * c.nproc_per_node
