@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from faultkit.job import JobFault, run_job
+from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
 from tests.test_porting import changed_lines
 
@@ -36,6 +37,12 @@ ARGS = [
     "--batch_size=2", "--gradient_accumulation_steps=4", "--max_iters=3",
     "--eval_interval=3", "--eval_iters=2", "--warmup_iters=1", "--lr_decay_iters=3",
 ]  # fmt: skip
+# Issue 47: both ranks on cuda:0 over gloo (torchrun with LETO_RANKS_PER_GPU=2, leto run
+# --ranks-per-gpu 2; bash bench/gpu_suite.sh world2-ports): the same comparison on the GPU,
+# deterministic algorithms on through a nanoGPT config file (it has no flag for them; SDPA's
+# fp32 CUDA backward is not deterministic otherwise).
+SHARED_GPU = {"LETO_RANKS_PER_GPU": "2", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+DETERMINISTIC = "import torch\ntorch.use_deterministic_algorithms(True)\n"
 
 
 def test_the_nanogpt_port_changes_at_most_9_lines():
@@ -48,6 +55,7 @@ def _workdir(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for f in FILES:
         shutil.copy(HERE / f, root / f)
+    (root / "deterministic.py").write_text(DETERMINISTIC)  # (the GPU case's config file)
     subprocess.run(
         [sys.executable, str(HERE / "prepare_synthetic.py"), "--vocab", str(VOCAB)],
         check=True, cwd=root, timeout=60,
@@ -71,14 +79,33 @@ def _differs(a: dict, b: dict, what: str) -> str | None:
 
 @pytest.mark.integ
 @pytest.mark.timeout(240)
-def test_nanogpt_under_leto_run_is_byte_identical_to_torchrun_and_ddp_after_a_kill(tmp_path):
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda-shared",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_nanogpt_under_leto_run_is_byte_identical_to_torchrun_and_ddp_after_a_kill(
+    tmp_path, device
+):
+    args = ARGS if device == "cpu" else [a.replace("--device=cpu", "--device=cuda") for a in ARGS]
+    env = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else SHARED_GPU
+    if device != "cpu":
+        args = ["deterministic.py", *args]  # a config file, run by nanoGPT's configurator
     ddp = _workdir(tmp_path / "ddp")
     try:
         subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node", "2", "train.py", *ARGS, f"--out_dir={ddp / 'out'}"],
+             "--nproc-per-node", "2", "train.py", *args, f"--out_dir={ddp / 'out'}"],
             check=True, capture_output=True, text=True, timeout=120, cwd=ddp,
-            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+            env=dict(os.environ, **env),
         )  # fmt: skip
     except subprocess.CalledProcessError as e:
         pytest.fail(f"torchrun of nanoGPT failed:\n{e.stdout[-2000:]}\n{e.stderr[-2000:]}")
@@ -86,9 +113,13 @@ def test_nanogpt_under_leto_run_is_byte_identical_to_torchrun_and_ddp_after_a_ki
     # Killed after the forward of its second micro-batch (before that micro-batch's
     # prefetch), pages lost: iteration 2 is redone from 1's record, and the promoted
     # trainer's pre-loop get_batch must return the batch 1 prefetched.
+    gpu = {} if device == "cpu" else {
+        "device": "cuda", "extra": ("--ranks-per-gpu", "2"),
+        "pool": PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_injection=True),
+    }  # fmt: skip
     summary = run_job(
         2, TrainConfig(), leto, [JobFault(1, "compute.backward@2#2", lose_pages=2)],
-        script=leto / "train_leto.py", script_args=[*ARGS, f"--out_dir={leto / 'out'}"],
+        script=leto / "train_leto.py", script_args=[*args, f"--out_dir={leto / 'out'}"], **gpu,
     )  # fmt: skip
     assert summary["injections"] == 1, summary["recoveries"]
     want = torch.load(ddp / "out" / "ckpt.pt", weights_only=False)

@@ -85,9 +85,20 @@ CPU_LOSE = (("data", "param", (0, 3)), ("data", "exp_avg", (1, 2)), ("tier1", 1,
                 ),
             ],
         ),
+        # Issue 47: both ranks on cuda:0 over gloo, torchrun (LETO_RANKS_PER_GPU=2) and leto
+        # run --ranks-per-gpu 2 alike (bash bench/gpu_suite.sh world2-ports).
+        pytest.param(
+            "cuda-shared",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
     ],
 )
 def test_the_ported_llama_is_bit_identical_to_ddp_and_exact_under_faults(tmp_path, device, request):
+    shared = {"LETO_RANKS_PER_GPU": "2"} if device == "cuda-shared" else {}
+    device = "cuda" if shared else device
     ddp = tmp_path / "ddp"
     # --standalone: torchrun picks its own free rendezvous port on localhost (a port
     # chosen here could be taken before it binds). A hang reports torchrun's output.
@@ -97,7 +108,7 @@ def test_the_ported_llama_is_bit_identical_to_ddp_and_exact_under_faults(tmp_pat
              "--nproc-per-node", "2", str(DDP), "--iterations", str(ITERS), "--out", str(ddp)],
             check=True, capture_output=True, text=True, timeout=120,
             # The script takes a GPU when it sees one: the CPU case hides them.
-            env=dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})),
+            env=dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else shared)),
         )  # fmt: skip
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"torchrun of the DDP script hung; its output:\n{e.stdout}\n{e.stderr}")
@@ -108,7 +119,7 @@ def test_the_ported_llama_is_bit_identical_to_ddp_and_exact_under_faults(tmp_pat
         got = run_job(
             2, TrainConfig(), out, faults, shadow_level="L2" if faults else "off",
             script=LETO, script_args=["--iterations", str(ITERS), "--out", str(out / "train")],
-            device=device, **pool,
+            device=device, extra=("--ranks-per-gpu", "2") if shared else (), **pool,
         )  # fmt: skip
         return got
 

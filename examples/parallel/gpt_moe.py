@@ -208,10 +208,13 @@ def main() -> None:
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 over the replicated parts, not DDP")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # Testing on fewer GPUs (docs/runtime.md): LETO_RANKS_PER_GPU=N puts ranks N*g..N*g+N-1
+    # on GPU g, over gloo (NCCL refuses two ranks on one GPU); leto run --ranks-per-gpu sets it.
+    per_gpu = int(os.environ.get("LETO_RANKS_PER_GPU", "1"))
+    dist.init_process_group("nccl" if cuda and per_gpu == 1 else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    device = torch.device("cuda", local_rank // per_gpu) if cuda else torch.device("cpu")
     if cuda:  # (NCCL's all-to-alls)
         torch.cuda.set_device(device)
     torch.set_num_threads(1)

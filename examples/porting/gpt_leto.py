@@ -51,7 +51,11 @@ def main() -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    # Testing on fewer GPUs (docs/runtime.md): LETO_RANKS_PER_GPU=N puts ranks N*g..N*g+N-1
+    # on GPU g, over gloo (NCCL refuses two ranks on one GPU); leto run --ranks-per-gpu sets it.
+    per_gpu = int(os.environ.get("LETO_RANKS_PER_GPU", "1"))
+    cuda_device = torch.device("cuda", local_rank // per_gpu)
+    device = cuda_device if torch.cuda.is_available() else torch.device("cpu")
     ctx = leto.init()
     rank = dist.get_rank()
     cuda = device.type == "cuda"

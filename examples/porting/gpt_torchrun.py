@@ -56,8 +56,12 @@ def main() -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # Testing on fewer GPUs (docs/runtime.md): LETO_RANKS_PER_GPU=N puts ranks N*g..N*g+N-1
+    # on GPU g, over gloo (NCCL refuses two ranks on one GPU); leto run --ranks-per-gpu sets it.
+    per_gpu = int(os.environ.get("LETO_RANKS_PER_GPU", "1"))
+    cuda_device = torch.device("cuda", local_rank // per_gpu)
+    device = cuda_device if torch.cuda.is_available() else torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" and per_gpu == 1 else "gloo")
     rank = dist.get_rank()
     cuda = device.type == "cuda"
     if cuda:
@@ -83,7 +87,7 @@ def main() -> None:
     )
     # Appended to: a restarted process (a promoted Leto shadow) runs this set-up again.
     log = open(os.path.join(args.out, "iterations.jsonl"), "a") if rank == 0 else None
-    model = DDP(model, device_ids=[local_rank] if cuda else None)
+    model = DDP(model, device_ids=[device] if cuda else None)
     t_end = time.perf_counter()
     for it in range(args.iterations):
         total = torch.zeros((), device=device)

@@ -28,9 +28,13 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # Testing on fewer GPUs (docs/runtime.md): LETO_RANKS_PER_GPU=N puts ranks N*g..N*g+N-1
+    # on GPU g, over gloo (NCCL refuses two ranks on one GPU); leto run --ranks-per-gpu sets it.
+    per_gpu = int(os.environ.get("LETO_RANKS_PER_GPU", "1"))
+    dist.init_process_group("nccl" if torch.cuda.is_available() and per_gpu == 1 else "gloo")
     rank = dist.get_rank()
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    cuda_device = torch.device("cuda", rank // per_gpu)
+    device = cuda_device if torch.cuda.is_available() else torch.device("cpu")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -52,7 +56,7 @@ def main() -> None:
         lr=3e-3, betas=(0.9, 0.95), fused=True,
     )  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
-    model = DDP(model, device_ids=[rank] if device.type == "cuda" else None)
+    model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
     for it in range(args.iterations):
         for micro in range(ACCUM):
             x = tokens(rank, it, micro).to(device)

@@ -26,9 +26,13 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
+    # Testing on fewer GPUs (docs/runtime.md): LETO_RANKS_PER_GPU=N puts ranks N*g..N*g+N-1
+    # on GPU g, over gloo (NCCL refuses two ranks on one GPU); leto run --ranks-per-gpu sets it.
+    per_gpu = int(os.environ.get("LETO_RANKS_PER_GPU", "1"))
     ctx = leto.init()
     rank = dist.get_rank()
-    device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    cuda_device = torch.device("cuda", rank // per_gpu)
+    device = cuda_device if torch.cuda.is_available() else torch.device("cpu")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

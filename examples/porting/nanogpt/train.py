@@ -90,7 +90,7 @@ if ddp:
     ddp_local_rank = int(os.environ['LOCAL_RANK'])
     ddp_world_size = int(os.environ['WORLD_SIZE'])
     if device != 'cpu': # CPU edit: --device=cpu runs on the CPU
-        device = f'cuda:{ddp_local_rank}'
+        device = f'cuda:{ddp_local_rank // int(os.environ.get("LETO_RANKS_PER_GPU", "1"))}' # testing edit: ranks sharing a GPU, with --backend=gloo (docs/runtime.md)
         torch.cuda.set_device(device)
     master_process = ddp_rank == 0 # this process will do logging, checkpointing etc.
     seed_offset = ddp_rank # each process gets a different seed
@@ -214,7 +214,7 @@ if compile:
 
 # wrap model into DDP container
 if ddp:
-    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None) # CPU edit
+    model = DDP(model, device_ids=[device] if device_type == 'cuda' else None) # CPU and testing edits
 
 # helps estimate an arbitrarily accurate loss over either split using many batches
 @torch.no_grad()

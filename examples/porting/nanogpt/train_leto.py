@@ -92,7 +92,7 @@ if ddp:
     ddp_local_rank = int(os.environ['LOCAL_RANK'])
     ddp_world_size = int(os.environ['WORLD_SIZE'])
     if device != 'cpu': # CPU edit: --device=cpu runs on the CPU
-        device = f'cuda:{ddp_local_rank}'
+        device = f'cuda:{ddp_local_rank // int(os.environ.get("LETO_RANKS_PER_GPU", "1"))}' # testing edit: ranks sharing a GPU, with --backend=gloo (docs/runtime.md)
         torch.cuda.set_device(device)
     master_process = ddp_rank == 0 # this process will do logging, checkpointing etc.
     seed_offset = ddp_rank # each process gets a different seed
