@@ -59,7 +59,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,6 +113,7 @@ class Launch:
     name: str
     launcher: str  # TORCHRUN or LETO
     leto_flags: tuple[str, ...] = field(default=())
+    env: tuple[tuple[str, str], ...] = field(default=())  # added to the job's environment
 
 
 def parse_variant(text: str) -> Launch:
@@ -180,6 +181,19 @@ def moe_size(nproc: int) -> dict:
         "parameters": sum(p.numel() for p in whole.parameters()),
         "tokens_per_iteration": nproc * mod.BATCH * mod.SEQ,
     }
+
+
+def shared_gpu(launches: list[Launch], ranks_per_gpu: int) -> list[Launch]:
+    """``launches`` with ranks sharing GPUs ``ranks_per_gpu`` at a time (issue 47): leto
+    run's ``--ranks-per-gpu``, and for torchrun the variable its scripts read (gloo on
+    the shared GPU, as leto run's trainers get)."""
+    n = str(ranks_per_gpu)
+    return [
+        replace(x, env=(*x.env, ("LETO_RANKS_PER_GPU", n)))
+        if x.launcher == TORCHRUN
+        else replace(x, leto_flags=("--ranks-per-gpu", n, *x.leto_flags))
+        for x in launches
+    ]
 
 
 def leto_device_flags(device: str) -> list[str]:
@@ -293,11 +307,12 @@ def run_one(
     work.mkdir(parents=True, exist_ok=True)
     out = work / "out"
     cmd = command(launch, nproc, device, script_args, out, job)
-    env = {**os.environ, **(extra_env or {})}
+    env = {**os.environ, **dict(launch.env), **(extra_env or {})}
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the scripts take a GPU whenever they see one
     memory = DeviceMemory() if device == "cuda" else None
     res = {"name": launch.name, "launcher": launch.launcher, "leto_flags": list(launch.leto_flags),
+           "env": dict(launch.env),
            "command": shlex.join(cmd), "work": str(work), "timed_out": False}  # fmt: skip
     with open(work / "stdout.txt", "w") as so, open(work / "stderr.txt", "w") as se:
         t0 = time.perf_counter()
@@ -589,6 +604,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--timeout-s", type=float, default=900.0, help="time limit of each run, seconds"
     )
+    ap.add_argument(
+        "--ranks-per-gpu",
+        type=int,
+        default=1,
+        help="testing on fewer GPUs than ranks: ranks N at a time on a GPU, over gloo (leto "
+        "run --ranks-per-gpu N; the torchrun scripts read LETO_RANKS_PER_GPU=N)",
+    )
     ap.add_argument("--work-dir", help="runs' folders (default: a new temporary folder)")
     ap.add_argument(
         "--keep-work",
@@ -616,6 +638,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(names)) != len(names):
         ap.error(f"--leto-variant: names repeat: {names}")
     launches = [Launch(TORCHRUN, TORCHRUN), Launch(LETO, LETO), *args.leto_variant]
+    if args.ranks_per_gpu > 1:
+        if args.device != "cuda":
+            ap.error(f"--ranks-per-gpu {args.ranks_per_gpu} shares GPUs: it needs --device cuda")
+        launches = shared_gpu(launches, args.ranks_per_gpu)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="leto-user-path-")).absolute()
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -93,6 +93,21 @@ def test_variants_and_script_args_parse():
         user_path.split_script_args("--out elsewhere", dict(TINY))
 
 
+def test_ranks_sharing_a_gpu_reach_both_launchers(capsys):
+    # Issue 47 (world 2 on one GPU): leto run gets --ranks-per-gpu, torchrun's scripts the
+    # variable they read; refused on the CPU before anything runs.
+    plain, leto, v = user_path.shared_gpu(
+        [user_path.Launch("t", user_path.TORCHRUN), user_path.Launch("l", user_path.LETO),
+         user_path.parse_variant("off=--no-loss-guard")], 2,
+    )  # fmt: skip
+    assert plain.env == (("LETO_RANKS_PER_GPU", "2"),) and plain.leto_flags == ()
+    assert leto.leto_flags == ("--ranks-per-gpu", "2") and leto.env == ()
+    assert v.leto_flags == ("--ranks-per-gpu", "2", "--no-loss-guard")
+    with pytest.raises(SystemExit):
+        user_path.main(["--device", "cpu", "--nproc-per-node", "2", "--ranks-per-gpu", "2"])
+    assert "needs --device cuda" in capsys.readouterr().err
+
+
 @pytest.mark.integ
 @pytest.mark.timeout(240)
 def test_the_port_under_leto_run_defaults_is_bit_identical_to_torchrun(tmp_path):
