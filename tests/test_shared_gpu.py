@@ -44,3 +44,13 @@ def test_a_pipeline_stage_on_a_shared_gpu_is_refused_before_anything_is_retained
     with pytest.raises(Exception) as past:  # past the check: the stand-in context is bare
         run_module.Run(ctx, model, opt, data_parallel=False)
     assert "send/recv" not in str(past.value), past.value
+
+
+def test_the_gpu_probe_tries_every_collective_the_table_names():
+    # python -m bench.gloo_cuda runs them on a GPU (gpu_suite world2-parallel); here only
+    # that nothing in the table goes untried.
+    from bench.gloo_cuda import PROBES
+
+    assert set(shared_gpu.LACKS) <= set(PROBES), set(shared_gpu.LACKS) - set(PROBES)
+    for _, collective, _ in shared_gpu.NEEDS.values():
+        assert collective in shared_gpu.LACKS, collective
