@@ -50,6 +50,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -117,13 +118,19 @@ class Launch:
 
 
 def parse_variant(text: str) -> Launch:
-    """``"name=--flag value ..."`` -> a leto run launch with those flags."""
+    """``"name=--flag value ..."`` -> a leto run launch with those flags; leading
+    ``KEY=VALUE`` words (upper-case keys) go to its environment instead, e.g.
+    ``"unfused=LETO_CHUNK_PASS=0"`` (the benchmarks' switches)."""
     name, sep, flags = text.partition("=")
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(
             f"{text!r}: a variant is NAME=FLAGS, e.g. 'no-shadow=--shadow-level off'"
         )
-    return Launch(f"{LETO} [{name.strip()}]", LETO, tuple(shlex.split(flags)))
+    words, env = shlex.split(flags), []
+    while words and re.fullmatch(r"[A-Z][A-Z0-9_]*=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env.append((key, value))
+    return Launch(f"{LETO} [{name.strip()}]", LETO, tuple(words), tuple(env))
 
 
 def shape_flags(shape: dict) -> list[str]:

@@ -87,6 +87,9 @@ def test_variants_and_script_args_parse():
     assert v.leto_flags == ("--shadow-level", "off", "--scrub-mib-per-iteration", "0")
     with pytest.raises(Exception, match="NAME=FLAGS"):
         user_path.parse_variant("--shadow-level off")
+    v = user_path.parse_variant("inline=LETO_UNDO_AHEAD=0 LETO_CHUNK_PASS=1 --no-checkpoints")
+    assert v.env == (("LETO_UNDO_AHEAD", "0"), ("LETO_CHUNK_PASS", "1"))
+    assert v.leto_flags == ("--no-checkpoints",)
     shape, rest = user_path.split_script_args("--accum 4 --deterministic --seed 3", dict(TINY))
     assert shape == {**TINY, "accum": 4} and rest == ["--deterministic", "--seed", "3"]
     with pytest.raises(SystemExit, match="benchmark's"):

@@ -34,7 +34,9 @@ memory lent to activations during the compute phase (``lent_memory``, CUDA
 only; ``leto.memory.lending``). Three parity buffers rotate: group g uses a pair and
 the next group's tier-1 parity is prefetched into the third on a copy stream while g's
 chunks run; a chunk's scratch parity is initialized on that stream while the optimizer
-runs. Kept in stream order, because the marker is one linear record that must not run
+runs; under the fused pass the next chunk's undo copy is made there too, into the other
+half of the undo buffer, while this chunk's pass runs (``_prefetch_undo``;
+``LETO_UNDO_AHEAD=0``: each made just before its chunk, for benchmarks). Kept in stream order, because the marker is one linear record that must not run
 ahead of them: the undo copy (the previous chunk's parity update reads the undo
 buffer), the parity update (it needs the optimizer's output) and the parity store to
 host with the tier-2 refresh (the next group's progress would otherwise be recorded
@@ -44,6 +46,7 @@ before this group's parity is durable).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -210,6 +213,9 @@ class Updater:
         # The chunk (group, chunk) whose undo copy was made ahead, and its event.
         self._undo_ahead: tuple[int, int] | None = None
         self._undo_ahead_done: torch.cuda.Event | None = None
+        # LETO_UNDO_AHEAD=0: each undo copy made just before its chunk (benchmarks
+        # compare the two, as LETO_CHUNK_PASS=0 does for the pass).
+        self._ahead = os.environ.get("LETO_UNDO_AHEAD", "1") != "0"
         self._codes: dict[int, TwoTierCode] = {}
         self._stale: set[Auth] = set()  # parity buffers whose pages were lost (recovery)
         self.profile: defaultdict[str, float] | None = None  # seconds per step kind, if set
@@ -353,7 +359,7 @@ class Updater:
         from the values it read, so a page changed after its undo copy was made still
         leaves parity that disagrees with it (the unfused steps' parity update reads the
         undo copy, and would absorb such a change: they copy just before each chunk)."""
-        nxt = self._next_chunk(gi, j)
+        nxt = self._next_chunk(gi, j) if self._ahead else None
         if nxt is None:
             return
         ngi, nj = nxt
