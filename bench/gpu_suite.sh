@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|titan|titan-*|world2-shared|breakdown|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|titan|titan-*|world2-shared|world2-*|breakdown|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -405,14 +405,23 @@ if [[ $what == titan* ]]; then
       --json-out "$OUT/titan_recovery.json" 2>&1 | tail -20 | tee "$OUT/titan_recovery.txt" || rc=1
   fi
 fi
-if [[ $what == world2-shared ]]; then
-  # Issue 47's first step: two ranks sharing the one GPU over gloo (leto run
-  # --ranks-per-gpu 2), the example job killed in the forward/backward and inside the
-  # update with pages lost, against its fault-free run (LETO_W2_PHASES: more phases).
-  timeout ${LETO_W2_TIMEOUT:-560} python3 -m faultkit.cli certify --device cuda --nproc-per-node 2 \
-    --ranks-per-gpu 2 --phases ${LETO_W2_PHASES:-compute,update} --json -- examples/train_gpt.py \
-    --iterations 6 > "$OUT/w2_certify.json" 2> "$OUT/w2_certify.txt" || rc=1
-  tail -c 3000 "$OUT/w2_certify.txt"
+if [[ $what == world2-* ]]; then
+  # Issue 47: world 2 (and 4) on one GPU, the ranks sharing it over gloo (leto run
+  # --ranks-per-gpu). bench/world2.py runs a target's lanes at once within a budget and
+  # prints a table (docs/runtime.md, "Several ranks on one GPU", says what each runs):
+  # world2-certify (the example job killed at every phase; LETO_W2_PHASES: fewer),
+  # world2-matrix, world2-sdc, world2-parallel, world2-ports, world2-costs — one device
+  # call each (<= 10 min) — or world2-shared: all of them in turn (~1 h: by hand, not in
+  # one call). LETO_W2_BUDGET: seconds per target (530); LETO_W2_LANES: lanes at once (4);
+  # LETO_W2_ONLY: comma-separated steps (a failed one again, say).
+  t=${what#world2-}; [[ $t == shared ]] && t=all
+  budget=${LETO_W2_BUDGET:-530}; n=1; [[ $t == all ]] && n=7
+  timeout $(( n * (budget + 40) )) python3 -m bench.world2 "$t" --out "$OUT/w2" --budget-s "$budget" \
+    --lanes "${LETO_W2_LANES:-4}" ${LETO_W2_ONLY:+--only "$LETO_W2_ONLY"} > "$OUT/w2_$t.txt" 2>&1 || rc=1
+  # At most 8 files come back from a call: the table stays loose, each step's JSON and
+  # log go in one archive.
+  tar czf "$OUT/w2_$t.tgz" -C "$OUT" w2 && rm -rf "$OUT/w2"
+  tail -c 6000 "$OUT/w2_$t.txt"
 fi
 if [[ $what == sdc-inject ]]; then
   # faultkit's sdc-update at world 1 on the GPU: the update recheck finds it, EXACT.
