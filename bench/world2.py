@@ -141,6 +141,7 @@ def targets(device: str) -> dict[str, list[list[Step]]]:
              Step("pp-refused-by-leto-run", (
                  "leto.cli", "run", "--device", device, "--nproc-per-node", "2",
                  "--ranks-per-gpu", "2", "--shadow-level", "off", "--no-checkpoints",
+                 "--log-dir", "{dir}/pp-logs",
                  "examples/parallel/gpt_pipeline_leto.py", "--iterations", "2", "--out",
                  "{dir}/pp-out"), expect="refused",
                  words=("data_parallel=False", "send/recv"), cuda_only=True)],
