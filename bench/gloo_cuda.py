@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 def _report(rows: dict, args) -> dict:
     import torch
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(
@@ -323,7 +324,7 @@ def _report(rows: dict, args) -> dict:
             "yes" if r["carried"] else "[red]no[/]",
             ("carried" if r["table_says_carried"] else "lacks")
             + ("" if agree else " [bold red](disagrees)[/]"),
-            r["what"],
+            escape(r["what"]),  # gloo's messages hold [file:line], not markup
             f"{r['seconds']:.1f}",
         )
     Console(width=150).print(t)

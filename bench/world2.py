@@ -369,6 +369,7 @@ def run_target(name: str, device: str, out: Path, budget_s: float, lanes: int,
 
 def report(name: str, device: str, results: list[Result], out: Path) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(
@@ -380,7 +381,7 @@ def report(name: str, device: str, results: list[Result], out: Path) -> None:
         verdict = (
             "[green]PASS[/]" if r.passed else "NOT RUN" if r.passed is None else "[red]FAIL[/]"
         )
-        t.add_row(r.name, verdict, f"{r.seconds:.0f}", r.detail)
+        t.add_row(r.name, verdict, f"{r.seconds:.0f}", escape(r.detail))  # logs hold [file:line]
     Console(width=160).print(t)
     summary = {
         "target": name,
