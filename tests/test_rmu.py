@@ -212,12 +212,9 @@ def test_a_chunks_page_lists_are_the_groups_own_pages_taken_without_rechecking(p
             k: v for k, v in up._page_lists.items() if isinstance(k, tuple) and k[0] == "undo order"
         }
         assert undo and all(len(v) == k[1] * up.state.unit for k, v in undo.items()), undo
-        # Consecutive chunks take the two halves of the undo buffer by turns.
         order = up._undo_page_order_for(1)
-        half = up._undo_half_pages
-        for which in (0, 1):
-            assert [p.data_ptr() for p in undo[("undo order", 1, which)].pages] == [
-                up.undo[which * half + i].data_ptr() for i in order
-            ]
+        assert [p.data_ptr() for p in undo[("undo order", 1)].pages] == [
+            up.undo[i].data_ptr() for i in order
+        ]
     finally:
         client.close()

@@ -34,9 +34,7 @@ memory lent to activations during the compute phase (``lent_memory``, CUDA
 only; ``leto.memory.lending``). Three parity buffers rotate: group g uses a pair and
 the next group's tier-1 parity is prefetched into the third on a copy stream while g's
 chunks run; a chunk's scratch parity is initialized on that stream while the optimizer
-runs; under the fused pass the next chunk's undo copy is made there too, into the other
-half of the undo buffer, while this chunk's pass runs (``_prefetch_undo``;
-``LETO_UNDO_AHEAD=0``: each made just before its chunk, for benchmarks). Kept in stream order, because the marker is one linear record that must not run
+runs. Kept in stream order, because the marker is one linear record that must not run
 ahead of them: the undo copy (the previous chunk's parity update reads the undo
 buffer), the parity update (it needs the optimizer's output) and the parity store to
 host with the tier-2 refresh (the next group's progress would otherwise be recorded
@@ -46,7 +44,6 @@ before this group's parity is durable).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -156,13 +153,10 @@ class Updater:
         self.h1, self.h2 = h1, h2
         max_chunk_pages = self.state.max_chunk_units * self.state.unit
         reusable = AllocationKind.REUSABLE
-        # Two halves, one chunk each, taken by turns (``undo_half``): the next chunk's
-        # undo copy is made while this chunk's fused pass runs (``_prefetch_undo``).
-        undo = client.attach("rmu.undo", 2 * max_chunk_pages * pb, kind=reusable)
-        self.undo = [undo[i * pb : (i + 1) * pb] for i in range(2 * max_chunk_pages)]
-        self._undo_pages = as_pages(undo.view(2 * max_chunk_pages, pb), None, "undo", None)
+        undo = client.attach("rmu.undo", max_chunk_pages * pb, kind=reusable)
+        self.undo = [undo[i * pb : (i + 1) * pb] for i in range(max_chunk_pages)]
+        self._undo_pages = as_pages(undo.view(max_chunk_pages, pb), None, "undo", None)
         self._undo_flat = undo
-        self._undo_half_pages = max_chunk_pages
         self._alloc_pages = {n: client.pages_of(n) for n in self.state.set_names}
         par = client.attach("rmu.parity", len(BUFFERS) * h1 * pb, kind=reusable)
         self.buf = {
@@ -210,12 +204,6 @@ class Updater:
                 self.lender = Lender([undo, par, gp])
         self._prefetched: int | None = None  # group whose parity is in its start buffer
         self._prefetch_done: torch.cuda.Event | None = None
-        # The chunk (group, chunk) whose undo copy was made ahead, and its event.
-        self._undo_ahead: tuple[int, int] | None = None
-        self._undo_ahead_done: torch.cuda.Event | None = None
-        # LETO_UNDO_AHEAD=0: each undo copy made just before its chunk (benchmarks
-        # compare the two, as LETO_CHUNK_PASS=0 does for the pass).
-        self._ahead = os.environ.get("LETO_UNDO_AHEAD", "1") != "0"
         self._codes: dict[int, TwoTierCode] = {}
         self._stale: set[Auth] = set()  # parity buffers whose pages were lost (recovery)
         self.profile: defaultdict[str, float] | None = None  # seconds per step kind, if set
@@ -304,36 +292,18 @@ class Updater:
         # checks when a chunk's lists are first built (a promoted trainer's first update).
         pages = (g.data_pages if g.data_pages is not None else g.data)[first : first + count]
         n_units = units[1] - units[0]
-        half = self.undo_half(gi, j)
-        undo = self._page_lists.get(("undo order", n_units, half))
-        if undo is None:  # the same for every chunk of n_units in this half
-            shift = half * self._undo_half_pages
-            undo = self._undo_pages.take([shift + i for i in self._undo_page_order_for(n_units)])
-            self._page_lists[("undo order", n_units, half)] = undo
+        undo = self._page_lists.get(("undo order", n_units))
+        if undo is None:  # the same for every chunk of n_units
+            undo = self._undo_pages.take(self._undo_page_order_for(n_units))
+            self._page_lists[("undo order", n_units)] = undo
         return units, pages, undo
 
-    def undo_half(self, gi: int, j: int) -> int:
-        """The half of the undo buffer chunk ``j`` of group ``gi`` uses: chunks take turns,
-        counted over every group, so consecutive chunks never share one — a function of
-        the chunk alone, which the marker names, so a recovery finds it."""
-        return (self._chunk_base[gi] + j) % 2
-
-    def undo_region(self, gi: int, j: int) -> torch.Tensor:
-        """The flat undo half of chunk ``j`` of group ``gi``."""
-        n = self._undo_half_pages * self.state.page_bytes
-        h = self.undo_half(gi, j)
-        return self._undo_flat[h * n : (h + 1) * n]
-
-    def _runs_copy(
-        self, gi: int, j: int, units: tuple[int, int], to_undo: bool, hook_it: int | None = None
-    ) -> None:
-        """Copy chunk ``j`` of group ``gi`` between its pages and its undo half: one
-        contiguous copy per allocation (the chunk's pages of one allocation are adjacent
-        in its mapping)."""
+    def _runs_copy(self, units: tuple[int, int], to_undo: bool, hook_it: int | None = None) -> None:
+        """Copy a chunk between its pages and the undo buffer: one contiguous copy per
+        allocation (the chunk's pages of one allocation are adjacent in its mapping)."""
         pb = self.state.page_bytes
         u0, u1 = units
         base = 0
-        region = self.undo_region(gi, j)
         for k, (name, up) in enumerate(
             zip(self.state.set_names, self.state.unit_pages, strict=True)
         ):
@@ -341,32 +311,9 @@ class Updater:
                 point("update.undo", hook_it)  # a crash here leaves the undo copy half done
             n = (u1 - u0) * up * pb
             live = self._alloc_pages[name][u0 * up * pb : u0 * up * pb + n]
-            saved = region[base * pb : base * pb + n]
+            saved = self._undo_flat[base * pb : base * pb + n]
             (saved if to_undo else live).copy_(live if to_undo else saved)
             base += up * self.state.max_chunk_units
-
-    def _next_chunk(self, gi: int, j: int) -> tuple[int, int] | None:
-        if j + 1 < len(self.state.chunks(gi)):
-            return gi, j + 1
-        return (gi + 1, 0) if gi + 1 < len(self.groups) else None
-
-    def _prefetch_undo(self, it: int, gi: int, j: int) -> None:
-        """The undo copy of the chunk after chunk ``j`` of group ``gi``, on the copy
-        stream, queued once chunk ``j``'s own undo copy is recorded (marker UNDO_DONE):
-        by then the chunk before ``j`` — the last user of the other half — is committed.
-        It runs beside chunk ``j``'s fused pass, which is bound by its parity arithmetic,
-        not by memory. Only under the fused pass: it takes each chunk's parity change
-        from the values it read, so a page changed after its undo copy was made still
-        leaves parity that disagrees with it (the unfused steps' parity update reads the
-        undo copy, and would absorb such a change: they copy just before each chunk)."""
-        nxt = self._next_chunk(gi, j) if self._ahead else None
-        if nxt is None:
-            return
-        ngi, nj = nxt
-        units = self.state.chunks(ngi)[nj]
-        with leto_range("undo copy ahead"), self._side():
-            self._runs_copy(ngi, nj, units, to_undo=True, hook_it=it)
-        self._undo_ahead, self._undo_ahead_done = nxt, self._side_done()
 
     def _pages(self, key, tensors: list[torch.Tensor]) -> PageList:
         """The codec's checked page list for a fixed set of this process's pages, built
@@ -509,7 +456,6 @@ class Updater:
     def update(self, iteration: int, resume: MarkerState | None = None) -> None:
         m = resume if resume is not None else self.marker.state
         self._digested = [False] * len(self.groups)
-        self._undo_ahead = None
         if m.phase is not Phase.UPDATE:
             m = m.but(
                 iteration=iteration,
@@ -575,11 +521,7 @@ class Updater:
             scratch_event, scratch_copied = None, False
             if m.step is Step.START:
                 with self._span("undo copy"):
-                    if self._undo_ahead == (gi, j):  # made during the previous chunk's pass
-                        self._wait(self._undo_ahead_done)
-                    else:
-                        self._runs_copy(gi, j, units, to_undo=True, hook_it=it)
-                self._undo_ahead = None
+                    self._runs_copy(units, to_undo=True, hook_it=it)
                 fresh_undo = True
                 m = self._write(m.but(step=Step.UNDO_DONE))
             if m.step is Step.UNDO_DONE:
@@ -589,10 +531,9 @@ class Updater:
                     self._copy(self._buf_flat[y], self._buf_flat[x])
                 scratch_event, scratch_copied = self._side_done(), True
                 if self._fused is not None:
-                    self._prefetch_undo(it, gi, j)
                     with self._span("chunk pass"):
                         if not fresh_undo:  # resumed after a crash: start from the undo copy
-                            self._runs_copy(gi, j, units, to_undo=False)
+                            self._runs_copy(units, to_undo=False)
                         self._wait(scratch_event)
                         self._chunk_pass(it, gi, j, units, y, pages)
                     if self._settling(it, gi, j):  # disagreed before the rollback
@@ -605,7 +546,7 @@ class Updater:
                     if not fresh_undo:
                         # Resuming after a crash: the chunk may be half updated, so start
                         # again from the old values in the undo buffer.
-                        self._runs_copy(gi, j, units, to_undo=False)
+                        self._runs_copy(units, to_undo=False)
                     self._optimizer(it, units, clip)
                 # Not written: recovery treats UPDATE_DONE and PARITY_DONE exactly as
                 # UNDO_DONE (the chunk is reverted from its undo copy and redone, the
@@ -767,7 +708,7 @@ class Updater:
         ]
         with leto_range("update recheck"):
             first = words_sum(regions)
-            self._runs_copy(gi, j, units, to_undo=False)
+            self._runs_copy(units, to_undo=False)
             self._user_step(it, units, points=False)
             rc.compared(it, gi, j, first, words_sum(regions))
 
@@ -941,13 +882,7 @@ class Updater:
     ) -> MarkerState:
         gi = m.group
         lost_data = set(lost["data"]) if lost else set()
-        # Only the in-flight chunk's half of the undo buffer matters (the other may hold
-        # the next chunk's copy, made ahead: remade before that chunk starts).
-        undo_failed = failed.get("rmu.undo") or {}
-        h, n = self.undo_half(gi, m.chunk), self._undo_half_pages
-        undo_lost = bool(undo_failed) and any(
-            h * n <= p < (h + 1) * n for p in undo_failed.get("failed_pages", [h * n])
-        )
+        undo_lost = bool(failed.get("rmu.undo"))
         par_lost = set(failed.get("rmu.parity", {}).get("failed_pages", []))
         buf_lost = {b: any(p // self.h1 == k for p in par_lost) for k, b in enumerate(BUFFERS)}
         self._stale = {b for b, gone in buf_lost.items() if gone}
@@ -958,8 +893,9 @@ class Updater:
                     f"undo buffer lost while chunk {m.chunk} of group {g.gid} was in flight"
                 )
             units, pages, undo = self._chunk(gi, m.chunk)
-            # Back to the state the authoritative parity covers.
-            self._runs_copy(gi, m.chunk, units, to_undo=False)
+            self._runs_copy(
+                units, to_undo=False
+            )  # back to the state the authoritative parity covers
             first, count = self.state.chunk_pages(gi, units)
             lost_data -= set(range(first, first + count))
             m = m.but(step=Step.UNDO_DONE)

@@ -34,8 +34,8 @@ def chunk(upd, it: int, gi: int, j: int, units, fused_bufs, pages, undo) -> None
         for name, up in zip(names, upd.state.unit_pages, strict=True)
     ]
     first = [r.clone() for r in regions]
-    third = step_out_of_place(upd, it, gi, j, units)
-    upd._runs_copy(gi, j, units, to_undo=False)
+    third = step_out_of_place(upd, it, units)
+    upd._runs_copy(units, to_undo=False)
     upd._user_step(it, units, points=False)
     again = [r.clone() for r in regions]
 
@@ -95,17 +95,16 @@ def chunk(upd, it: int, gi: int, j: int, units, fused_bufs, pages, undo) -> None
     )
 
 
-def step_out_of_place(upd, it: int, gi: int, j: int, units) -> list[torch.Tensor]:
+def step_out_of_place(upd, it: int, units) -> list[torch.Tensor]:
     """The chunk's regions (one per state tensor) stepped by the script's optimizer
     from copies of the undo copy, in fresh memory: the pool's pages are not touched."""
     pb = upd.state.page_bytes
     e0, _ = upd.state.element_range(units)
     n = units[1] - units[0]
     base, copies = 0, {}
-    region = upd.undo_region(gi, j)
     for name, up in zip(upd.state.set_names, upd.state.unit_pages, strict=True):
         size = n * up * pb
-        copies[name] = region[base * pb : base * pb + size].clone()
+        copies[name] = upd._undo_flat[base * pb : base * pb + size].clone()
         base += up * upd.state.max_chunk_units
     f = upd.state.flat
     step = upd.user_step if upd.user_step is not None else it + 1
