@@ -194,13 +194,13 @@ PROBES = {
     "reduce_scatter_tensor SUM": _reduce_scatter_tensor("SUM"),
     "reduce_scatter_tensor AVG": _reduce_scatter_tensor("AVG"),
     "all_to_all_single": _all_to_all_single,
+    "reduce_scatter": _reduce_scatter,  # the list form (carried on an H200, torch 2.11)
     # shared_gpu.LACKS, by the names it gives them:
     "PREMUL_SUM": _reduce_scatter_tensor("PREMUL_SUM"),
     "send/recv": _send_recv,
     "all_reduce_coalesced": _all_reduce_coalesced,
     "all_gather_into_tensor_coalesced": _all_gather_into_tensor_coalesced,
     "all_to_all": _all_to_all,
-    "reduce_scatter": _reduce_scatter,
 }
 
 

@@ -7,14 +7,13 @@ in a trainer's ``leto.Run`` (a pipeline stage, before its first iteration). NCCL
 two ranks on one GPU, so ranks sharing one talk over gloo. Gloo copies a CUDA tensor
 through pinned host memory for all-reduce (SUM, AVG as SUM then a division, MIN, MAX,
 PRODUCT), broadcast, reduce, all-gather (a list, or into one tensor), gather, scatter,
-all-to-all into one tensor (``all_to_all_single``) and reduce-scatter into one tensor (an
-all-reduce of the whole input, then this rank's slice): what data parallelism, ZeRO-1,
-FSDP2, tensor and expert parallelism use. It has no such copy for point-to-point
-messages, for the coalesced forms, or for the list forms of all-to-all and
-reduce-scatter, and no PREMUL_SUM on any device (``LACKS``). Read from two versions of
-torch's ``ProcessGroupGloo.cpp`` older than the GPU machine's torch 2.11, not yet checked
-on a GPU: ``python -m bench.gloo_cuda`` runs every collective named here on one and says
-where this table is wrong.
+all-to-all into one tensor (``all_to_all_single``) and reduce-scatter (into one tensor, or
+the list form): what data parallelism, ZeRO-1, FSDP2, tensor and expert parallelism use.
+It has no such copy for point-to-point messages (the sender dies: "writev ... Bad
+address"), for the coalesced forms, or for the list form of all-to-all, and no PREMUL_SUM
+on any device (``LACKS``). Checked on an H200 with torch 2.11 (2026-12-03,
+``python -m bench.gloo_cuda``, which runs every collective named here and says where this
+table is wrong): as stated.
 
 Not covered: a collective a user's own script calls that no entry names fails at its
 first call, with gloo's message; the speed of any of it (every CUDA collective makes a
@@ -32,7 +31,6 @@ LACKS = {
     "all_gather_into_tensor_coalesced": "gloo's coalesced all-gather has no copy through host "
     "memory for CUDA tensors",
     "all_to_all": "the list form (all_to_all_single, one tensor, is carried)",
-    "reduce_scatter": "the list form (reduce_scatter_tensor, one tensor, is carried)",
 }
 # Parallelisms (faultkit's --parallel names) that need one of them: -> (what it is, the
 # collective it needs, what to do instead).
