@@ -76,12 +76,12 @@ from rich.console import Console
 from rich.table import Table
 
 from leto.errors import InvalidInput
-from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
+from leto.job.config import ENV_FAULT_PLAN, RunConfig
 from leto.sim.events import simulate
 from leto.sim.model import INTERVAL, LETO, Job, System, choose_interval
 from leto.sim.schedule import GCP_TRACE, Failure, Schedule, every, trace_window
 
-# torch (through leto.runtime.store and verifiers) is imported where a run needs it, not
+# torch (through leto.job.store and verifiers) is imported where a run needs it, not
 # here: ``leto bench`` registers this module's flags in the ``leto`` parser, and ``leto
 # run`` must not pay 1.5 s of torch import before it starts its zygote (leto.cli).
 
@@ -488,7 +488,7 @@ def run_leto(
 ) -> dict:
     """One ``leto run`` of the example job; returns its JSON summary, with the run's
     wall time (launch to exit) as ``run_wall_s``."""
-    from leto.runtime.store import free_port
+    from leto.job.store import free_port
 
     work.mkdir(parents=True, exist_ok=True)
     cmd = [

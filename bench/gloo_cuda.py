@@ -1,4 +1,4 @@
-"""What gloo carries for CUDA tensors, tried: every collective ``leto.runtime.shared_gpu``
+"""What gloo carries for CUDA tensors, tried: every collective ``leto.trainer.shared_gpu``
 names, carried or not, between ranks sharing one GPU over gloo (as ``leto run
 --ranks-per-gpu`` places them), each result checked value by value, then compared with
 that module's table. Issue 47: the table was read from torch's source; this is where a
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
-from leto.runtime import shared_gpu
+from leto.trainer import shared_gpu
 
 # Each probe: name -> the function a rank runs (rank, world, device) -> None, raising
 # AssertionError when the values are wrong. Names in shared_gpu.LACKS are expected to fail.
@@ -238,7 +238,7 @@ def _member(name: str, rank: int, world: int, port: int, device: str, timeout_s:
 
 def probe(name: str, world: int, device: str, timeout_s: float) -> dict:
     """Run one collective on ``world`` fresh ranks; what happened."""
-    from leto.runtime.store import free_port
+    from leto.job.store import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -315,7 +315,7 @@ def _report(rows: dict, args) -> dict:
     t = Table(
         title=f"gloo on {args.device}, {args.world_size} ranks sharing it (torch {torch.__version__})"
     )
-    for c in ("collective", "carried", "leto.runtime.shared_gpu says", "what happened", "s"):
+    for c in ("collective", "carried", "leto.trainer.shared_gpu says", "what happened", "s"):
         t.add_column(c)
     for name, r in rows.items():
         agree = r["carried"] == r["table_says_carried"]
@@ -329,7 +329,7 @@ def _report(rows: dict, args) -> dict:
         )
     Console(width=150).print(t)
     disagree = [n for n, r in rows.items() if r["carried"] != r["table_says_carried"]]
-    print(f"gloo_cuda: {len(rows) - len(disagree)} of {len(rows)} as leto.runtime.shared_gpu says"
+    print(f"gloo_cuda: {len(rows) - len(disagree)} of {len(rows)} as leto.trainer.shared_gpu says"
           + (f"; disagree: {', '.join(disagree)}" if disagree else ""))  # fmt: skip
     return {
         "date": time.strftime("%Y-%m-%d"),

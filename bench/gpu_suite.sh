@@ -165,7 +165,7 @@ if [[ $what == scale ]]; then
   # $OUT/scale_ref.tgz, to carry into a later call, see below: the 5 B one is ~2-4
   # minutes);
   # LETO_SCALE_PROFILE=1 (or a fault mode ending in +profile, for one entry) profiles
-  # recoveries and first iterations (leto.runtime.profiling: the overhead is in those
+  # recoveries and first iterations (leto.trainer.profiling: the overhead is in those
   # figures). The baseline's
   # one checkpoint goes to RAM (/dev/shm) when it fits there: the fastest storage a user
   # could give it; else to the disk.

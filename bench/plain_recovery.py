@@ -8,7 +8,7 @@ detection to the slowest promoted trainer's first training step, less the verifi
 digest), the progress regained (``bench.recovery_speed.regained_s``), what each promoted
 trainer still imported on its way (``promoted_imports``; empty is the goal) and what its
 shadow imported ahead while parked (``imports_warmup_s``). ``--warmup both`` runs each
-trial with and without the parked shadow's generic warm-up (``leto.runtime.warmup.
+trial with and without the parked shadow's generic warm-up (``leto.trainer.warmup.
 generic_step``, for scripts that give none). Prints a table, writes JSON.
 
     python -m bench.plain_recovery --trials 3

@@ -3,7 +3,7 @@ allocation-path hook takes to reclaim it (paper §6, Fig. 7; issue 8's figures).
 
 For each level a stand-in shadow is started in its own process and parks after:
 L1 — torch imported (no GPU state); L2 — + the device step a real L2 shadow runs
-(``leto.runtime.api.warm_device``: CUDA context, cuBLAS with leto.init's workspace
+(``leto.trainer.api.warm_device``: CUDA context, cuBLAS with leto.init's workspace
 setting, Leto's codec and chunk-pass kernels, the lending allocator's workspaces);
 L3 — also a single-rank NCCL process group with one all-reduce (its communicator
 buffers). The footprint is the device's used memory while it is parked minus before (``cudaMemGetInfo`` seen from this process, whose own context
@@ -36,7 +36,7 @@ level = sys.argv[1]
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as leto.init sets it
 import torch
 if level in ("L2", "L3"):
-    from leto.runtime.api import warm_device
+    from leto.trainer.api import warm_device
     warm_device(torch.device("cuda", 0))
 if level == "L3":
     import torch.distributed as dist

@@ -23,7 +23,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 BASELINE = "torchrun + checkpoint"
-# The recovering trainer's steps, as its record names them (leto.runtime.api); the
+# The recovering trainer's steps, as its record names them (leto.trainer.api); the
 # parity wait is how long resume waited for a deferred host parity scan (premapped).
 STEPS = (
     "attach_localize_s", "map_retained_s", "localize_parity_wait_s", "finish_update_s",

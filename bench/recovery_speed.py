@@ -39,15 +39,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from leto.runtime.config import ENV_PREMAP, ENV_PROFILE_RECOVERY
-from leto.runtime.store import free_port
+from leto.job.config import ENV_PREMAP, ENV_PROFILE_RECOVERY
+from leto.job.store import free_port
 from verifiers import compare
 from verifiers.trace import read_run
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = "torchrun + checkpoint"
 # name -> (shadow level, recovery, extra environment). L2/L3 shadows premap the pool
-# while parked (leto.runtime.premap); "L3 (attach cold)" is L3 without it, side by side.
+# while parked (leto.trainer.premap); "L3 (attach cold)" is L3 without it, side by side.
 VARIANTS = {
     "L1": ("L1", "in-place", {}),
     "L2": ("L2", "in-place", {}),
@@ -145,7 +145,7 @@ def parameters(model_flags: list[str]) -> int:
 
 
 # What one DCP save of the example holds per rank and parameter: fp32 parameters and
-# AdamW's two moments (leto.runtime.checkpoint saves the updater's flat state; gradients
+# AdamW's two moments (leto.trainer.checkpoint saves the updater's flat state; gradients
 # are not in it). The loop record is a few KB.
 CHECKPOINT_BYTES_PER_PARAMETER = 12
 

@@ -34,15 +34,15 @@ import torch.distributed as dist  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from leto.integrity.scrub import Scrubber  # noqa: E402
 from leto.memory.client import PoolClient  # noqa: E402
 from leto.memory.config import PoolConfig  # noqa: E402
 from leto.memory.launch import start_state_manager  # noqa: E402
-from leto.runtime.buckets import GradBuckets  # noqa: E402
+from leto.trainer.buckets import GradBuckets  # noqa: E402
 from leto.update.chunk_pass import ENV as ENV_CHUNK_PASS  # noqa: E402
 from leto.update.optim import AdamWConfig  # noqa: E402
 from leto.update.rmu import Updater, UpdaterConfig  # noqa: E402
 from leto.update.schedule import WarmupCosine  # noqa: E402
-from leto.update.scrub import Scrubber  # noqa: E402
 from leto.update.user_optim import UserOptimizer  # noqa: E402
 from leto.workload.corpus import batch  # noqa: E402
 from leto.workload.gpt import GPT, GPTConfig, init_weights  # noqa: E402
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         import torch.multiprocessing as mp
 
-        from leto.runtime.store import free_port
+        from leto.job.store import free_port
 
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             mp.spawn(_rank, args=(argv, free_port(), tmp.name), nprocs=args.world_size)

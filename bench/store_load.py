@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from leto.runtime.store import free_port
+from leto.job.store import free_port
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "beating_trainer.py"
 

@@ -222,7 +222,7 @@ def command(
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(nproc), str(plain), *script_args,
                 "--out", str(out)]  # fmt: skip
-    from leto.runtime.store import free_port
+    from leto.job.store import free_port
 
     # --master-port: leto run's fixed default (29500) could be held by another job on the
     # machine; torchrun --standalone picks a free one too. It changes nothing else.

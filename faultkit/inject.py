@@ -27,14 +27,14 @@ Mode ``sdc-update`` is a wrong computation: one bit of the rank's freshly update
 parameters flipped inside the update of the middle iteration (its first chunk), after
 the optimizer computed them and before parity absorbs them — parity agrees, the scrub
 cannot see it, nothing dies. The verdict says whether the replica check
-(``leto.update.replica``) detected it, in which iteration, which rank it named, where
+(``leto.integrity.replica``) detected it, in which iteration, which rank it named, where
 the job rolled back to, and whether the run still ended EXACT (``replica_check=False``
 runs the job with ``--no-replica-check``: then it must not). Modes ``sdc-grad`` (one
 bit of the rank's local gradient flipped after backward, before the all-reduce) and
 ``sdc-activation`` (one bit of the output of the model's first ``nn.Linear`` flipped in
 the rank's first forward of the iteration) are wrong computations that every replica
 then shares: the job runs with ``--replay-every`` set so that the struck iteration is
-replayed (``leto.runtime.replay``), and the verdict says whether the replay found it,
+replayed (``leto.integrity.replay``), and the verdict says whether the replay found it,
 which rank it named, and that the iteration was redone in place (``replay=False``: the
 job runs with ``--replay-every 0``, and the run must end NOT EXACT).
 
@@ -54,11 +54,11 @@ from pathlib import Path
 
 from faultkit.job import JobFault, run_job
 from leto import plugins
+from leto.integrity.recheck import ENV_UPDATE_RECHECK
+from leto.job.config import LEVELS
 from leto.memory.config import PoolConfig
-from leto.runtime import shared_gpu
-from leto.runtime.config import LEVELS
 from leto.sim.schedule import Schedule
-from leto.update.recheck import ENV_UPDATE_RECHECK
+from leto.trainer import shared_gpu
 from leto.workload.train import TrainConfig
 from verifiers import compare
 from verifiers.recorder import ENV_KEEP

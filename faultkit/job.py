@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from leto.job.config import ENV_TRAIN_DIR
+from leto.job.store import free_port
 from leto.memory.config import PoolConfig
 from leto.plugins import ENV_PLUGINS
-from leto.runtime.config import ENV_TRAIN_DIR
-from leto.runtime.store import free_port
 from leto.workload.train import TrainConfig
 from nvbit_tools.tripwire import ENV_LOG
 from verifiers import EVENT_INJECTION, EVENT_RECOVERED, Recorder, compare

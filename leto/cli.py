@@ -26,7 +26,7 @@ from rich.table import Table
 import leto
 from leto.bench_cli import register as register_bench
 from leto.errors import InvalidInput
-from leto.runtime.config import REPLAY_EVERY_DEFAULT as DEFAULT_REPLAY_EVERY
+from leto.job.config import REPLAY_EVERY_DEFAULT as DEFAULT_REPLAY_EVERY
 from leto.sim.cli import register as register_sim
 
 ENV_OMP = "OMP_NUM_THREADS"
@@ -82,7 +82,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _pool_of(log_dir: Path, rank: int) -> tuple[str, str]:
     """(socket directory, token) of ``rank``'s pool, from the file a running ``leto run``
-    keeps in its log directory (``leto.runtime.agent.POOLS_FILE``)."""
+    keeps in its log directory (``leto.launch.agent.POOLS_FILE``)."""
     found = {}
     for f in sorted(log_dir.glob("node*.pools.json")):
         found.update(json.loads(f.read_text())["ranks"])
@@ -172,7 +172,7 @@ def cmd_pool_scrub(args: argparse.Namespace) -> int:
     import re
     import uuid
 
-    from leto.update.scrub import REQUEST_FILE
+    from leto.integrity.scrub import REQUEST_FILE
 
     log_dir = Path(args.log_dir)
     ranks = sorted(
@@ -257,10 +257,10 @@ def _missing_module(name: str) -> str | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from leto.runtime import fault_plan
-    from leto.runtime.config import ENV_FAULT_PLAN, RunConfig
-    from leto.runtime.zygote import Zygote
-    from leto.runtime.zygote import enabled as zygote_enabled
+    from leto.job import fault_plan
+    from leto.job.config import ENV_FAULT_PLAN, RunConfig
+    from leto.launch.zygote import Zygote
+    from leto.launch.zygote import enabled as zygote_enabled
 
     device_note = None
     if args.device is None:
@@ -310,6 +310,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             preinit_margin_bytes=int(args.preinit_margin_mib * (1 << 20)),
             reclaim_below_bytes=int(args.reclaim_below_mib * (1 << 20)),
         )
+        if cfg.shadow_level == "auto":
+            from leto.preinit.policy import for_run
+
+            for_run(cfg, capacity_bytes=1)  # bad footprints or margins fail before anything starts
     except ValueError as e:
         print(f"leto run: {e}", file=sys.stderr)
         return 2
@@ -350,7 +354,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except InvalidInput as e:
         print(f"leto run: {e}", file=sys.stderr)
         return 2
-    # The zygote (the trainers' parent, leto.runtime.zygote) starts before this process
+    # The zygote (the trainers' parent, leto.launch.zygote) starts before this process
     # imports the agent and torch with it: the two imports overlap instead of following
     # each other (1.9 s sooner to the first trainer on an idle 2-core VM). Its
     # environment is final by now (OMP_NUM_THREADS above).
@@ -363,7 +367,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_agent(args: argparse.Namespace, cfg, zygote) -> int:
-    from leto.runtime.agent import Agent, SignalStop
+    from leto.launch.agent import Agent, SignalStop
 
     try:
         command = ["-m", args.script] if args.module else [args.script]

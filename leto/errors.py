@@ -31,11 +31,15 @@ class FatalFailure(LetoError):
     """Retained state is lost beyond repair: fall back to checkpoint recovery."""
 
 
+class RetainedStateLost(FatalFailure):
+    """Retained state of this rank cannot be restored exactly: use a checkpoint."""
+
+
 class WrongComputation(LetoError):
     """A check found a wrong computation (gradient replay, the replica check, the update
     recheck): ``iteration`` and the ranks it ``named`` (empty when none could be). The
     trainer's error file carries both, so the agent can tell a GPU named twice
-    (``leto.runtime.faulty``)."""
+    (``leto.integrity.faulty``)."""
 
     def __init__(self, message: str, iteration: int | None = None, named=()):
         super().__init__(message)

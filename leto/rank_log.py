@@ -1,12 +1,12 @@
 """Leto's own lines in a trainer's rank log.
 
 Runs in the trainer (its runtime and updater modules alike). The script's stdout and stderr share the rank log with these lines;
-``leto.runtime.relay`` shows the script's on ``leto run``'s console and tells Leto's
+``leto.launch.relay`` shows the script's on ``leto run``'s console and tells Leto's
 apart by their mark: ``say`` lines (``leto: rank <r>: ...``, what the trainer did: its
 update path, the loop's figures) stay in the log; ``tell`` lines (an event the user must
 see: corruption found and repaired, a rank that computed wrong) reach the console too,
 as ``leto: rank <r>: ...``. Job-wide facts reach it once, as agent notices
-(``leto.runtime.run._notice``), not from every rank.
+(``leto.trainer.run._notice``), not from every rank.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``run.batches(get_batch)`` (``leto.runtime.batch_fn``): a nanoGPT-style loop — one
+"""``run.batches(get_batch)`` (``leto.trainer.batch_fn``): a nanoGPT-style loop — one
 batch drawn before the loop, the next iteration's drawn inside the current one (a
 prefetch) — resumed by a "promoted trainer" from a commit's record draws exactly the
 batches of the run that never failed; without the record its pre-loop call returns
@@ -12,8 +12,8 @@ import random
 
 import torch
 
-from leto.runtime.batch_fn import BatchFunctions
-from leto.runtime.rng_state import GlobalRNG
+from leto.trainer.batch_fn import BatchFunctions
+from leto.trainer.rng_state import GlobalRNG
 
 MICRO = 3
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from leto.runtime.buckets import GradBuckets
-from leto.runtime.store import free_port
+from leto.job.store import free_port
+from leto.trainer.buckets import GradBuckets
 from leto.update.layout import ParamSlot
 
 DIMS = (300, 700, 500, 9)

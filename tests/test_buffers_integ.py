@@ -1,4 +1,4 @@
-"""Persistent buffers under ``leto.Run`` (``leto.runtime.buffer_state``): a BatchNorm
+"""Persistent buffers under ``leto.Run`` (``leto.trainer.buffer_state``): a BatchNorm
 model with a constant persistent mask, two gloo ranks, against torchrun + DDP's default
 ``broadcast_buffers`` — parameters, running statistics and ``num_batches_tracked``
 bit-identical fault-free, and after a rank is killed in the second micro-batch's backward
@@ -18,7 +18,7 @@ import torch
 
 from faultkit.job import JobFault, run_job
 from leto.errors import InvalidInput
-from leto.runtime.buffer_state import RetainedBuffers
+from leto.trainer.buffer_state import RetainedBuffers
 from leto.workload.train import TrainConfig
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "buffers_job.py"

@@ -13,16 +13,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from leto.runtime.checkpoint import Checkpointer, latest
-from leto.runtime.store import free_port
+from leto.job.store import free_port
+from leto.trainer.checkpoint import Checkpointer, latest
 
 
 def _job(rank: int, value: float):
     flat = {"param": torch.full((64,), value), "exp_avg": torch.full((64,), -value)}
     state = SimpleNamespace(flat=flat, local_valid=64)
-    # The scrub before each save (leto.update.scrub) has nothing to check here.
+    # The scrub before each save (leto.integrity.scrub) has nothing to check here.
     scrub = SimpleNamespace(full=lambda when: {"groups": 0, "when": when})
-    # Nor has the update recheck (leto.update.recheck) anything to settle.
+    # Nor has the update recheck (leto.integrity.recheck) anything to settle.
     return SimpleNamespace(
         up=SimpleNamespace(state=state), rank=rank, scrub=scrub, settle_checks=lambda: None
     )
@@ -47,7 +47,7 @@ def _run_ranks(worker, root, world: int = 2) -> dict:
 def _closing_async_save():
     """``dcp.async_save`` as torch 2.11 has it: it closes the stager it was given once the
     save is done (2.13 leaves that to the caller). The checkpointer keeps saving."""
-    import leto.runtime.checkpoint as ckpt
+    import leto.trainer.checkpoint as ckpt
 
     real = ckpt.dcp.async_save
 
@@ -106,7 +106,7 @@ def _joining_worker(rank: int, world: int, port: int, root: str, q) -> None:
     )
     job = _job(rank, 1.0)
     # Whether a save found an earlier checkpoint's metadata in its directory (on any rank).
-    import leto.runtime.checkpoint as ckpt
+    import leto.trainer.checkpoint as ckpt
 
     real, stale = ckpt.dcp.async_save, []
 

@@ -201,7 +201,7 @@ def test_a_page_changed_while_its_chunk_is_in_flight_is_found(pool, monkeypatch,
     state disagree and the scrub names the page; the unfused steps take it from the
     undo copy and re-encode the damage (the window docs/integrity.md describes)."""
     from leto import plugins
-    from leto.update.scrub import CorruptState, Scrubber
+    from leto.integrity.scrub import CorruptState, Scrubber
 
     monkeypatch.setenv(ENV, fused)
     tr = u.Trainer(pool, "adamw-fused", dims=DIMS, chunk_units=2)

@@ -279,7 +279,7 @@ def test_leto_pool_status_without_a_running_job_says_what_to_give(tmp_path, caps
 def test_a_failure_without_an_error_file_shows_the_end_of_its_log(tmp_path):
     """An exception before leto.init() writes no error file (the hook is installed
     there): the console used to say only "no traceback ... its log has the rest"."""
-    from leto.runtime.monitor import Failure, FailureKind
+    from leto.launch.monitor import Failure, FailureKind
 
     log = tmp_path / "rank0.gen0.active.log"
     lines = ["warming up"] + [f"  frame {i}" for i in range(12)] + ["OSError: no data at /x"]

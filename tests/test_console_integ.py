@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from leto.cli import main as leto_main
+from leto.job.store import free_port
 from leto.proc import alive
-from leto.runtime.store import free_port
 
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The data position's records (``leto.runtime.data_state``) on a real state manager, no
+"""The data position's records (``leto.trainer.data_state``) on a real state manager, no
 trainers: a shuffled two-worker ``StatefulDataLoader`` recorded at each commit and loaded
 into a fresh loader (as a promoted trainer builds it) yields the exact next batch; the
 records' XOR parity is what the pool's codec computes and rebuilds a lost page; torn,
@@ -13,7 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from leto.errors import FatalFailure, InvalidInput
 from leto.memory.client import PoolClient
 from leto.memory.launch import start_state_manager
-from leto.runtime.data_state import NAMES, DataState, stateful
+from leto.trainer.data_state import NAMES, DataState, stateful
 from tests.pool_helpers import small_config
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""``run.model`` (``leto.runtime.ddp_shape``) does what a DDP script does with its DDP
+"""``run.model`` (``leto.trainer.ddp_shape``) does what a DDP script does with its DDP
 object, on the gradient buckets Leto reduces with (no processes): nanoGPT's
 ``require_backward_grad_sync = False`` and ``no_sync()`` skip the reduction of the
 backward of the forwards they cover — also when the backward runs after the block, as
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from leto.errors import InvalidInput
-from leto.runtime.buckets import GradBuckets
-from leto.runtime.ddp_shape import DDPShaped
-from leto.runtime.retained import RetainedTraining
+from leto.trainer.buckets import GradBuckets
+from leto.trainer.ddp_shape import DDPShaped
+from leto.trainer.retained import RetainedTraining
 from tests.test_buckets import _model_on_flat
 
 

@@ -1,4 +1,4 @@
-"""Faulty devices (``leto.runtime.faulty``): a GPU the checks named twice is reported and,
+"""Faulty devices (``leto.integrity.faulty``): a GPU the checks named twice is reported and,
 with ``--exclude-faulty``, left out of a restart. The agent's side, on the error files the
 trainers write; the trainers' side (the error file's ``named``) is in test_monitor."""
 
@@ -9,10 +9,10 @@ import json
 import pytest
 
 from leto.errors import InvalidInput
-from leto.runtime import faulty
-from leto.runtime.agent import Agent
-from leto.runtime.config import RunConfig
-from leto.runtime.monitor import Failure, FailureKind
+from leto.integrity import faulty
+from leto.job.config import RunConfig
+from leto.launch.agent import Agent
+from leto.launch.monitor import Failure, FailureKind
 
 
 def _error(exception: str, iteration: int, named: list[int]) -> dict:
@@ -95,7 +95,7 @@ def test_leto_run_refuses_an_unreadable_faulty_devices_file_and_starts_nothing(t
 
 def test_a_fault_plan_entry_that_never_fired_is_reported(tmp_path, monkeypatch, capsys):
     from leto.cli import _print_summary
-    from leto.runtime.recovery import FailureClass, RecoveryRecord
+    from leto.launch.recovery import FailureClass, RecoveryRecord
 
     plan = [{"generation": 0, "rank": 0, "at": "update.optimizer@2#1"},
             {"generation": 1, "rank": 1, "at": "sync@40#1"}]  # fmt: skip
@@ -114,7 +114,7 @@ def test_a_fault_plan_entry_that_never_fired_is_reported(tmp_path, monkeypatch, 
 
 
 def test_the_pages_a_fault_plan_took_are_said_in_words():
-    from leto.runtime.recovery import said_lost
+    from leto.launch.recovery import said_lost
 
     text = said_lost({"device": 66, "host": 1, "short": [[1, 2, 3]]})
     assert "66 device page(s) (all ranks' protection groups together)" in text

@@ -46,7 +46,7 @@ def _run(tmp_path, at: str, mode: str, extra=()):
 def test_flipped_host_parity_is_found_by_the_scrub_and_repaired_in_place(reference, tmp_path):
     # Rank 0's tier 1 in iteration 2 after its scrub step: the update of 2 carries the
     # errors along (it loads, updates and stores that parity), so rank 0's parity digest
-    # differs from rank 1's after that update (leto.update.replica); both ranks scrub the
+    # differs from rank 1's after that update (leto.integrity.replica); both ranks scrub the
     # differing group, rank 0 locates and repairs them, and the digests agree again —
     # not fatal. (With --no-replica-check the background check at 3's start flags the
     # group and 4's start repairs them.) Rank 1's tier 2,
@@ -99,7 +99,7 @@ def test_flipped_device_pages_are_named_and_the_job_falls_back_to_a_verified_che
     v = compare(reference, tmp_path / "train")
     assert v.exact, v.describe()
     # Found before the next update read it: the update of 2 carried the flipped pages
-    # into parity that differs from the other replica's (leto.update.replica: compared at
+    # into parity that differs from the other replica's (leto.integrity.replica: compared at
     # the start of iteration 3's step), whose scrub of the group named them. The only
     # records the rollback superseded are iteration 2's — no update trained on the
     # corrupted state.

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from faultkit import job
-from leto.runtime.store import free_port
+from leto.job.store import free_port
 from leto.workload.train import TrainConfig
 
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(180)]

@@ -1,4 +1,4 @@
-"""The loss guard (``leto.runtime.loss_guard``) without processes: a non-finite loss on
+"""The loss guard (``leto.integrity.loss_guard``) without processes: a non-finite loss on
 any rank is agreed by every rank through one all_gather (stood in for here), named in a
 ``FatalFailure`` (the runtime's checkpoint fallback), and nothing is exchanged at world
 1.
@@ -13,8 +13,8 @@ import math
 import pytest
 
 from leto.errors import FatalFailure
-from leto.runtime import loss_guard
-from leto.runtime.loss_guard import LossGuard, NonFiniteLoss
+from leto.integrity import loss_guard
+from leto.integrity.loss_guard import LossGuard, NonFiniteLoss
 
 
 def _guard(monkeypatch, rank: int, flags: list[int]) -> LossGuard:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from leto.runtime.retained import RetainedTraining
+from leto.trainer.retained import RetainedTraining
 
 
 def _job(verifying: bool):

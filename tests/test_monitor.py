@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from leto.runtime import keys
-from leto.runtime.api import Context
-from leto.runtime.config import RunConfig
-from leto.runtime.monitor import FailureKind, Monitor
+from leto.job import keys
+from leto.job.config import RunConfig
+from leto.launch.monitor import FailureKind, Monitor
+from leto.trainer.api import Context
 
 HANG_S, TIMEOUT_S = 0.3, 1.5
 
@@ -104,13 +104,13 @@ def test_a_recoverable_failure_on_every_rank_is_recovered_not_a_script_error(tmp
     import sys
 
     from leto.errors import EXIT_RECOVERABLE
-    from leto.runtime.monitor import Failure
+    from leto.launch.monitor import Failure
 
     err = tmp_path / "rank0.error.json"
     code = (
-        "from leto.runtime.api import _record_uncaught\n"
-        "from leto.runtime.replay import ReplayMismatch\n"
-        f"_record_uncaught({str(err)!r})\n"
+        "from leto.trainer.exit_hook import record_uncaught\n"
+        "from leto.integrity.replay import ReplayMismatch\n"
+        f"record_uncaught({str(err)!r})\n"
         "raise ReplayMismatch('iteration 2: rank 0 computed wrong', iteration=2, named=[0])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
@@ -123,7 +123,7 @@ def test_a_recoverable_failure_on_every_rank_is_recovered_not_a_script_error(tmp
     assert Failure(0, FailureKind.EXIT, 1, record).script_error  # any other exit code is
     # The agent recovers it in place; the same one in a later generation (a device that
     # computes wrong every time) stops the job instead of looping.
-    from leto.runtime.agent import Agent
+    from leto.launch.agent import Agent
 
     agent = Agent(RunConfig(nproc_per_node=2, log_dir=str(tmp_path)), ["train.py"])
     assert agent._script_error(0, dead) is None

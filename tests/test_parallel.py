@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from faultkit.job import JobFault, run_job
+from leto.job.store import free_port
 from leto.memory.launch import start_state_manager
-from leto.runtime.store import free_port
 from leto.workload.train import TrainConfig
 from tests.pool_helpers import small_config
 

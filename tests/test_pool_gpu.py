@@ -95,7 +95,7 @@ def test_17_lost_pages_in_a_group_is_fatal(gpu_pool):
 
 
 def test_a_premapped_shadow_remaps_lost_vmm_pages_then_rebuilds_them_bit_exact(gpu_pool):
-    # leto.runtime.premap on CUDA VMM pages: the shadow imports and maps while the
+    # leto.trainer.premap on CUDA VMM pages: the shadow imports and maps while the
     # trainer owns the pool; the owner loses pages (cuMemUnmap + release), the shadow
     # takes over and localizes, and its mapping at those addresses now holds the fresh
     # zeroed pages (its old import would have kept the lost memory readable) until

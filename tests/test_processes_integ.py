@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from leto.job.store import free_port
 from leto.proc import alive
-from leto.runtime.store import free_port
 
 pytestmark = pytest.mark.timeout(180)
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "spawn_child.py"
@@ -170,7 +170,7 @@ def _job_pids(tmp_path: Path) -> dict[int, str]:
 def test_the_counting_store_counts_every_request_and_nothing_else():
     import torch.distributed as dist
 
-    from leto.runtime.store import CountingStore
+    from leto.job.store import CountingStore
 
     s = CountingStore(dist.HashStore())
     s.set("a", "1")
@@ -182,7 +182,7 @@ def test_the_counting_store_counts_every_request_and_nothing_else():
 
 
 def test_the_trainer_environment_is_read_once_with_clear_errors():
-    from leto.runtime.config import TrainerEnv
+    from leto.job.config import TrainerEnv
 
     with pytest.raises(ValueError, match="must run under `leto run`"):
         TrainerEnv.from_environ({})
@@ -214,8 +214,8 @@ def test_a_fault_plan_meeting_a_pool_with_nothing_attached_does_not_crash_the_ag
     from types import SimpleNamespace
 
     import faultkit.hooks  # noqa: F401 - registers the page-loss plugin, as leto run loads it
+    from leto.launch.recovery import Recovery
     from leto.memory.launch import start_state_manager
-    from leto.runtime.recovery import Recovery
     from tests.pool_helpers import small_config
 
     sm = start_state_manager(small_config())
@@ -350,9 +350,9 @@ def test_ranks_per_gpu_places_local_ranks_on_shared_gpus_over_gloo():
     # bash bench/gpu_suite.sh world2-shared.
     import types
 
-    from leto.runtime.agent import Agent
-    from leto.runtime.api import placement
-    from leto.runtime.config import RunConfig, TrainerEnv
+    from leto.job.config import RunConfig, TrainerEnv
+    from leto.launch.agent import Agent
+    from leto.trainer.api import placement
 
     got = [placement("cuda", r, 2, 2) for r in range(4)]
     assert [(str(d), b) for d, b in got] == [

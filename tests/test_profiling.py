@@ -1,4 +1,4 @@
-"""``LETO_PROFILE_RECOVERY``'s profiles (``leto.runtime.profiling``): the recovery until
+"""``LETO_PROFILE_RECOVERY``'s profiles (``leto.trainer.profiling``): the recovery until
 training resumes, and exactly one iteration per process — a recovered trainer's first,
 a first-generation trainer's third — with the hang detection relaxed only meanwhile."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from leto.runtime.profiling import Profiles
+from leto.trainer.profiling import Profiles
 
 CPU = torch.device("cpu")
 

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from faultkit.job import JobFault, run_job
-from leto.runtime import imports
-from leto.runtime.imports import ImportWatch
+from leto.trainer import imports
+from leto.trainer.imports import ImportWatch
 from leto.workload.train import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ _FRESH = """
 import json, random, sys
 import torch
 import torch.distributed as dist
-from leto.runtime import imports
+from leto.trainer import imports
 torch.manual_seed(7); random.seed(7)
 cpu_state, py_state = torch.random.get_rng_state(), random.getstate()
 before = "torch._dynamo" in sys.modules

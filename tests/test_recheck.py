@@ -1,4 +1,4 @@
-"""The update recheck (``leto.update.recheck``) in the updater, without ``leto run``: a
+"""The update recheck (``leto.integrity.recheck``) in the updater, without ``leto run``: a
 chunk recomputed from its undo copy leaves the state and parity bit-identical to an
 update without it, on the fused pass and on the unfused steps; a wrong value written
 into a chunk's update (faultkit's ``sdc-update`` seam) is found, named and fatal; the
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from leto import plugins
+from leto.integrity.recheck import Recheck, WrongUpdate
 from leto.memory.config import PoolConfig
 from leto.memory.launch import start_state_manager
 from leto.update.chunk_pass import ENV
-from leto.update.recheck import Recheck, WrongUpdate
 from leto.update.rmu import Updater
 from tests import test_user_optim as u
 from tests.pool_helpers import small_config

@@ -16,8 +16,8 @@ import pytest
 
 from bench.zoo.__main__ import first_difference, leto, torchrun
 from faultkit.job import POOL
-from leto.runtime.faulty import FILE as FAULTY_FILE
-from leto.update.recheck import ENV_UPDATE_RECHECK
+from leto.integrity.faulty import FILE as FAULTY_FILE
+from leto.integrity.recheck import ENV_UPDATE_RECHECK
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The script's output on ``leto run``'s console (``leto.runtime.relay``): each rank's
+"""The script's output on ``leto run``'s console (``leto.launch.relay``): each rank's
 lines prefixed as torchrun's, Leto's own rank-log lines kept out (or shown once, marked),
 a promoted trainer's log followed from its start after the old one's last lines, a
 partial last line shown at the end, ``--local-ranks-filter`` obeyed; and end to end, a
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from faultkit.job import JobFault, run_job
+from leto.launch.relay import Relay
 from leto.rank_log import MARK, SHOWN
-from leto.runtime.relay import Relay
 from leto.workload.train import TrainConfig
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "chatty.py"

@@ -1,4 +1,4 @@
-"""Gradient replay (``leto.runtime.replay``) without processes: the digest, the capture at
+"""Gradient replay (``leto.integrity.replay``) without processes: the digest, the capture at
 the model's boundary, a recomputation bit-identical to the original micro-batch and
 leaving this rank's state alone, a wrong activation found, and the naming rule.
 
@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leto.runtime import replay
-from leto.runtime.replay import GradReplay, digest, grads_digest, judge
+from leto.integrity import replay
+from leto.integrity.replay import GradReplay, digest, grads_digest, judge
 
 
 @pytest.fixture(autouse=True)
@@ -190,7 +190,7 @@ def test_the_third_computation_names_the_rank_that_computed_wrong():
 
 
 def test_replay_is_on_by_default_and_leto_run_turns_it_off(monkeypatch):
-    from leto.runtime.config import REPLAY_EVERY_DEFAULT
+    from leto.job.config import REPLAY_EVERY_DEFAULT
 
     monkeypatch.delenv(replay.ENV_REPLAY_EVERY, raising=False)
     assert replay.every() == REPLAY_EVERY_DEFAULT > 0
@@ -216,7 +216,7 @@ def test_a_replay_is_bit_identical_on_cuda_under_bf16_autocast():
 
 
 def test_leto_run_refuses_a_negative_replay_interval():
-    from leto.runtime.config import RunConfig
+    from leto.job.config import RunConfig
 
     with pytest.raises(ValueError, match=r"--replay-every -1: expected >= 0 \(0: off\)"):
         RunConfig(replay_every=-1)

@@ -1,4 +1,4 @@
-"""leto.update.replica without processes: the parity digest against its slow twin, that
+"""leto.integrity.replica without processes: the parity digest against its slow twin, that
 a single flipped bit of data or parity changes it, which ranks a disagreement names,
 and what ``ReplicaCheck.check`` raises and logs (the collective stood in for).
 
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from leto.erasure import ReedSolomon
 from leto.errors import FatalFailure
-from leto.update import replica
-from leto.update.replica import ReplicaDisagreement, group_digest, group_digest_reference
+from leto.integrity import replica
+from leto.integrity.replica import ReplicaDisagreement, group_digest, group_digest_reference
 
 
 def random_bytes(n: int, seed: int) -> torch.Tensor:
@@ -210,13 +210,13 @@ class _Replica:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_an_updates_digests_are_compared_before_the_next_update_changes_them(device):
-    # The deferral (leto.runtime.retained): the digests of iteration 4's update are
+    # The deferral (leto.trainer.retained): the digests of iteration 4's update are
     # copied in stream order (on a GPU: pinned, behind an event) and compared later, even
     # though the next update overwrites the device tensor they came from; a check with
     # nothing pending sends none.
     from types import SimpleNamespace
 
-    from leto.runtime.retained import RetainedTraining as R
+    from leto.trainer.retained import RetainedTraining as R
 
     up = SimpleNamespace(
         digests=torch.tensor([11, -3], dtype=torch.int64, device=device),

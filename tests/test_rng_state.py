@@ -1,4 +1,4 @@
-"""The global generators' retained states (leto.runtime.rng_state): what a recovery sets
+"""The global generators' retained states (leto.trainer.rng_state): what a recovery sets
 gives the draws the failed trainer would have made, a script's seeding between
 leto.Run and its loop does not undo it, and the record holds no tensor (unpickling one
 imports torch.utils.serialization on a promoted trainer's way to training)."""
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import torch
 
-from leto.runtime.rng_state import GlobalRNG
+from leto.trainer.rng_state import GlobalRNG
 
 
 def _draws() -> tuple:

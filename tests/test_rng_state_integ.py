@@ -2,7 +2,7 @@
 ``torch.randn``, dropout masks, Python's ``random``) ends bit-identical to its
 fault-free run after kills — in a backward (the iteration redone from the previous
 one's record) and mid-update with pages lost (finished) — because ``leto.Run`` retains
-the generators' states with each commit (``leto.runtime.rng_state``). Without that, a
+the generators' states with each commit (``leto.trainer.rng_state``). Without that, a
 promoted trainer draws from generators its start-up seeded afresh."""
 
 from __future__ import annotations

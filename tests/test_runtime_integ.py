@@ -14,7 +14,7 @@ import pytest
 
 from faultkit.hooks import POINTS
 from faultkit.job import finish_job, shadow_pids, start_job
-from leto.runtime.checkpoint import latest
+from leto.trainer.checkpoint import latest
 from leto.workload.train import TrainConfig
 from verifiers import compare
 
@@ -136,7 +136,7 @@ def test_a_hung_trainer_is_detected_by_its_heartbeat_and_recovered(reference, tm
     (summary,) = leto_run(tmp_path, "L2", faults, extra=("--hang-timeout-s", "3"))
     took = time.monotonic() - t0
     # Rank 1 hangs inside iteration 2's update. Rank 0, its update done, waits for it in
-    # that iteration's replica agreement (leto.update.replica) at the same heartbeat, so
+    # that iteration's replica agreement (leto.integrity.replica) at the same heartbeat, so
     # the monitor cannot tell them apart and reports both (it reports only the ranks
     # with the oldest beat); rank 1 must be among them, and one recovery clears it.
     failed = summary["recoveries"][0]["failed_ranks"] if summary["recoveries"] else []

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from leto.integrity.scrub import CorruptState, Scrubber
 from leto.memory.config import PoolConfig
 from leto.memory.launch import start_state_manager
 from leto.update.rmu import UpdaterConfig
-from leto.update.scrub import CorruptState, Scrubber
 from tests import rmu_harness as h
 from tests.pool_helpers import small_config
 

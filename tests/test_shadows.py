@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from leto.runtime import shadows as shadows_mod
-from leto.runtime.api import Context
-from leto.runtime.config import RunConfig
-from leto.runtime.monitor import Monitor
-from leto.runtime.shadows import Shadows
+from leto.job.config import RunConfig
+from leto.launch import shadows as shadows_mod
+from leto.launch.monitor import Monitor
+from leto.launch.shadows import Shadows
+from leto.trainer.api import Context
 
 
 class _Alive:

@@ -1,7 +1,7 @@
 """Ranks sharing a GPU over gloo (``leto run --ranks-per-gpu``, issue 47): the
 parallelisms that need a collective gloo does not carry for CUDA tensors are refused
 before anything is retained, naming the parallelism and the collective
-(``leto.runtime.shared_gpu``). Unit tests, no process group: the GPU side is
+(``leto.trainer.shared_gpu``). Unit tests, no process group: the GPU side is
 ``python -m bench.gloo_cuda`` and ``bash bench/gpu_suite.sh world2-parallel``."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from leto.errors import InvalidInput
-from leto.runtime import run as run_module
-from leto.runtime import shared_gpu
+from leto.trainer import run as run_module
+from leto.trainer import shared_gpu
 
 
 def test_a_refusal_names_the_parallelism_and_the_missing_collective():

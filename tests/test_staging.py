@@ -1,4 +1,4 @@
-"""The checkpoint stager (leto.runtime.staging): what it stages is the state as it was
+"""The checkpoint stager (leto.trainer.staging): what it stages is the state as it was
 when staging was asked for, its buffers are made once and kept, and DCP's protocol
 calls (close after a save, as torch 2.11 does) leave it usable."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leto.runtime.staging import HostStager
+from leto.trainer.staging import HostStager
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -1,4 +1,4 @@
-"""A parked shadow's warm-up (``leto.runtime.warmup``): the script's function runs on
+"""A parked shadow's warm-up (``leto.trainer.warmup``): the script's function runs on
 the shadow's device, leaves the RNG as it found it, and a failing one only costs the
 head start. (End to end, in real shadows: tests/test_runtime_integ.py.)"""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from leto.runtime.warmup import generic_step, warm_up
+from leto.trainer.warmup import generic_step, warm_up
 
 CPU = torch.device("cpu")
 
@@ -41,7 +41,7 @@ def test_a_warm_up_that_raises_is_reported_and_not_raised(capsys):
 
 def test_tools_warm_up_in_the_shadow_and_a_failing_one_is_reported_not_raised(capsys):
     from leto import plugins
-    from leto.runtime.warmup import warm_tools
+    from leto.trainer.warmup import warm_tools
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""The node's zygote (``leto.runtime.zygote``): a trainer forked from it behaves as the
+"""The node's zygote (``leto.launch.zygote``): a trainer forked from it behaves as the
 same script started as ``python script.py``: its arguments, environment, working
 directory and ``sys.path``; its log on stdout and stderr; a passed descriptor; its exit
 code for ``sys.exit``, an uncaught exception (through ``sys.excepthook``) and SIGKILL;
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from leto.runtime.zygote import Zygote
+from leto.launch.zygote import Zygote
 
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(120)]
 

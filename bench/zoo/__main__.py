@@ -42,9 +42,9 @@ import torch
 
 from bench.zoo.models import CASES, SIZES
 from faultkit.job import POOL, JobFault, run_job
+from leto.integrity.faulty import FILE as FAULTY_FILE
+from leto.integrity.recheck import ENV_UPDATE_RECHECK
 from leto.memory.config import PoolConfig
-from leto.runtime.faulty import FILE as FAULTY_FILE
-from leto.update.recheck import ENV_UPDATE_RECHECK
 from leto.workload.train import TrainConfig
 
 SCRIPT = Path(__file__).resolve().with_name("train.py")

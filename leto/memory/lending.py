@@ -69,7 +69,7 @@ def warm_workspaces(device: torch.device) -> None:
     CUBLAS_WORKSPACE_CONFIG=:4096:8) at the first matmul on a stream and keeps it, per
     thread — backward's (autograd's device thread) too. Inside a pool those would be
     live bytes at ``reclaim``. Once per process and device: the first ``lend()`` runs it,
-    or earlier a parked shadow (``leto.runtime.api``), so a promotion does not."""
+    or earlier a parked shadow (``leto.trainer.api``), so a promotion does not."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx in _WARMED:
         return

@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from leto.errors import InvalidInput
+from leto.job import keys
+from leto.job.config import ENV_PREINIT  # the agent sets it: GuardConfig JSON
 from leto.preinit.policy import Footprints
 from leto.proc import alive
-from leto.runtime import keys
-from leto.runtime.config import ENV_PREINIT  # the agent sets it: GuardConfig JSON
 
 
 def parked_key(generation: int, rank: int) -> str:

@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from leto.job import keys
+from leto.job import store as job_store
 from leto.preinit.policy import Action, Controller, Decision, MiB, PolicyConfig, level_index
 from leto.preinit.timeline import Timeline
-from leto.runtime import keys
-from leto.runtime import store as job_store
 
 NONE = "none"  # published for "no shadow fits"
 

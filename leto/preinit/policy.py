@@ -45,12 +45,9 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from leto.errors import InvalidInput
-
-if TYPE_CHECKING:
-    from leto.preinit.timeline import Timeline
 
 LEVELS = ("L1", "L2", "L3")  # lowest first: an index compares levels
 MiB = 1 << 20
@@ -325,8 +322,17 @@ class SimResult:
     active_ooms: list[float]
 
 
+class Recorder(Protocol):
+    """What ``simulate`` fills (``leto.preinit.timeline.Timeline``; named here so this
+    module, which the timeline imports, imports nothing back)."""
+
+    def record(self, decision: Decision) -> None: ...
+
+    def sample(self, t_s: float, active_bytes: int, shadow_bytes: int, level: str) -> None: ...
+
+
 def simulate(
-    cfg: PolicyConfig, trace: list[Sample | Recovery], timeline: Timeline | None = None
+    cfg: PolicyConfig, trace: list[Sample | Recovery], timeline: Recorder | None = None
 ) -> SimResult:
     """Run ``trace`` through a fresh Controller; a reclamation releases the shadow's
     footprint at once (the emulated device). Fills ``timeline`` when given."""
@@ -359,3 +365,28 @@ def simulate(
             for d in ctl.decisions[n:]:
                 timeline.record(d)
     return res
+
+
+def for_run(cfg, capacity_bytes: int) -> PolicyConfig:
+    """The controller's configuration of a ``leto run`` job (``leto.job.config.RunConfig``)
+    for a device of ``capacity_bytes``: each level's device bytes from
+    ``--preinit-footprints`` (a JSON object, or ``bench/preinit_footprint.py``'s output with
+    it under "footprints"; none: the paper's figures), its margin and reclaim threshold.
+    ValueError names a footprints file that cannot be read."""
+    footprints = Footprints()
+    if cfg.preinit_footprints:
+        try:
+            with open(cfg.preinit_footprints) as f:
+                d = json.load(f)
+            footprints = Footprints.from_dict(d.get("footprints", d))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"--preinit-footprints {cfg.preinit_footprints}: {type(e).__name__}: {e} "
+                "(want JSON with l1_bytes, l2_bytes, l3_bytes)"
+            ) from None
+    return PolicyConfig(
+        capacity_bytes=capacity_bytes,
+        footprints=footprints,
+        margin_bytes=cfg.preinit_margin_bytes,
+        reclaim_below_bytes=cfg.reclaim_below_bytes,
+    )

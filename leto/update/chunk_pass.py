@@ -310,7 +310,7 @@ def self_check(device: torch.device) -> str | None:
     that exercise every branch (zero and huge gradients, tiny second moments, weight
     decay on and off, first and late steps); the first differing byte is the reason
     the fused pass is not used. Once per process and device: a parked shadow runs it
-    while warming up (``leto.runtime.api``), so a promotion does not."""
+    while warming up (``leto.trainer.api``), so a promotion does not."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _CHECKED:
         _CHECKED[idx] = _self_check(torch.device("cuda", idx))

@@ -330,7 +330,7 @@ class RetainedModel:
 
 def check_buffers(model: torch.nn.Module) -> None:
     """A buffer on the meta device would never get a value: refused by name. (Persistent
-    buffers: ``leto.runtime.buffer_state`` under ``leto.Run``.)"""
+    buffers: ``leto.trainer.buffer_state`` under ``leto.Run``.)"""
     for name, b in model.named_buffers():
         if b.device.type == "meta":
             raise ValueError(

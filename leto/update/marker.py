@@ -29,6 +29,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from leto.errors import RetainedStateLost
+
 MAGIC = 0x4C45544F  # "LETO"
 _FMT = struct.Struct("<IQqBBBxiid")  # magic, seq, iteration, phase, step, auth, group, chunk, clip
 LOSS_OFFSET = 48  # float64 after the CRC (8-byte aligned)
@@ -184,3 +186,21 @@ class Marker:
                 t.copy_(data)
         self.state = state
         return state
+
+
+# The three device parity buffers a marker's ``auth`` names, rotating over groups.
+BUFFERS = (Auth.A, Auth.B, Auth.C)
+
+
+def start_buffer(gi: int) -> Auth:
+    """The buffer group ``gi``'s parity is loaded (or prefetched) into."""
+    return BUFFERS[gi % 3]
+
+
+def scratch_buffer(gi: int, auth: Auth) -> Auth:
+    """The other buffer of group ``gi``'s pair {gi % 3, (gi + 2) % 3}: never the next
+    group's start buffer ((gi + 1) % 3), so the prefetch cannot clobber it."""
+    pair = (BUFFERS[gi % 3], BUFFERS[(gi + 2) % 3])
+    if auth not in pair:
+        raise RetainedStateLost(f"marker names buffer {auth.name}, not one of group {gi}'s pair")
+    return pair[1] if auth is pair[0] else pair[0]

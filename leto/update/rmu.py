@@ -53,36 +53,40 @@ import torch
 from leto import plugins
 from leto.erasure import TwoTierCode
 from leto.erasure.pages import PageList, as_pages
-from leto.errors import FatalFailure
+from leto.errors import RetainedStateLost
+from leto.integrity import settle
+from leto.integrity.recheck import Recheck, words_sum
+from leto.integrity.replica import group_digest
 from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.memory.lending import Lender
 from leto.plugins import SDC_POINT, point
 from leto.ranges import leto_range
-from leto.update import settle
+from leto.update import rmu_recovery, steps
 from leto.update.chunk_pass import ChunkPass
 from leto.update.layout import RetainedModel
 from leto.update.loop_record import LoopRecord
-from leto.update.marker import Auth, Marker, MarkerState, Phase, Step, StreamOrderedWrites
+from leto.update.marker import (
+    BUFFERS,
+    Auth,
+    Marker,
+    MarkerState,
+    Phase,
+    Step,
+    StreamOrderedWrites,
+    scratch_buffer,
+    start_buffer,
+)
 from leto.update.optim import (
     CUT_ELEMS,
     AdamWConfig,
     MuonConfig,
-    adamw_fused,
-    adamw_piece,
     clip_coefficient,
-    muon_layer,
 )
-from leto.update.recheck import Recheck, words_sum
-from leto.update.replica import group_digest
 from leto.update.schedule import WarmupCosine
 from nvbit_tools import tripwire
 
 MARKER_NAME = "rmu.marker"
-
-
-class RetainedStateLost(FatalFailure):
-    """Retained state of this rank cannot be restored exactly: use a checkpoint."""
 
 
 # A chunk's parameters, when the caller names no chunk size: 64 pages of 2 MiB on CUDA.
@@ -217,12 +221,12 @@ class Updater:
             self.state, user, h1, self.device
         )
         self._fused: ChunkPass | None = None
-        # Replica agreement (leto.update.replica): when on, each group's final tier-1
+        # Replica agreement (leto.integrity.replica): when on, each group's final tier-1
         # parity of an update is reduced to one word on the device, in stream order.
         self.digest_on = False
         self.digests = torch.zeros(len(self.groups), dtype=torch.int64, device=self.device)
         self._digested = [False] * len(self.groups)
-        # The update recheck (leto.update.recheck), where no replica checks this rank's
+        # The update recheck (leto.integrity.recheck), where no replica checks this rank's
         # update: set by the trainer. Chunks are numbered over every group.
         self.recheck: Recheck | None = None
         self._chunk_base = [0]
@@ -635,64 +639,8 @@ class Updater:
         self._copy(self._host_tier(g, 2), self._gp_flat[self.h1 * self.state.page_bytes :])
 
     def _optimizer(self, it: int, units: tuple[int, int], clip: torch.Tensor) -> None:
-        if self.user is not None:
-            self._user_step(it, units)
-            return
-        e0, e1 = self.state.element_range(units)
-        f = self.state.flat
-        lr = self.schedule(it)
-        pieces = self.state.pieces(e0, e1)
-        if self.cfg.adamw.impl == "fused" and not any(
-            self.state.slot_at(a).layerwise for a, _ in pieces
-        ):
-            # Every piece of the chunk in one fused call per half chunk; the crash point
-            # between the halves leaves the chunk half updated.
-            if len(pieces) == 1:
-                a, b = pieces[0]
-                start = self.state.slot_at(a).offset - self.state.shard_start
-                mid = start + ((a + b) // 2 - start) // CUT_ELEMS * CUT_ELEMS
-                pieces = [(a, mid), (mid, b)] if a < mid < b else pieces
-            half = len(pieces) // 2
-            halves = [pieces[:half], pieces[half:]] if half else [[], pieces]
-            for k, ranges in enumerate(halves):
-                if k == 1:
-                    point("update.optimizer", it)  # a crash here leaves the chunk half updated
-                self._adamw(adamw_fused, it, lr, ranges, clip)
-            return
-        if (
-            len(pieces) == 1
-            and pieces[0][1] - pieces[0][0] > 1
-            and not self.state.slot_at(pieces[0][0]).layerwise
-        ):
-            # Element-wise: cutting a piece changes no bit, and gives the crash point
-            # below a half-updated chunk to interrupt.
-            a, b = pieces[0]
-            pieces = [(a, (a + b) // 2), ((a + b) // 2, b)]
-        for k, (a, b) in enumerate(pieces):
-            if k == 1:
-                point("update.optimizer", it)  # a crash here leaves the chunk half updated
-            slot = self.state.slot_at(a)
-            if slot.layerwise:
-                if (a, b) != (slot.offset, slot.offset + slot.numel):
-                    raise AssertionError(f"layer {slot.name} was cut into pieces")
-                if k == 0 and len(pieces) == 1:
-                    point("update.optimizer", it)
-                names = ["param", "exp_avg"] + (["master"] if self.state.master else [])
-                live = {n: f[n][a:b].view(slot.shape) for n in names}
-                out = {n: v.clone() for n, v in live.items()} if tripwire.armed() else live
-                muon_layer(
-                    self.cfg.muon,
-                    lr=lr * self.cfg.muon.lr_scale,
-                    param=out["param"],
-                    grad=self.state.grad[a:b].view(slot.shape),
-                    momentum=out["exp_avg"],
-                    clip=clip,
-                    master=out.get("master"),
-                )
-                if out is not live:  # kernel-abort: see the AdamW piece below
-                    tripwire.land([live[n] for n in names], [out[n] for n in names])
-                continue
-            self._adamw(adamw_piece, it, lr, [(a, b)], clip)
+        """The unfused optimizer step of a chunk (``leto.update.steps``)."""
+        steps.optimizer(self, it, units, clip)
 
     def _recheck(self, it: int, gi: int, j: int, units: tuple[int, int]) -> None:
         """The update recheck of chunk ``j`` of group ``gi``, when it is the sampled one:
@@ -720,98 +668,15 @@ class Updater:
         settle.chunk(self, it, gi, j, units, fused_bufs, pages, undo)
 
     def _user_step(self, it: int, units: tuple[int, int], points: bool = True) -> None:
-        """The script's optimizer on a chunk: its trainable pieces, in two halves (the
-        crash point between them leaves the chunk half updated; ``points=False``: none,
-        the recheck's second computation)."""
-        if self.hparams is None:
-            raise RuntimeError("the updater has no hyperparameters for this iteration")
-        halves = self._user_halves(units)
-        for k, (groups, live, grads) in enumerate(halves):
-            if k == 1 and points:
-                point("update.optimizer", it)  # a crash here leaves the chunk half updated
-            if not groups:
-                continue
-            # faultkit kernel-abort: computed into scratch, landed through the trip-wire.
-            armed = tripwire.armed()
-            out = {n: [v.clone() for v in vs] for n, vs in live.items()} if armed else live
-            step = self.user_step if self.user_step is not None else it + 1
-            self.user.step(self.hparams, step, groups, out, grads, self.user_skip)
-            if armed:
-                names = self.state.set_names
-                tripwire.land(
-                    [t for n in names for t in live[n]], [t for n in names for t in out[n]]
-                )
+        """The script's optimizer on a chunk (``leto.update.steps``; a method, so a test can
+        make it compute wrongly)."""
+        steps.user_step(self, it, units, points)
 
     def _user_halves(self, units: tuple[int, int]) -> list:
-        """A chunk's two halves as (group numbers, {state: piece views}, gradient views),
-        built once per chunk (the layout never moves): per-chunk Python stays off the
-        GPU's critical path. A layer-wise (Muon) piece is a whole layer, in its shape."""
-        key = ("user", units)
-        got = self._page_lists.get(key)
-        if got is not None:
-            return got
-        e0, e1 = self.state.element_range(units)
-        pieces = []
-        for a, b in self.state.pieces(e0, e1):
-            slot = self.state.slot_at(a)
-            gi = self.user.group_of.get(slot.name) if slot.trainable else None
-            if gi is not None:
-                pieces.append((a, b, gi, slot))
-        if len(pieces) == 1 and not pieces[0][3].layerwise:
-            a, b, gi, slot = pieces[0]
-            start = slot.offset - self.state.shard_start
-            mid = start + ((a + b) // 2 - start) // CUT_ELEMS * CUT_ELEMS
-            if a < mid < b:
-                pieces = [(a, mid, gi, slot), (mid, b, gi, slot)]
-        half = len(pieces) // 2
-        f, s0 = self.state.flat, self.state.shard_start
-        out = []
-        for part in (pieces[:half], pieces[half:]):
-            shapes = [sl.shape if sl.layerwise else (b - a,) for a, b, _, sl in part]
-            live = {
-                n: [f[n][a:b].view(sh) for (a, b, _, _), sh in zip(part, shapes, strict=True)]
-                for n in self.state.set_names
-            }
-            grads = [
-                self.state.grad[a + s0 : b + s0].view(sh)
-                for (a, b, _, _), sh in zip(part, shapes, strict=True)
-            ]
-            out.append(([gi for _, _, gi, _ in part], live, grads))
-        self._page_lists[key] = out
-        return out
+        return steps.user_halves(self, units)
 
     def _adamw(self, fn, it: int, lr: float, ranges: list, clip: torch.Tensor) -> None:
-        """AdamW on shard-local element ranges: ``adamw_fused`` takes them all at once,
-        ``adamw_piece`` one range."""
-        if not ranges:
-            return
-        f, s0 = self.state.flat, self.state.shard_start
-        names = ["param", "exp_avg", "exp_avg_sq"] + (["master"] if self.state.master else [])
-        live = {n: [f[n][a:b] for a, b in ranges] for n in names}
-        # faultkit kernel-abort: torch's AdamW computes into scratch and the result
-        # lands through the trip-wire, which stops after N blocks (nvbit_tools).
-        armed = tripwire.armed()
-        out = {n: [v.clone() for v in vs] for n, vs in live.items()} if armed else live
-        one = fn is adamw_piece
-        fn(
-            self.cfg.adamw,
-            lr=lr,
-            step=it + 1,
-            clip=clip,
-            **{
-                n: (v[0] if one else v)
-                for n, v in {
-                    "param": out["param"],
-                    "grad": [self.state.grad[a + s0 : b + s0] for a, b in ranges],
-                    "exp_avg": out["exp_avg"],
-                    "exp_avg_sq": out["exp_avg_sq"],
-                    "master": out.get("master"),
-                }.items()
-                if v is not None
-            },
-        )
-        if armed:
-            tripwire.land([t for n in names for t in live[n]], [t for n in names for t in out[n]])
+        steps.adamw(self, fn, it, lr, ranges, clip)
 
     def _update_group_in_place(self, it: int, gi: int, m: MarkerState, clip: torch.Tensor) -> None:
         """Ablation: no undo, no incremental parity (Fig. 12's 'pool and parity only')."""
@@ -842,106 +707,14 @@ class Updater:
         self._write(MarkerState(iteration, Phase.DONE))
 
     def recover(self, report: dict) -> MarkerState | None:
-        """Rebuild this rank's retained state to the state its marker names."""
-        lost = {int(k): v for k, v in report.get("groups", {}).items()}
-        failed_allocs = report.get("allocations", {})
-        done: set[int] = set()
-        if self.record_group.gid in lost:
-            self.client.reconstruct(report, only={self.record_group.gid})
-            done.add(self.record_group.gid)
-        m = self.marker.read()
-        self.marker.state = m
-        if m is None:
-            if any(lost):
-                raise RetainedStateLost("the pool holds state but no readable progress marker")
-            return None
-        grad_gids = {g.gid for g in self.grad_groups}
-        grads_needed = m.phase in (Phase.GRADS_PROTECTED, Phase.SYNCED, Phase.UPDATE)
-        for gid in grad_gids & set(lost):
-            if grads_needed:
-                self.client.reconstruct(report, only={gid})
-            done.add(gid)  # otherwise the gradients are recomputed: contents do not matter
-        in_flight = m.phase is Phase.UPDATE and self.cfg.transactions
-        for gi, g in enumerate(self.groups):
-            if in_flight and gi == m.group and m.step is not Step.LOAD:
-                m = self._recover_in_flight(m, g, lost.get(g.gid), failed_allocs)
-                done.add(g.gid)
-            elif g.gid in lost:
-                self.client.reconstruct(report, only={g.gid})
-                done.add(g.gid)
-        rest = set(lost) - done
-        if rest:
-            self.client.reconstruct(report, only=rest)
-        done_marks = sorted(done & set(lost))
-        if done_marks:
-            self.client.mark_rebuilt(done_marks)
-        return m
+        """Rebuild this rank's retained state to the state its marker names
+        (``leto.update.rmu_recovery``)."""
+        return rmu_recovery.recover(self, report)
 
     def _recover_in_flight(
         self, m: MarkerState, g: GroupView, lost: dict | None, failed: dict
     ) -> MarkerState:
-        gi = m.group
-        lost_data = set(lost["data"]) if lost else set()
-        undo_lost = bool(failed.get("rmu.undo"))
-        par_lost = set(failed.get("rmu.parity", {}).get("failed_pages", []))
-        buf_lost = {b: any(p // self.h1 == k for p in par_lost) for k, b in enumerate(BUFFERS)}
-        self._stale = {b for b, gone in buf_lost.items() if gone}
-        code = self.code(g)
-        if m.step in (Step.UNDO_DONE, Step.UPDATE_DONE, Step.PARITY_DONE):
-            if undo_lost:
-                raise RetainedStateLost(
-                    f"undo buffer lost while chunk {m.chunk} of group {g.gid} was in flight"
-                )
-            units, pages, undo = self._chunk(gi, m.chunk)
-            self._runs_copy(
-                units, to_undo=False
-            )  # back to the state the authoritative parity covers
-            first, count = self.state.chunk_pages(gi, units)
-            lost_data -= set(range(first, first + count))
-            m = m.but(step=Step.UNDO_DONE)
-        if m.step is Step.TIER2:
-            lost_t1 = list(lost["tier1"]) if lost else []
-            if lost_t1 and not buf_lost[m.auth]:
-                # Host tier 2 is stale mid-refresh, but the buffer host tier 1 was stored
-                # from still holds its bytes: lost host pages cost no erasure budget.
-                for j in lost_t1:
-                    g.tier1[j].copy_(self.buf[m.auth][j])
-                lost_t1 = []
-            t1 = torch.stack(g.tier1).to(self.device)
-            if lost_data or lost_t1:
-                code.tier1.reconstruct(
-                    g.data, t1, sorted(lost_data) + [len(g.data) + j for j in lost_t1], group=g.gid
-                )
-                for j in lost_t1:
-                    g.tier1[j].copy_(t1[j])
-            return m
-        parity = self.buf[m.auth]
-        if buf_lost[m.auth]:
-            if lost_data:
-                raise RetainedStateLost(
-                    f"group {g.gid}: data pages and the authoritative parity buffer were both lost"
-                )
-            code.tier1.encode(g.data, out=parity, group=g.gid)
-        elif lost_data:
-            code.tier1.reconstruct(g.data, parity, sorted(lost_data), group=g.gid)
-        return m
-
-
-BUFFERS = (Auth.A, Auth.B, Auth.C)
-
-
-def start_buffer(gi: int) -> Auth:
-    """The buffer group ``gi``'s parity is loaded (or prefetched) into."""
-    return BUFFERS[gi % 3]
-
-
-def scratch_buffer(gi: int, auth: Auth) -> Auth:
-    """The other buffer of group ``gi``'s pair {gi % 3, (gi + 2) % 3}: never the next
-    group's start buffer ((gi + 1) % 3), so the prefetch cannot clobber it."""
-    pair = (BUFFERS[gi % 3], BUFFERS[(gi + 2) % 3])
-    if auth not in pair:
-        raise RetainedStateLost(f"marker names buffer {auth.name}, not one of group {gi}'s pair")
-    return pair[1] if auth is pair[0] else pair[0]
+        return rmu_recovery.recover_in_flight(self, m, g, lost, failed)
 
 
 def decide(markers: list[MarkerState]) -> tuple[str, int]:

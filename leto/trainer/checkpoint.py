@@ -1,0 +1,287 @@
+"""Checkpoint fallback for fatal failures: asynchronous ``torch.distributed.checkpoint``
+saves of every rank's retained state, and the restore after a fatal failure.
+
+Runs in the trainer. Leto recovers HOFs in place, so checkpoints only insure against
+fatal failures (FF: retained state beyond what parity covers, a dead state manager):
+their interval comes from Young's formula with the FF-only MTTF ``M / (1 - h)``
+(h = HOF ratio), the checkpoint cost ``p`` being the save's blocking part (staging to
+host memory; the write overlaps training) in iterations, measured at the first save.
+A checkpoint is complete when DCP's ``.metadata`` exists; the restore takes the
+newest complete one, so a save cut short by the failure is skipped. Every save follows
+a full scrub of the retained state (``leto.integrity.scrub``): a checkpoint holds only
+state that agreed with its parity, so silent corruption found later falls back to a
+state that predates it.
+
+Nothing here stalls the loop for long (at 1 B parameters on the H200 the first two
+iterations of a job once took 16 s and 39 s): staging runs in the background (``leto.trainer.staging``:
+pinned host buffers made once, non-blocking copies on a stream of their own),
+overlapping the next forward and backward, and the trainer waits for it only before
+the next update changes the state (``before_update``); a save that comes due while the
+previous one is still being written is put off to a later iteration (the ranks agree)
+instead of waiting for the disk; and Young's interval is set once an iteration has
+been timed after the first save (not 1 until then).
+
+Not covered: checkpoints on storage that other nodes cannot read (multi-node jobs need
+a shared directory), pruning old checkpoints beyond ``keep``.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from leto.errors import InvalidInput
+from leto.sim.model import young_interval
+from leto.trainer.staging import HostStager
+
+
+def _step_dir(root: Path, iteration: int) -> Path:
+    return root / f"it{iteration:08d}"
+
+
+def latest(root: str | Path, skip: int = 0, before: int | None = None) -> tuple[Path, int] | None:
+    """The newest complete checkpoint under ``root`` and the iteration it ends; with
+    ``skip``, the one that many older (None when there are not that many); with
+    ``before``, among those of earlier iterations only."""
+    root = Path(root)
+    done = sorted(p for p in root.glob("it*") if (p / ".metadata").exists())
+    if before is not None:
+        done = [p for p in done if int(p.name[2:]) < before]
+    if len(done) <= skip:
+        return None
+    return done[-1 - skip], int(done[-1 - skip].name[2:])
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        root: str | Path,
+        rank: int,
+        interval: int | None = None,
+        mttf_s: float | None = None,
+        hof_ratio: float = 0.0,
+        keep: int = 2,
+        joining_at: int | None = None,
+    ):
+        """``interval``: a fixed interval in iterations; otherwise Young's with
+        ``mttf_s`` (all failures) and ``hof_ratio``. ``joining_at``: this process joins a
+        running job (a promoted shadow, a restart after a fallback) at that iteration —
+        collective."""
+        if interval is None and mttf_s is None:
+            raise InvalidInput("give a checkpoint interval, or the MTTF for Young's formula")
+        if interval is not None and interval < 1:
+            raise InvalidInput(f"checkpoint interval {interval}: expected >= 1 iterations")
+        if not 0.0 <= hof_ratio <= 1.0:
+            raise InvalidInput(f"hof_ratio {hof_ratio}: expected a fraction in [0, 1]")
+        self.root, self.rank = Path(root), rank
+        self.fixed = interval
+        self.ff_mttf_s = math.inf if mttf_s is None or hof_ratio >= 1 else mttf_s / (1 - hof_ratio)
+        self.keep = keep
+        self.interval = interval or 1  # Young's replaces it after the first save
+        self.pending = None
+        self.last_t: int | None = None
+        self._t_iter: list[float] = []
+        self._t_prev: float | None = None
+        self.saves: list[dict] = []
+        self.scrubs: list[dict] = []  # the full scrub before each save
+        self.deferred: list[int] = []  # iterations a save was due but the last still wrote
+        self.staging = None  # the last save's staging (a future), until before_update
+        # One stager for the checkpointer's life: its pinned host buffers (12 bytes a
+        # parameter) are made once — by ``warm``, in the background — and reused.
+        self._stager = None
+        self._warming = None
+        self.close_error: str | None = None  # what close() reported, if anything
+        self._young = interval is None  # Young's interval still to set after the first save
+        # Saves finish on a background thread with collectives of their own: a separate
+        # group keeps them from interleaving with training's all-reduces.
+        self.pg = dist.new_group(backend="gloo")
+        self.agree_pg = dist.new_group(backend="gloo")  # interval agreement, main thread
+        if joining_at is not None:
+            # Continue the job's schedule from its newest complete checkpoint before this
+            # iteration (a fallback may have passed over newer ones): a fresh process
+            # otherwise saved at its first iteration, which after a recovery put a full
+            # scrub and a save on the first iteration after it. The ranks agree (a save
+            # is collective); fenced generations write nothing more.
+            found = latest(self.root, before=joining_at)
+            newest = torch.tensor([float(found[1]) if found else -1.0])
+            dist.all_reduce(newest, op=dist.ReduceOp.MIN, group=self.agree_pg)
+            self.last_t = int(newest.item()) if newest.item() >= 0 else None
+
+    def _state(self, job) -> dict[str, torch.Tensor]:
+        return _tensors(job, self.rank)
+
+    def warm(self, job) -> None:
+        """Make the staging buffers now, in the background, while the first iterations
+        run: allocating and pinning them is most of a first save's staging (seconds at
+        1 B parameters), which the next update would otherwise wait for — a save that
+        comes due before they exist is put off. The copy this stages is discarded (it may
+        read the state mid-update: only the buffers count)."""
+        state = self._state(job)
+        self._stager = HostStager(state)
+        self._warming = self._stager.stage(state)
+
+    def after_iteration(self, t: int, job) -> None:
+        """Call once iteration ``t`` is complete (its update done)."""
+        now = time.perf_counter()
+        if self._t_prev is not None:
+            self._t_iter.append(now - self._t_prev)
+        self._t_prev = now
+        if self._young and self.saves and self._t_iter:
+            self._set_young_interval()
+        due = self.last_t is None or t - self.last_t >= self.interval
+        if not due:
+            return
+        if self.pending is not None or self._warming is not None:
+            # One save in flight at a time, and the loop never waits for a disk or for
+            # the staging buffers being made: while the last save is still being
+            # written, or the buffers are not ready, this one is put off. Every rank must
+            # agree (a save is collective), so they decide together.
+            ready = (self.pending is None or self.pending.done()) and (
+                self._warming is None or self._warming.done()
+            )
+            busy = torch.tensor([0.0 if ready else 1.0])
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.agree_pg)
+            if busy.item():
+                self.deferred.append(t)
+                return
+            if self.pending is not None:
+                self.pending.result()  # done: raises what the save raised
+            if self._warming is not None:
+                self._warming.result()
+                self._warming = None
+        # Only a verified state is saved: silent corruption found later falls back to
+        # a checkpoint that predates it (CorruptState, a fatal failure, if found now).
+        job.settle_checks()  # a checkpoint holds no update a recheck found wrong
+        self.scrubs.append(job.scrub.full(when=f"before the checkpoint of iteration {t}"))
+        step = _step_dir(self.root, t)
+        # A save over an existing checkpoint (a fallback passed over it, and the schedule
+        # reached its iteration again): its metadata goes first, and no rank writes
+        # until it has, or a save cut short would leave old metadata over new shards —
+        # a "complete" checkpoint of mixed state.
+        if self.rank == 0:
+            (step / ".metadata").unlink(missing_ok=True)
+        dist.barrier(group=self.agree_pg)
+        t0 = time.perf_counter()
+        state = self._state(job)
+        if self._stager is None:
+            self._stager = HostStager(state)
+        stager = self._stager
+        # The stager's copies wait on this stream for the update of iteration t.
+        got = dcp.async_save(state, checkpoint_id=step, process_group=self.pg, async_stager=stager)
+        self.pending = getattr(got, "upload_completion", got)
+        # The staged copy's future, from the stager itself: every torch version's
+        # async_save returns its upload, not all return the staging as well, and the
+        # next update must not change what is still being copied.
+        self.staging = stager.last
+        blocking_s = time.perf_counter() - t0
+        self.last_t = t
+        self.saves.append({"iteration": t, "blocking_s": blocking_s, "interval": self.interval})
+        if self._young:
+            if self._t_iter:
+                self._set_young_interval()
+            else:
+                # No iteration timed yet (the job's first): Young's interval is set at
+                # the next iteration, and nothing is saved before it.
+                self.interval = 10**9
+        self._prune()
+
+    def _set_young_interval(self) -> None:
+        """Young's interval from the first save's blocking part and the median iteration;
+        every rank calls it at the same iteration (a collective)."""
+        t_iter = sorted(self._t_iter)[len(self._t_iter) // 2]
+        p = self.saves[0]["blocking_s"] / t_iter
+        young = young_interval(p, self.ff_mttf_s, t_iter)
+        mine = max(1, round(young)) if math.isfinite(young) else 10**9
+        # Every rank must save at the same iterations (a save is collective), but each
+        # measured its own costs: agree on the largest interval. Same call on every
+        # rank at the same iteration, in the main thread, on a group of its own.
+        agreed = torch.tensor([float(mine)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.agree_pg)
+        self.interval = int(agreed.item())
+        self.saves[0]["interval"] = self.interval
+        self._young = False
+
+    def before_update(self, timeout_s: float = 600.0) -> None:
+        """Call before the retained state changes (the next update, the loop record's
+        write): the last save's staging copies must have read it. Normally long done:
+        it overlapped a forward and backward."""
+        if self.staging is not None:
+            staging, self.staging = self.staging, None
+            staging.result(timeout=timeout_s)
+
+    def _prune(self) -> None:
+        if self.rank != 0:
+            return
+        done = sorted(p for p in self.root.glob("it*") if (p / ".metadata").exists())
+        for p in done[: -self.keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def drain(self) -> None:
+        """Wait until the last save is staged and written (raises what it raised)."""
+        self.before_update()
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def close(self) -> None:
+        """At the end of training: wait for the last save, release the buffers. A failure
+        here is reported, not raised: the training is complete, and the checkpoint was
+        only insurance against a fatal failure during it (raised, it would end a
+        finished job as a failed trainer, and a promoted shadow would run the script's
+        set-up again for nothing — seen on the H200)."""
+        try:
+            self.drain()
+            if self._warming is not None:
+                self._warming.result()
+            if self._stager is not None:
+                self._stager.shutdown()
+        except Exception as e:  # noqa: BLE001 - any error of the insurance's last save
+            import traceback
+
+            print(
+                f"rank {self.rank}: the last checkpoint save or its cleanup failed after "
+                f"training ended ({type(e).__name__}: {e}); the trained state is intact "
+                f"in the pool, the newest complete checkpoint under {self.root} is older:\n"
+                + traceback.format_exc(),
+                file=sys.stderr,
+                flush=True,
+            )
+            self.close_error = f"{type(e).__name__}: {e}"
+        finally:
+            self._warming = None
+            self._stager = None
+
+
+def restore(path: Path, iteration: int, job) -> None:
+    """Load ``path`` into this rank's retained state (a fresh pool) and protect it: the
+    marker then says iteration ``iteration`` is done."""
+    rank = job.rank
+
+    def load():
+        dcp.load(_tensors(job, rank), checkpoint_id=path)  # in place, into the pool's pages
+        if getattr(job, "loop", None) is not None:
+            job.loop.restored()
+
+    job.up.initialize(load, iteration=iteration)
+
+
+def _tensors(job, rank: int) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of a rank: its retained tensors and, under ``leto.Run``,
+    the loop record (hyperparameters, LR scheduler, the script's state) and the data
+    records. (Their parity: ``restore`` re-encodes every group after the load.)"""
+    st = job.up.state
+    out = {f"rank{rank}.{k}": v[: st.local_valid] for k, v in st.flat.items()}
+    if getattr(job, "loop", None) is not None:
+        for k, rec in enumerate(job.loop.records):
+            out[f"rank{rank}.loop{k}"] = rec
+    if getattr(job, "data", None) is not None:  # the data position (leto.Run's data=)
+        for k, rec in enumerate(job.data.records):
+            out[f"rank{rank}.data{k}"] = rec
+    return out
