@@ -103,11 +103,17 @@ def test_a_crashed_shadow_is_replaced_at_the_same_level_not_taken_for_a_reclamat
     out = tmp_path / "run"
     (p,) = start_job(2, TrainConfig(iterations=ITERS), out, [], shadow_level="auto",
                      extra=_auto(tmp_path))  # fmt: skip
+    # Killed parked, with the trainers beating: once they have committed iteration 2 (a
+    # shadow parks about a second after it starts, as its trainer begins). A fixed 3-s
+    # sleep after the shadow appeared was outrun by a job that started faster.
+    losses = out / "train" / "rank0.losses.jsonl"
     deadline = time.monotonic() + 60
-    while not (pids := shadow_pids(out, 1)) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        pids = shadow_pids(out, 1)
+        if pids and losses.exists() and len(losses.read_text().splitlines()) >= 3:
+            break
         time.sleep(0.05)
     assert pids, "no shadow appeared within 60 s"
-    time.sleep(3)  # parked, and the trainers beating
     os.kill(pids[0], signal.SIGKILL)
     ((code, summary),) = finish_job([p], timeout_s=300)
     assert code == 0, summary
