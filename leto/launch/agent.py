@@ -478,6 +478,11 @@ class Agent:
                     f" — a script error, not a hardware failure: the job stops.\n"
                     f"{f.traceback_tail()}\n({where})"
                 )
+            if any(d.code is not None and d.code < 0 for d in dead):
+                # A rank died by a signal in this failure (a crash, or a fault injected):
+                # the exceptions beside it are its peers' broken collectives, whose
+                # place repeats at every such crash — not a script error looping.
+                continue
             sig = f.signature()
             if sig in self._signatures:
                 return (
