@@ -110,9 +110,9 @@ def _joining_worker(rank: int, world: int, port: int, root: str, q) -> None:
 
     real, stale = ckpt.dcp.async_save, []
 
-    def spy(state, checkpoint_id, process_group, **kw):
-        stale.append((Path(checkpoint_id) / ".metadata").exists())
-        return real(state, checkpoint_id=checkpoint_id, process_group=process_group, **kw)
+    def spy(state, storage_writer, process_group, **kw):
+        stale.append((Path(storage_writer.path) / ".metadata").exists())
+        return real(state, storage_writer=storage_writer, process_group=process_group, **kw)
 
     ckpt.dcp.async_save = spy
     first = Checkpointer(root, rank, interval=4)  # generation 0: saves at 0 and 4

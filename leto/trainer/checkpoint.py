@@ -174,7 +174,15 @@ class Checkpointer:
             self._stager = HostStager(state)
         stager = self._stager
         # The stager's copies wait on this stream for the update of iteration t.
-        got = dcp.async_save(state, checkpoint_id=step, process_group=self.pg, async_stager=stager)
+        # The writer is named: with none, torch picks one by trying its fsspec backend,
+        # an import (fsspec's) in a promoted trainer's first iteration where fsspec is
+        # installed. Leto's checkpoints are local directories.
+        got = dcp.async_save(
+            state,
+            storage_writer=dcp.FileSystemWriter(step),
+            process_group=self.pg,
+            async_stager=stager,
+        )
         self.pending = getattr(got, "upload_completion", got)
         # The staged copy's future, from the stager itself: every torch version's
         # async_save returns its upload, not all return the staging as well, and the
@@ -265,7 +273,8 @@ def restore(path: Path, iteration: int, job) -> None:
     rank = job.rank
 
     def load():
-        dcp.load(_tensors(job, rank), checkpoint_id=path)  # in place, into the pool's pages
+        # in place, into the pool's pages; the reader named, as the writer is in save()
+        dcp.load(_tensors(job, rank), storage_reader=dcp.FileSystemReader(path))
         if getattr(job, "loop", None) is not None:
             job.loop.restored()
 
