@@ -24,8 +24,9 @@ retained state and lets it run on — silent corruption, no unmap, no death: TAR
 optimizer state) or ``tier1`` / ``tier2`` (its host parity pages). Each page's bit sits in a different codeword, so
 the scrub can locate every one. TARGET ``computed``, armed at ``leto.plugins.SDC_POINT``
 (``update.computed``), flips one bit in the chunk's freshly computed values before its
-parity absorbs them: a wrong computation, which parity agrees with and the scrub cannot
-see (faultkit's ``sdc-update``; on the CPU, and in the unfused steps on CUDA); armed at
+parity absorbs them (or, after the fused chunk pass, folded into the parity it
+absorbed them into): a wrong computation, which parity agrees with and the scrub cannot
+see (faultkit's ``sdc-update``); armed at
 ``leto.plugins.SDC_GRAD_POINT`` it flips a bit of the local gradient before its
 all-reduce (``sdc-grad``). TARGET ``activation``, armed at ``compute.forward``, flips one
 bit of the output of the model's first ``nn.Linear`` in that forward (``sdc-activation``).
@@ -144,7 +145,7 @@ def point(name: str, iteration: int, dest=None) -> None:
                     f"{at} passes no computed values: arm {plugins.SDC_POINT} or "
                     f"{plugins.SDC_GRAD_POINT}"
                 )
-            _flip_computed(at, list(getattr(dest, "pages", dest)))
+            _flip_computed(at, dest)
         elif target == "activation":
             _flip_activation(at)
         else:
@@ -232,16 +233,24 @@ def _raw_bytes(t):
     return out.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (t.nbytes,))
 
 
-def _flip_computed(at: str, pages: list) -> None:
+def _flip_computed(at: str, dest) -> None:
     """One bit of the first page of the chunk being updated (its lowest bytes: the
-    parameters' low mantissa bits, a small wrong value that training carries on with)."""
+    parameters' low mantissa bits, a small wrong value that training carries on with).
+    Where parity absorbed the values already (``leto.plugins.Computed``: the fused chunk
+    pass), the change is folded into it, so parity agrees with the wrong value as it
+    would had the pass computed it: silent, as sdc-update must be."""
     import torch
 
+    pages = list(getattr(dest, "pages", dest))
+    absorb = getattr(dest, "absorb", None)
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
+    before = pages[0].clone() if absorb is not None else None
     page = _raw_bytes(pages[0])
     byte = 1000 % page.numel()
     page[byte] ^= 1
+    if absorb is not None:
+        absorb([before], [pages[0]])
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     _record_flip("computed", at, {"page": 0, "byte": byte, "bit": 0})

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 ENV_PLUGINS = "LETO_PLUGINS"
 FAULT_PLUGIN = "faultkit.hooks"  # what leto run loads for a fault plan (by name only)
@@ -47,10 +48,25 @@ POINTS = (
     "update.store",
     "update.tier2",
 )
-# Not a crash point (not in POINTS): where an update's new values are computed and its
-# parity has not absorbed them yet, per chunk, with the chunk's pages as ``dest`` — the
-# seam of faultkit's silent-data-corruption mode (a wrong computation parity agrees with).
+# Not a crash point (not in POINTS): where an update's new values are computed, per
+# chunk, with the chunk's pages as ``dest`` — the seam of faultkit's silent-data-corruption
+# mode (a wrong computation parity agrees with). Where parity has absorbed the values
+# already (the fused chunk pass), ``dest`` is a ``Computed``: its ``absorb`` folds a
+# change into that parity, as the pass would have had it computed the changed value.
 SDC_POINT = "update.computed"
+
+
+@dataclass(frozen=True)
+class Computed:
+    """``SDC_POINT``'s ``dest`` where parity absorbed the values as they were computed:
+    the chunk's ``pages`` (group order), and ``absorb(old, new)``, which folds the change
+    of the chunk's first ``len(old)`` pages (``old`` as they were, ``new`` as they are
+    now) into the parity the pass accumulated."""
+
+    pages: list
+    absorb: Callable
+
+
 # Also not a crash point: a rank's local gradient (a bucket of it, or the whole buffer)
 # just before it is reduced — after backward, before the all-reduce — with the tensor as
 # ``dest``: the seam of faultkit's ``sdc-grad``.

@@ -203,3 +203,47 @@ def test_a_disagreement_that_does_not_repeat_was_transient(tmp_path, monkeypatch
         assert torch.equal(plain[k].view(torch.uint8), got["state"][k].view(torch.uint8)), k
     recs = [json.loads(x) for x in (tmp_path / "rank0.recheck.jsonl").read_text().splitlines()]
     assert [r.get("settled") for r in recs] == [None, "transient"], recs
+
+
+def _faultkit_flip(tmp_path, device: str) -> dict:
+    """Three iterations (no recheck), faultkit's own sdc-update flip armed at iteration
+    1's first chunk; the state after them, and what a full scrub then found."""
+    from faultkit import hooks
+    from leto.integrity.scrub import Scrubber
+
+    cfg = (
+        PoolConfig.for_cuda(0, data_pages=12, tier1_pages=3, allow_fault_injection=True)
+        if device == "cuda"
+        else small_config(data_pages=12, tier1_pages=3)
+    )
+    sm = start_state_manager(cfg)
+    before = plugins._point_handler
+    plugins.install_point_handler(hooks.point)
+    hooks.arm(plugins.SDC_POINT, 1, mode="corrupt:computed:1")
+    try:
+        tr = u.Trainer(sm, "adamw-fused", dims=DIMS, chunk_units=2)
+        try:
+            for _ in range(3):
+                tr.iteration()
+            return {"state": _state(tr), "scrub": Scrubber(tr.up).full()}
+        finally:
+            tr.client.close()
+    finally:
+        hooks.disarm()
+        plugins.install_point_handler(before)
+        sm.stop()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_faultkits_wrong_update_is_one_parity_agrees_with(tmp_path, monkeypatch, fused, device):
+    """sdc-update emulates a wrong computation, not a damaged page: after the fused pass
+    (which absorbed its values into parity as it computed them) the flip is folded into
+    that parity too, so the scrub finds nothing and only a replica or the recheck can."""
+    monkeypatch.setenv(ENV, fused)
+    plain = _run(tmp_path / "plain", None, device=device)["state"]
+    got = _faultkit_flip(tmp_path, device)
+    assert got["scrub"]["repaired"] == [], got["scrub"]  # and no CorruptState raised
+    differ = [k for k in plain if not torch.equal(plain[k].view(torch.uint8),
+                                                  got["state"][k].view(torch.uint8))]  # fmt: skip
+    assert "param" in differ, f"the flip never reached the parameters: {differ}"

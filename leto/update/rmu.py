@@ -60,7 +60,7 @@ from leto.integrity.replica import group_digest
 from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.memory.lending import Lender
-from leto.plugins import SDC_POINT, point
+from leto.plugins import SDC_POINT, Computed, point
 from leto.ranges import leto_range
 from leto.update import rmu_recovery, steps
 from leto.update.chunk_pass import ChunkPass
@@ -610,18 +610,22 @@ class Updater:
         scratch = self._pages(y, self.buf[y]).pages
         live = self._pages(("chunk", gi, j), pages).pages
 
-        def parity_update(ys, col0, old, new):
-            point(SDC_POINT, it, dest=new)  # the CPU twin: computed, parity not updated yet
-            code.tier1.update(ys, col0, old, new, group=self.groups[gi].gid)
+        gid = self.groups[gi].gid
+
+        def parity_update(ys, col0, old, new):  # the CPU twin's
+            code.tier1.update(ys, col0, old, new, group=gid)
+
+        def absorb(old, new):
+            code.tier1.update(scratch, first, old, new, group=gid)
 
         for k, part in enumerate([(0, mid), (mid, ue)] if mid else [(0, ue)]):
             if k == 1:
                 point("update.optimizer", it)  # a crash here leaves the chunk half updated
             self._fused.run(units, part, first, scratch, tables, live, parity_update)
-        if tables is not None:
-            # The CUDA kernel absorbs its values into parity as it computes them: a change
-            # made here disagrees with parity (the scrub names it), not a silent one.
-            point(SDC_POINT, it, dest=live)
+        # The pass (the CUDA kernel and its CPU twin alike) absorbed its values into
+        # parity as it computed them: a wrong value emulated here is folded in too
+        # (``absorb``), so parity agrees with it, as with a pass that computed it wrong.
+        point(SDC_POINT, it, dest=Computed(live, absorb))
         if not mid:
             point("update.optimizer", it)
         point("update.parity", it)
