@@ -218,3 +218,49 @@ def test_a_chunks_page_lists_are_the_groups_own_pages_taken_without_rechecking(p
         ]
     finally:
         client.close()
+
+
+def test_a_lost_parity_buffer_is_avoided_only_by_the_update_resumed_after_it(pool):
+    """Tier 2 of the update resumed after its buffer was lost is encoded from host tier
+    1 (the buffer's bytes are gone); once that update is over, every buffer is written
+    before it is read again, so no later update stages host tier 1 — on a GPU that read
+    came right after the store's asynchronous copy to host and could see it half landed."""
+    import dataclasses
+
+    from faultkit import hooks
+    from leto.memory.client import PoolClient
+
+    cfg = UpdaterConfig(chunk_units=1)
+    cfg = dataclasses.replace(cfg, adamw=dataclasses.replace(h.ADAMW, impl=cfg.adamw.impl),
+                              muon=h.MUON)  # fmt: skip
+    hooks.arm("update.tier2", 2, 1, mode="raise")
+    client, up, model, t = h.start(pool, cfg)
+    try:
+        with pytest.raises(hooks.InjectedCrash):
+            while t < ITERS:
+                h.one_iteration(up, model, t)
+                t += 1
+    finally:
+        hooks.disarm()
+        client.close()
+    with PoolClient.connect(pool.socket_path, pool.token, role="faultkit") as f:
+        lose(("data", "rmu.parity", list(range(6))))(f)
+    staged = []
+    real = h.Updater._refresh_tier2
+
+    def spy(self, g, x):
+        staged.append(x in self._stale)
+        return real(self, g, x)
+
+    h.Updater._refresh_tier2 = spy
+    try:
+        client, up, model, t = h.start(pool, cfg)  # finishes the update of iteration 2
+        try:
+            assert t == 3 and staged and staged[0], f"the resumed update read the lost buffer: {staged}"
+            n = len(staged)
+            h.one_iteration(up, model, t)
+            assert not any(staged[n:]), f"a later update staged host tier 1: {staged}"
+        finally:
+            client.close()
+    finally:
+        h.Updater._refresh_tier2 = real

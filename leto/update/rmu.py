@@ -489,6 +489,10 @@ class Updater:
                 self._update_group(iteration, gi, start, clip)
             else:
                 self._update_group_in_place(iteration, gi, start, clip)
+        # A parity buffer lost in a crash is written again before any later update reads
+        # it (each group's update fills its buffers first): only the update resumed
+        # after the crash had to avoid it.
+        self._stale.clear()
         self._write(m.but(phase=Phase.DONE))
 
     def _update_group(self, it: int, gi: int, m: MarkerState, clip: torch.Tensor) -> None:
@@ -633,6 +637,10 @@ class Updater:
     def _refresh_tier2(self, g: GroupView, x: Auth) -> None:
         """Tier 2 from the tier-1 bytes, computed on the device, then copied to host."""
         if x in self._stale:  # the buffer was lost: stage host tier 1 instead
+            if self.device.type == "cuda":
+                # Host tier 1 may still be landing from this update's store, a copy
+                # queued on the stream and not waited for: the host reads it only after.
+                torch.cuda.current_stream(self.device).synchronize()
             src = list(torch.stack(g.tier1).to(self.device))
         else:
             src = self.buf[x]
