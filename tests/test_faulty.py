@@ -51,6 +51,11 @@ def test_the_record_round_trips_and_picks_the_gpus_left(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert faulty.node_gpus() == ["3", "5"]
     assert faulty.device_of("cuda", 1) == "cuda:5" and faulty.device_of("cpu", 1) == "cpu"
+    # --ranks-per-gpu 2: local ranks 0 and 1 share the first visible GPU, 2 and 3 the next.
+    assert [faulty.device_of("cuda", lr, 2) for lr in range(4)] == ["cuda:3"] * 2 + ["cuda:5"] * 2
+    assert faulty.visible_devices(["0", "1", "2"], {"1"}, 4, ranks_per_gpu=2) == "0,2"
+    with pytest.raises(InvalidInput, match=r"leave 1 for 4 rank\(s\) a node, 2 a GPU"):
+        faulty.visible_devices(["0", "1"], {"1"}, 4, ranks_per_gpu=2)
     (tmp_path / faulty.FILE).write_text('{"not": "a list"}')
     with pytest.raises(InvalidInput, match="not a list of faulty-device records"):
         faulty.excluded(tmp_path, "a")

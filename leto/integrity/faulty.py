@@ -30,13 +30,15 @@ from leto.errors import InvalidInput
 FILE = "faulty-devices.json"
 
 
-def device_of(device: str, local_rank: int) -> str:
+def device_of(device: str, local_rank: int, ranks_per_gpu: int = 1) -> str:
     """The physical device a local rank trains on: ``cuda:<index>`` as the node numbers
-    it (through ``CUDA_VISIBLE_DEVICES`` when set), or ``cpu``."""
+    it (through ``CUDA_VISIBLE_DEVICES`` when set), or ``cpu``. With ``--ranks-per-gpu
+    N`` local ranks ``N*g .. N*g+N-1`` share GPU ``g`` (``leto.trainer.api.placement``)."""
     if device == "cpu":
         return "cpu"
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
-    return f"cuda:{visible[local_rank] if local_rank < len(visible) else local_rank}"
+    i = local_rank // ranks_per_gpu
+    return f"cuda:{visible[i] if i < len(visible) else i}"
 
 
 class Tally:
@@ -127,17 +129,19 @@ def node_gpus() -> list[str]:
     return [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
 
 
-def visible_devices(gpus: list[str], bad: set[str], nproc: int) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for ``nproc`` ranks on ``gpus`` without ``bad``;
-    ``InvalidInput`` when too few are left."""
+def visible_devices(gpus: list[str], bad: set[str], nproc: int, ranks_per_gpu: int = 1) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for ``nproc`` ranks on ``gpus`` without ``bad``
+    (``ranks_per_gpu`` of them a GPU); ``InvalidInput`` when too few are left."""
     left = [g for g in gpus if g not in bad]
-    if len(left) < nproc:
+    need = -(-nproc // ranks_per_gpu)
+    if len(left) < need:
+        shared = f", {ranks_per_gpu} a GPU" if ranks_per_gpu > 1 else ""
         raise InvalidInput(
             f"--exclude-faulty: this node's GPUs {gpus} without the faulty {sorted(bad)} "
-            f"leave {len(left)} for {nproc} rank(s) a node; nothing started (run fewer "
-            f"ranks a node with --nproc-per-node, or on another node)"
+            f"leave {len(left)} for {nproc} rank(s) a node{shared}; nothing started (run "
+            f"fewer ranks a node with --nproc-per-node, or on another node)"
         )
-    return ",".join(left[:nproc])
+    return ",".join(left[:need])
 
 
 def node_name() -> str:

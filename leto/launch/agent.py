@@ -391,14 +391,18 @@ class Agent:
             elif bad:
                 gpus = faulty.node_gpus()
                 os.environ["CUDA_VISIBLE_DEVICES"] = faulty.visible_devices(
-                    gpus, bad, c.nproc_per_node
+                    gpus, bad, c.nproc_per_node, c.ranks_per_gpu
                 )
                 log.warning("--exclude-faulty: GPUs %s of %s found faulty before (%s): the "
                             "ranks run on CUDA_VISIBLE_DEVICES=%s", sorted(bad), node,
                             faulty.FILE, os.environ["CUDA_VISIBLE_DEVICES"])  # fmt: skip
         first = c.node_rank * c.nproc_per_node
         self.tally = faulty.Tally(
-            node, {first + lr: faulty.device_of(c.device, lr) for lr in range(c.nproc_per_node)}
+            node,
+            {
+                first + lr: faulty.device_of(c.device, lr, c.ranks_per_gpu)
+                for lr in range(c.nproc_per_node)
+            },
         )
 
     def _faulty(self, gen: int, dead: list[Failure]) -> str | None:
