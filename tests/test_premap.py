@@ -16,6 +16,7 @@ import torch
 from leto.memory.client import PoolClient
 from leto.memory.config import AllocationKind
 from leto.memory.errors import FencedError, PoolAuthError, PoolError, PoolProtocolError
+from leto.memory.host_pages import populate_read
 from leto.memory.launch import start_state_manager
 from tests.pool_helpers import PAGE, pattern, small_config
 
@@ -320,3 +321,54 @@ def test_settling_without_a_deferred_localization_is_refused_by_the_state_manage
     with pytest.raises(PoolError, match="no deferred localization to settle; LOCALIZE first"):
         P.request(t.sock, P.LocalizeParity(t.epoch), P.Localized)
     t.close()
+
+
+class _PinningDriver:
+    """The part of the CUDA runtime that page-locks host memory, as the driver behaves
+    on the H200: registering a range faults every page of it in, and fails with error 1
+    (cudaErrorInvalidValue) when one cannot be (a lost page: the truncated memfd's
+    mapping); a range overlapping a registered one fails with 712."""
+
+    def __init__(self):
+        self.pinned: dict[int, int] = {}
+        self.registered = 0
+
+    def cudaHostRegister(self, ptr: int, n: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        if any(p < ptr + n and ptr < p + m for p, m in self.pinned.items()):
+            return 712
+        if populate_read(ptr, n) != 0:
+            return 1
+        self.pinned[ptr] = n
+        self.registered += 1
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        return 0 if self.pinned.pop(ptr, None) is not None else 713
+
+
+def test_a_pinned_parity_mapping_that_lost_several_pages_is_pinned_again_once_all_are_replaced(
+    pool, monkeypatch
+):
+    # The fatal path's case on the H200 (a protection group lost more host parity
+    # pages than H1): the parked shadow had page-locked its parity. Pinning it again
+    # after the first replaced page, with the others still lost, failed the promotion.
+    driver = _PinningDriver()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # close()'s, before unpinning
+    t, want, s = _parked(pool)
+    s.register_host(s.parity_mapping(0))  # what premap does on a CUDA pool
+    tier1 = s.layout()[0].tier1
+    _lose(pool, ("tier1", "0", [0, 1, 3]))
+    _promote(s, t)
+    report = s.localize(defer_parity=True)
+    s.settle_localize()
+    assert report["groups"]["0"]["tier1"] == [0, 1, 3] and s.remapped == 3
+    assert list(driver.pinned) == [s.parity_mapping(0).data_ptr()]  # pinned again, once
+    assert driver.registered == 2
+    assert all(int(tier1[j].count_nonzero()) == 0 for j in (0, 1, 3))  # the fresh pages
+    s.reconstruct(report)
+    for name, n in zip(SET[0], SET[1], strict=True):
+        assert torch.equal(s.attach(name, n), want[name])
+    s.close()
+    assert driver.pinned == {}
+

@@ -395,6 +395,11 @@ class PoolClient:
         the GPU would go on reading the old page)."""
         reply, fds = P.request(self.sock, P.Replaced(self.epoch, self._cursor), P.ReplacedReply)
         fds = P.recv_fds(self.sock, reply.n_fds, fds)
+        # By mapping: a pinned one is unpinned once, every replaced page of it mapped
+        # again, then pinned again. Pinning it between two replacements would fault in
+        # a lost page not replaced yet (cudaHostRegister fails: error 1, seen on the
+        # H200 when a protection group lost several host parity pages).
+        todo: dict[int, tuple[object, Mapping, list[tuple[int, int]]]] = {}
         for page, fd in zip(reply.pages, fds, strict=True):
             if page["target"] == "data" and page["name"] in self._maps:
                 mapping, importer, _ = self._maps[page["name"]]
@@ -407,14 +412,16 @@ class PoolClient:
             else:
                 os.close(fd)  # not mapped here: nothing to redo
                 continue
-            pinned = mapping.address in self._registered
-            if pinned:
+            todo.setdefault(id(mapping), (importer, mapping, []))[2].append((index, fd))
+        for importer, mapping, pages in todo.values():
+            nbytes = self._registered.pop(mapping.address, None)
+            if nbytes is not None:
                 torch.cuda.cudart().cudaHostUnregister(mapping.address)
-                nbytes = self._registered.pop(mapping.address)
-            importer.replace(mapping, index, fd)
-            if pinned:
+            for index, fd in pages:
+                importer.replace(mapping, index, fd)
+                self.remapped += 1
+            if nbytes is not None:
                 self.register_host(mapping.tensor[:nbytes])
-            self.remapped += 1
         self._cursor = reply.cursor
 
     def reconstruct(self, report: dict, only: set[int] | None = None) -> dict:
