@@ -372,3 +372,28 @@ def test_a_pinned_parity_mapping_that_lost_several_pages_is_pinned_again_once_al
     s.close()
     assert driver.pinned == {}
 
+
+def test_a_cuda_driver_error_while_premapping_costs_the_shadow_only_its_head_start(
+    pool, monkeypatch, capsys
+):
+    # Importing or pinning a page can fail in the CUDA driver (CudaError, not a pool
+    # error): the parked shadow drops its premapped view and attaches cold at promotion.
+    from leto.memory.backends.cuda import CudaError
+    from leto.trainer.premap import Premap
+
+    t, _ = _trainer(pool)
+
+    class DriverError(CudaError):  # as the driver raises it, without a driver here
+        def __init__(self):
+            RuntimeError.__init__(self, "premapping: importing page 0: CUDA_ERROR_OUT_OF_MEMORY")
+
+    def failing(self):
+        raise DriverError()
+
+    monkeypatch.setattr(PoolClient, "premap", failing)
+    p = Premap(pool.socket_path, pool.token, 10.0, rank=0)
+    p.tick()  # does not raise
+    assert p.client is None and "CUDA_ERROR_OUT_OF_MEMORY" in p.why_not
+    assert "will attach cold" in capsys.readouterr().err
+    assert p.promote() is None and p.summary()["premapped"] is False
+    t.close()

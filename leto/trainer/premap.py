@@ -18,8 +18,13 @@ from __future__ import annotations
 import sys
 import time
 
+from leto.memory.backends.cuda import CudaError
 from leto.memory.client import PoolClient
 from leto.memory.errors import PoolError
+
+# What premapping may meet: the pool (refusals, timeouts), the socket, and the CUDA
+# driver importing or pinning a page. Any of them costs only the head start.
+_COSTS_THE_HEAD_START = (PoolError, OSError, CudaError)
 
 
 class Premap:
@@ -43,7 +48,7 @@ class Premap:
                 )
             self.client.premap()
             self.calls += 1
-        except (PoolError, OSError) as e:
+        except _COSTS_THE_HEAD_START as e:
             self.drop(f"premapping failed ({type(e).__name__}: {e})")
         finally:
             self.seconds += time.perf_counter() - t0
@@ -54,7 +59,7 @@ class Premap:
         if self.client is not None:
             try:
                 self.client.close()
-            except (PoolError, OSError):
+            except _COSTS_THE_HEAD_START:
                 pass
             self.client = None
 
@@ -65,7 +70,7 @@ class Premap:
             return None
         try:
             self.client.takeover()
-        except (PoolError, OSError) as e:
+        except _COSTS_THE_HEAD_START as e:
             self.drop(f"taking the pool over on the premapped connection failed ({e})")
             return None
         return self.client
