@@ -102,7 +102,9 @@ class _Device:
         """Reserve a range, map ``handles`` contiguously in it, read-write for this device."""
         d, pb, n = self.d, self.page_bytes, len(handles)
         self.make_current()
-        base = int(_call(f"{what}: reserving {n} pages", d.cuMemAddressReserve, n * pb, pb, 0, 0))
+        # Alignment 0: the allocation granularity. The page size is any multiple of it
+        # (use_pages_of), and the driver takes only a power of two here.
+        base = int(_call(f"{what}: reserving {n} pages", d.cuMemAddressReserve, n * pb, 0, 0, 0))
         mapped = 0
         try:
             for i, h in enumerate(handles):
@@ -232,7 +234,7 @@ class CudaPageOwner(_OnDevice, PageOwner):
         # cuMemCreate hands back whatever the HBM last held, and parity assumes zeroed pages.
         d, pb = self._dev.d, self.page_bytes
         if self._scratch is None:
-            self._scratch = int(_call("reserving scratch", d.cuMemAddressReserve, pb, pb, 0, 0))
+            self._scratch = int(_call("reserving scratch", d.cuMemAddressReserve, pb, 0, 0, 0))
         s = self._scratch
         _call("mapping a new page to zero it", d.cuMemMap, s, pb, 0, handle, 0)
         try:
