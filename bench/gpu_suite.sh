@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|titan|titan-*|world2-shared|world2-*|breakdown|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -416,11 +416,12 @@ if [[ $what == world2-* ]]; then
   # LETO_W2_ONLY: comma-separated steps (a failed one again, say).
   t=${what#world2-}; [[ $t == shared ]] && t=all
   budget=${LETO_W2_BUDGET:-530}; n=1; [[ $t == all ]] && n=7
-  timeout $(( n * (budget + 40) )) python3 -m bench.world2 "$t" --out "$OUT/w2" --budget-s "$budget" \
+  # Each target its own folder: two targets may run at once (one call, two lanes' worth).
+  timeout $(( n * (budget + 40) )) python3 -m bench.world2 "$t" --out "$OUT/w2-$t" --budget-s "$budget" \
     --lanes "${LETO_W2_LANES:-4}" ${LETO_W2_ONLY:+--only "$LETO_W2_ONLY"} > "$OUT/w2_$t.txt" 2>&1 || rc=1
   # At most 8 files come back from a call: the table stays loose, each step's JSON and
   # log go in one archive.
-  tar czf "$OUT/w2_$t.tgz" -C "$OUT" w2 && rm -rf "$OUT/w2"
+  tar czf "$OUT/w2_$t.tgz" -C "$OUT" "w2-$t" && rm -rf "$OUT/w2-$t"
   tail -c 6000 "$OUT/w2_$t.txt"
 fi
 if [[ $what == sdc-inject ]]; then
@@ -440,6 +441,14 @@ if [[ $what == breakdown ]]; then
       --json "$OUT/breakdown_$p.json" > "$OUT/breakdown_$p.txt" 2>&1 || rc=1
     tail -c 2500 "$OUT/breakdown_$p.txt"
   done
+fi
+if [[ $what == gpu-tests ]]; then
+  # Every GPU unit test in one go (pytest -m "gpu and not integ": no leto run jobs), e.g.
+  # after a change that moves code: the kernels, pools, chunk pass, checks and preinit.
+  # Left out: CPU-only modules whose oracles (galois, torchdata) the GPU machine lacks.
+  timeout ${LETO_GPU_TESTS_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -q -rs \
+    -m "gpu and not integ" --ignore=tests/test_field.py --ignore=tests/test_kernels.py \
+    --ignore=tests/test_data_state.py ${LETO_GPU_TESTS_FILES:-tests/} 2>&1 | tail -40 | tee "$OUT/gpu_unit_tests.txt" || rc=1
 fi
 if [[ $what == tied-job ]]; then
   # The job that raised the false alarm, as its user ran it: the 1.1 B nanoGPT-style port
