@@ -446,9 +446,13 @@ if [[ $what == gpu-tests ]]; then
   # Every GPU unit test in one go (pytest -m "gpu and not integ": no leto run jobs), e.g.
   # after a change that moves code: the kernels, pools, chunk pass, checks and preinit.
   # Left out: CPU-only modules whose oracles (galois, torchdata) the GPU machine lacks.
-  timeout ${LETO_GPU_TESTS_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -q -rs \
-    -m "gpu and not integ" --ignore=tests/test_field.py --ignore=tests/test_kernels.py \
-    --ignore=tests/test_data_state.py ${LETO_GPU_TESTS_FILES:-tests/} 2>&1 | tail -40 | tee "$OUT/gpu_unit_tests.txt" || rc=1
+  # One line a test, written as it ends (a timeout still shows how far it got); a test
+  # stuck for 120 s gets its stacks dumped.
+  timeout ${LETO_GPU_TESTS_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -v -rfEs \
+    --durations=15 -o faulthandler_timeout=120 -m "gpu and not integ" \
+    --ignore=tests/test_field.py --ignore=tests/test_kernels.py \
+    --ignore=tests/test_data_state.py ${LETO_GPU_TESTS_FILES:-tests/} > "$OUT/gpu_unit_tests.txt" 2>&1 || rc=1
+  grep -E "FAILED|ERROR|passed|failed|Timeout" "$OUT/gpu_unit_tests.txt" | tail -30
 fi
 if [[ $what == tied-job ]]; then
   # The job that raised the false alarm, as its user ran it: the 1.1 B nanoGPT-style port
