@@ -200,3 +200,31 @@ def test_a_page_of_three_granules_maps_shares_and_zeroes():
         owner.unmap(mapping)
         for h in handles:
             owner.release(h)
+
+
+def test_a_host_range_with_a_lost_page_is_refused_pinning_and_torch_goes_on():
+    # A pool's host parity with a lost page (a truncated memfd, as faultkit loses one)
+    # cannot be page-locked. The refusal is returned, not left behind as the CUDA
+    # runtime's last error for torch's next kernel launch to raise.
+    import ctypes
+    import mmap
+
+    from leto.memory.backends.cuda import pin_host, unpin_host
+
+    page = mmap.PAGESIZE
+    fd = os.memfd_create("leto-pin-test")
+    try:
+        os.ftruncate(fd, 4 * page)
+        mm = mmap.mmap(fd, 4 * page)
+        buf = (ctypes.c_char * (4 * page)).from_buffer(mm)
+        address = ctypes.addressof(buf)
+        os.ftruncate(fd, 2 * page)  # pages 2 and 3 lost
+        assert pin_host(0, address, 4 * page) != 0
+        x = torch.arange(1024, device="cuda", dtype=torch.float32)
+        assert float((x * 2).sum()) == 1023.0 * 1024.0  # a kernel launch, checked by torch
+        assert pin_host(0, address, 2 * page) == 0  # what is left pins
+        assert unpin_host(0, address) == 0
+        del buf
+        mm.close()
+    finally:
+        os.close(fd)

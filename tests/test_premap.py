@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from leto.memory import client as client_module
 from leto.memory.client import PoolClient
 from leto.memory.config import AllocationKind
 from leto.memory.errors import FencedError, PoolAuthError, PoolError, PoolProtocolError
@@ -324,16 +325,16 @@ def test_settling_without_a_deferred_localization_is_refused_by_the_state_manage
 
 
 class _PinningDriver:
-    """The part of the CUDA runtime that page-locks host memory, as the driver behaves
-    on the H200: registering a range faults every page of it in, and fails with error 1
-    (cudaErrorInvalidValue) when one cannot be (a lost page: the truncated memfd's
-    mapping); a range overlapping a registered one fails with 712."""
+    """The driver's page-locking of host memory, as it behaves on the H200: registering
+    a range faults every page of it in, and fails with 1 (CUDA_ERROR_INVALID_VALUE) when
+    one cannot be (a lost page: the truncated memfd's mapping); a range overlapping a
+    registered one fails with 712 (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)."""
 
     def __init__(self):
         self.pinned: dict[int, int] = {}
         self.registered = 0
 
-    def cudaHostRegister(self, ptr: int, n: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+    def pin(self, index: int, ptr: int, n: int) -> int:
         if any(p < ptr + n and ptr < p + m for p, m in self.pinned.items()):
             return 712
         if populate_read(ptr, n) != 0:
@@ -342,7 +343,7 @@ class _PinningDriver:
         self.registered += 1
         return 0
 
-    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+    def unpin(self, index: int, ptr: int) -> int:
         return 0 if self.pinned.pop(ptr, None) is not None else 713
 
 
@@ -353,7 +354,8 @@ def test_a_pinned_parity_mapping_that_lost_several_pages_is_pinned_again_once_al
     # pages than H1): the parked shadow had page-locked its parity. Pinning it again
     # after the first replaced page, with the others still lost, failed the promotion.
     driver = _PinningDriver()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
+    monkeypatch.setattr(client_module, "pin_host", driver.pin)
+    monkeypatch.setattr(client_module, "unpin_host", driver.unpin)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # close()'s, before unpinning
     t, want, s = _parked(pool)
     s.register_host(s.parity_mapping(0))  # what premap does on a CUDA pool

@@ -28,6 +28,7 @@ from leto.erasure.pages import PageList
 from leto.memory import fdlimit
 from leto.memory import protocol as P
 from leto.memory.backends import Mapping, importer_for
+from leto.memory.backends.cuda import pin_host, unpin_host
 from leto.memory.backends.host import HostPageImporter
 from leto.memory.config import AllocationKind, PoolConfig
 from leto.memory.errors import PoolError, PoolProtocolError, PoolTimeout
@@ -62,7 +63,7 @@ class PoolClient:
         self._sets: dict[tuple[str, ...], P.AllocatedSet] = {}
         self._registered: dict[
             int, int
-        ] = {}  # page-locked host ranges (cudaHostRegister): ptr -> bytes
+        ] = {}  # page-locked host ranges (cuMemHostRegister): ptr -> bytes
         # Premapping (a parked shadow): the replacement-log position the mappings here
         # are current at (None: nothing premapped), and each group's tier-1 count.
         self._cursor: int | None = None
@@ -397,7 +398,7 @@ class PoolClient:
         fds = P.recv_fds(self.sock, reply.n_fds, fds)
         # By mapping: a pinned one is unpinned once, every replaced page of it mapped
         # again, then pinned again. Pinning it between two replacements would fault in
-        # a lost page not replaced yet (cudaHostRegister fails: error 1, seen on the
+        # a lost page not replaced yet (page-locking fails: error 1, seen on the
         # H200 when a protection group lost several host parity pages).
         todo: dict[int, tuple[object, Mapping, list[tuple[int, int]]]] = {}
         for page, fd in zip(reply.pages, fds, strict=True):
@@ -416,7 +417,7 @@ class PoolClient:
         for importer, mapping, pages in todo.values():
             nbytes = self._registered.pop(mapping.address, None)
             if nbytes is not None:
-                torch.cuda.cudart().cudaHostUnregister(mapping.address)
+                unpin_host(self._cuda_index(), mapping.address)
             for index, fd in pages:
                 importer.replace(mapping, index, fd)
                 self.remapped += 1
@@ -491,6 +492,10 @@ class PoolClient:
     def shutdown(self) -> None:
         P.request(self.sock, P.Shutdown(), P.Ok)
 
+    def _cuda_index(self) -> int:
+        _, _, index = self.config.device.partition(":")
+        return int(index or 0)
+
     def register_host(self, t: torch.Tensor) -> None:
         """Page-lock host memory of this pool (parity, records) for asynchronous,
         stream-ordered copies to and from the GPU. Undone by ``close`` before unmapping,
@@ -498,10 +503,11 @@ class PoolClient:
         nbytes = t.numel() * t.element_size()
         if self._registered.get(t.data_ptr(), -1) >= nbytes:
             return  # premapped: registered (whole pages) while the shadow was parked
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
-        if int(err) != 0:
+        err = pin_host(self._cuda_index(), t.data_ptr(), nbytes)
+        if err != 0:
             raise PoolError(
-                f"cudaHostRegister of {nbytes} bytes at {t.data_ptr():#x} failed: error {int(err)}"
+                f"page-locking {nbytes} bytes of host memory at {t.data_ptr():#x} "
+                f"(cuMemHostRegister) failed: CUresult {err}"
             )
         self._registered[t.data_ptr()] = nbytes
 
@@ -510,7 +516,7 @@ class PoolClient:
         if self._registered:
             torch.cuda.synchronize()  # no copy may still target memory about to be unmapped
             for ptr in self._registered:
-                torch.cuda.cudart().cudaHostUnregister(ptr)
+                unpin_host(self._cuda_index(), ptr)
             self._registered = {}
         for mapping, importer, _ in self._maps.values():
             importer.unmap(mapping)

@@ -18,6 +18,7 @@ a mapping from other GPUs (granted to this device only), and Windows handle type
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 from types import SimpleNamespace
@@ -161,6 +162,33 @@ class _Device:
                 _call(f"unmapping page {i}", d.cuMemUnmap, mapping.address + i * pb, pb)
         _call("cuMemAddressFree", d.cuMemAddressFree, mapping.address, mapping.n_pages * pb)
         mapping.extra.clear()
+
+
+@functools.cache
+def _device(index: int) -> _Device:
+    return _Device(index)
+
+
+def pin_host(device_index: int, address: int, n_bytes: int) -> int:
+    """Page-lock host memory (a pool's parity or records) for stream-ordered copies
+    with ``cuda:device_index``, through the driver (``cuMemHostRegister``); returns the
+    CUresult, 0 when pinned. Not the runtime's ``cudaHostRegister``: its failure stays
+    the runtime's last error, which torch's next kernel-launch check raises as its own
+    (``AcceleratorError: CUDA error: invalid argument``, from a kernel that did nothing
+    wrong: a promoted shadow on the H200, after a premapping tick had met a lost host
+    page and rightly given up its head start)."""
+    dev = _device(device_index)
+    dev.make_current()
+    (err,) = dev.d.cuMemHostRegister(address, n_bytes, 0)
+    return int(err)
+
+
+def unpin_host(device_index: int, address: int) -> int:
+    """Undo ``pin_host``; returns the CUresult."""
+    dev = _device(device_index)
+    dev.make_current()
+    (err,) = dev.d.cuMemHostUnregister(address)
+    return int(err)
 
 
 def _tensor_at(address: int, n_bytes: int, index: int):
