@@ -115,21 +115,14 @@ __device__ __forceinline__ uint4 xor4(float4 a, float4 b) {
                     __float_as_uint(a.w) ^ __float_as_uint(b.w));
 }
 
-// UNDO: 0 none (the caller copied the chunk to the undo buffer first); 1 the old values
-// written to the undo buffer as they are read (no ordering: a timing experiment); 2 as 1,
-// a stage of units at a time, each stage's undo made visible (fence) and flagged in
-// ``flags[block * n_stages + stage]`` before any of that stage's values are written in
-// place: after a crash, a flagged stage is reverted from the undo buffer, an unflagged
-// one was not touched.
-template <int NP, int UNDO>
+template <int NP>
 __device__ __forceinline__ void chunk_pass_body(
     float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
     const float* __restrict__ g, long long unit_elems, int u_begin, int u_end,
     long long item_lo, long long item_hi, const Seg* __restrict__ segs, int n_seg,
     const unsigned int* __restrict__ tables,
     int table_cols, int col0, const unsigned long long* __restrict__ out_ptrs, int n_rows,
-    LetoTripwire* tw, float* __restrict__ up, float* __restrict__ um,
-    float* __restrict__ uv, unsigned int* __restrict__ flags) {
+    LetoTripwire* tw) {
   if (tw && !tripwire_enter(tw)) return;
   constexpr int SU = NP >= 8 ? 2 : 4;  // units per table stage (static shared <= 48 KiB)
   __shared__ __align__(16) unsigned int tab[2][3 * SU * 4 * NP * 16];
@@ -161,60 +154,7 @@ __device__ __forceinline__ void chunk_pass_body(
       stage<NP>(tab[(st + 1) & 1], tables, col0 + 3 * (base + SU),
                 3 * min(SU, n_units - base - SU));
     const unsigned int* cur = tab[st & 1];
-    if constexpr (UNDO == 2) {
-      float4 P0[SU], M0[SU], V0[SU];
-      if (active) {
-#pragma unroll
-        for (int j = 0; j < SU; ++j) {
-          if (j < here) {
-            const long long r = (long long)(base + j) * unit_elems + item * 4;
-            const long long e = (long long)u_begin * unit_elems + r;
-            P0[j] = *reinterpret_cast<const float4*>(p + e);
-            M0[j] = *reinterpret_cast<const float4*>(m + e);
-            V0[j] = *reinterpret_cast<const float4*>(v + e);
-            *reinterpret_cast<float4*>(up + r) = P0[j];
-            *reinterpret_cast<float4*>(um + r) = M0[j];
-            *reinterpret_cast<float4*>(uv + r) = V0[j];
-          }
-        }
-      }
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        flags[blockIdx.x * (long long)n_stages + st] = 1u;
-        __threadfence();
-      }
-      __syncthreads();
-      if (active) {
-#pragma unroll
-        for (int j = 0; j < SU; ++j) {
-          if (j >= here) break;
-          const long long e = (long long)(u_begin + base + j) * unit_elems + item * 4;
-          while (si < n_seg && segs[si].end <= e) ++si;
-          if (si >= n_seg || segs[si].start > e) continue;
-          if (si != cached) {
-            s = segs[si];
-            bias_corrections(s, bc1, bc2s);
-            cached = si;
-          }
-          const float4 gg = *reinterpret_cast<const float4*>(g + e);
-          const float4 p0 = P0[j], m0 = M0[j], v0 = V0[j];
-          float4 p1 = p0, m1 = m0, v1 = v0;
-          const long long left = s.end - e;
-          adam_element(p1.x, gg.x, m1.x, v1.x, s, bc1, bc2s);
-          if (left > 1) adam_element(p1.y, gg.y, m1.y, v1.y, s, bc1, bc2s);
-          if (left > 2) adam_element(p1.z, gg.z, m1.z, v1.z, s, bc1, bc2s);
-          if (left > 3) adam_element(p1.w, gg.w, m1.w, v1.w, s, bc1, bc2s);
-          *reinterpret_cast<float4*>(p + e) = p1;
-          *reinterpret_cast<float4*>(m + e) = m1;
-          *reinterpret_cast<float4*>(v + e) = v1;
-          const unsigned int* t = cur + j * 3 * (4 * NP * 16);
-          gf_accumulate<NP>(acc, xor4(p0, p1), t);
-          gf_accumulate<NP>(acc, xor4(m0, m1), t + 4 * NP * 16);
-          gf_accumulate<NP>(acc, xor4(v0, v1), t + 2 * 4 * NP * 16);
-        }
-      }
-    } else if (active) {
+    if (active) {
       for (int j = 0; j < here; ++j) {
         const long long e = (long long)(u_begin + base + j) * unit_elems + item * 4;
         while (si < n_seg && segs[si].end <= e) ++si;
@@ -228,12 +168,6 @@ __device__ __forceinline__ void chunk_pass_body(
         float4* mp = reinterpret_cast<float4*>(m + e);
         float4* vp = reinterpret_cast<float4*>(v + e);
         const float4 p0 = *pp, m0 = *mp, v0 = *vp;
-        if constexpr (UNDO == 1) {
-          const long long r = (long long)(base + j) * unit_elems + item * 4;
-          *reinterpret_cast<float4*>(up + r) = p0;
-          *reinterpret_cast<float4*>(um + r) = m0;
-          *reinterpret_cast<float4*>(uv + r) = v0;
-        }
         const float4 gg = *reinterpret_cast<const float4*>(g + e);
         float4 p1 = p0, m1 = m0, v1 = v0;
         const long long left = s.end - e;  // elements of this segment from e on
@@ -277,26 +211,11 @@ __device__ __forceinline__ void chunk_pass_body(
       int u_end, long long item_lo, long long item_hi, const Seg* segs, int n_seg,       \
       const unsigned int* tables, int table_cols, int col0,                              \
       const unsigned long long* out_ptrs, int n_rows, LetoTripwire* tw) {                \
-    chunk_pass_body<NP, 0>(p, m, v, g, unit_elems, u_begin, u_end, item_lo, item_hi,     \
-                           segs, n_seg, tables, table_cols, col0, out_ptrs, n_rows, tw,  \
-                           nullptr, nullptr, nullptr, nullptr);                          \
-  }
-
-#define CHUNK_PASS_UNDO(NAME, NP, UNDO)                                                  \
-  extern "C" __global__ void __launch_bounds__(256) NAME(                                \
-      float* p, float* m, float* v, const float* g, long long unit_elems, int u_begin,   \
-      int u_end, long long item_lo, long long item_hi, const Seg* segs, int n_seg,       \
-      const unsigned int* tables, int table_cols, int col0,                              \
-      const unsigned long long* out_ptrs, int n_rows, LetoTripwire* tw, float* up,       \
-      float* um, float* uv, unsigned int* flags) {                                       \
-    chunk_pass_body<NP, UNDO>(p, m, v, g, unit_elems, u_begin, u_end, item_lo, item_hi,  \
-                              segs, n_seg, tables, table_cols, col0, out_ptrs, n_rows,   \
-                              tw, up, um, uv, flags);                                    \
+    chunk_pass_body<NP>(p, m, v, g, unit_elems, u_begin, u_end, item_lo, item_hi, segs,  \
+                        n_seg, tables, table_cols, col0, out_ptrs, n_rows, tw);          \
   }
 
 CHUNK_PASS(chunk_pass_p1, 1)
 CHUNK_PASS(chunk_pass_p2, 2)
 CHUNK_PASS(chunk_pass_p4, 4)
 CHUNK_PASS(chunk_pass_p8, 8)
-CHUNK_PASS_UNDO(chunk_pass_undo1_p2, 2, 1)
-CHUNK_PASS_UNDO(chunk_pass_undo2_p2, 2, 2)
