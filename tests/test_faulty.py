@@ -5,6 +5,9 @@ trainers write; the trainers' side (the error file's ``named``) is in test_monit
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -125,3 +128,22 @@ def test_the_pages_a_fault_plan_took_are_said_in_words():
     assert "66 device page(s) (all ranks' protection groups together)" in text
     assert "1 host parity page(s)" in text and "rank 1 group 2 (3 pages)" in text
     assert "{" not in text
+
+
+def test_more_ranks_than_the_gpus_take_are_refused_before_anything_starts(tmp_path):
+    faulty.enough_gpus(["0", "1"], 2)
+    faulty.enough_gpus(["0"], 2, ranks_per_gpu=2)
+    with pytest.raises(InvalidInput, match=r"--nproc-per-node 3 needs 3 GPU\(s\), and this node has 2"):
+        faulty.enough_gpus(["0", "1"], 3)
+    # What `leto run` says, on the CPU: one GPU visible, three ranks two a GPU.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    got = subprocess.run(
+        [sys.executable, "-m", "leto.cli", "run", "--device", "cuda", "--nproc-per-node", "3",
+         "--ranks-per-gpu", "2", "--log-dir", str(tmp_path / "logs"),
+         "examples/train_gpt.py", "--iterations", "1"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert got.returncode == 2, got.stderr[-2000:]
+    assert "--nproc-per-node 3, 2 a GPU needs 2 GPU(s), and this node has 1 (0," in got.stderr
+    assert "nothing started" in got.stderr and "--ranks-per-gpu 3" in got.stderr
+    assert not (tmp_path / "logs" / "rank0.gen0.active.log").exists()

@@ -144,5 +144,21 @@ def visible_devices(gpus: list[str], bad: set[str], nproc: int, ranks_per_gpu: i
     return ",".join(left[:need])
 
 
+def enough_gpus(gpus: list[str], nproc: int, ranks_per_gpu: int = 1) -> None:
+    """``InvalidInput`` when ``nproc`` ranks a node do not fit on ``gpus`` (one a GPU,
+    or ``ranks_per_gpu`` sharing each): a rank past the last GPU would otherwise share
+    one with NCCL (which refuses it mid-start-up) or put its pool on a GPU that does
+    not exist."""
+    need = -(-nproc // ranks_per_gpu)
+    if len(gpus) < need:
+        shared = f", {ranks_per_gpu} a GPU" if ranks_per_gpu > 1 else ""
+        raise InvalidInput(
+            f"--nproc-per-node {nproc}{shared} needs {need} GPU(s), and this node has "
+            f"{len(gpus)} ({','.join(gpus) or 'none'}, as CUDA_VISIBLE_DEVICES or nvidia-smi "
+            f"lists them); nothing started (run fewer ranks a node, or, to test on fewer "
+            f"GPUs, --ranks-per-gpu {-(-nproc // max(len(gpus), 1))})"
+        )
+
+
 def node_name() -> str:
     return socket.gethostname()

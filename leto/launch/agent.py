@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -396,6 +397,13 @@ class Agent:
                 log.warning("--exclude-faulty: GPUs %s of %s found faulty before (%s): the "
                             "ranks run on CUDA_VISIBLE_DEVICES=%s", sorted(bad), node,
                             faulty.FILE, os.environ["CUDA_VISIBLE_DEVICES"])  # fmt: skip
+        if c.device == "cuda":
+            try:
+                gpus = faulty.node_gpus()
+            except (InvalidInput, OSError, subprocess.SubprocessError):
+                gpus = None  # no nvidia-smi: the trainers' CUDA start-up will say
+            if gpus is not None:
+                faulty.enough_gpus(gpus, c.nproc_per_node, c.ranks_per_gpu)
         first = c.node_rank * c.nproc_per_node
         self.tally = faulty.Tally(
             node,
