@@ -401,8 +401,8 @@ class Agent:
             try:
                 gpus = faulty.node_gpus()
             except (InvalidInput, OSError, subprocess.SubprocessError):
-                gpus = None  # no nvidia-smi: the trainers' CUDA start-up will say
-            if gpus is not None:
+                gpus = []
+            if gpus:  # none listed (no nvidia-smi): the trainers' CUDA start-up will say
                 faulty.enough_gpus(gpus, c.nproc_per_node, c.ranks_per_gpu)
         first = c.node_rank * c.nproc_per_node
         self.tally = faulty.Tally(
