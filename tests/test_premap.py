@@ -399,3 +399,53 @@ def test_a_cuda_driver_error_while_premapping_costs_the_shadow_only_its_head_sta
     assert "will attach cold" in capsys.readouterr().err
     assert p.promote() is None and p.summary()["premapped"] is False
     t.close()
+
+
+def test_a_localization_failing_part_way_leaves_each_replaced_page_marked_and_no_page_leaked():
+    # No memory for the second fresh page (or a driver error mapping one): the first,
+    # already zeroed in place of retained state, must stay known, and the fresh page
+    # that never made it into the mapping is released.
+    from leto.memory.backends.host import HostPageOwner
+    from leto.memory.state_manager.table import Table
+    from tests.pool_helpers import small_config
+
+    owner = HostPageOwner(PAGE)
+    table = Table(small_config(), owner, HostPageOwner(PAGE), HostPageOwner(PAGE))
+    try:
+        table.alloc("w", AllocationKind.PROTECTED.value, 3 * PAGE)
+        table.inject("data", "w", [0, 1, 2])
+        created, released = [], []
+        real_create, real_release, real_replace = owner.create, owner.release, owner.replace
+
+        def create():
+            if len(created) == 1:
+                raise OSError(12, "cannot allocate a fresh page")
+            created.append(real_create())
+            return created[-1]
+
+        def release(h):
+            released.append(h)
+            real_release(h)
+
+        owner.create, owner.release = create, release
+        with pytest.raises(OSError, match="cannot allocate a fresh page"):
+            table.localize()
+        assert table._pending() == {"0": {"data": [0], "tier1": [], "tier2": []}}
+        assert table.replaced == [("data", "w", 0)] and table.allocations["w"].pages[0] is created[0]
+
+        def refused(mapping, i, h):
+            raise RuntimeError("mapping a fresh page: CUDA_ERROR_INVALID_VALUE")
+
+        owner.create, owner.replace = lambda: created.append(real_create()) or created[-1], refused
+        with pytest.raises(RuntimeError, match="CUDA_ERROR_INVALID_VALUE"):
+            table.localize()
+        assert released[-1] is created[-1]  # released, not leaked
+        assert created[-1] not in table.allocations["w"].pages
+        assert table.replaced == [("data", "w", 0)]
+
+        owner.replace = real_replace
+        report = table.localize()  # memory back: the rest found, all named
+        assert report["allocations"]["w"]["failed_pages"] == [1, 2]
+        assert report["groups"]["0"]["data"] == [0, 1, 2]
+    finally:
+        table.close()

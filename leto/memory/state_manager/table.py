@@ -319,14 +319,17 @@ class Table:
             scanned += len(a.pages)
             if not failed:
                 continue
-            self._replace(a.owner, a.pages, a.mapping, failed, ("data", a.name))
             allocations[a.name] = {"kind": a.kind.value, "failed_pages": failed}
             if a.kind is AllocationKind.REUSABLE:
+                self._replace(a.owner, a.pages, a.mapping, failed, ("data", a.name))
                 self.reusable_replaced += len(failed)  # contents need not survive
                 continue
-            for i in failed:
+
+            def pending(i: int, a: Allocation = a) -> None:
                 gid, idx = a.slots[i]
                 self.groups[gid].pending["data"].add(idx)
+
+            self._replace(a.owner, a.pages, a.mapping, failed, ("data", a.name), pending)
         data_s = time.perf_counter() - t0
         self._start_parity_scan()
         report = {
@@ -405,8 +408,8 @@ class Table:
         for (g, tier, owner), (failed, _) in zip(scans, found, strict=True):
             scanned += len(g.parity[tier])
             if failed:
-                self._replace(owner, g.parity[tier], g.parity_maps[tier], failed, (tier, g.gid))
-                g.pending[tier].update(failed)
+                self._replace(owner, g.parity[tier], g.parity_maps[tier], failed, (tier, g.gid),
+                              g.pending[tier].add)  # fmt: skip
         now = time.perf_counter()
         self.parity_result = {
             # the scan (from its start to its last thread's end) and the replacements
@@ -434,15 +437,27 @@ class Table:
         return self._scan_pool
 
     def _replace(
-        self, owner: PageOwner, handles: list, mapping: Mapping, failed: list[int], key: tuple
-    ) -> None:
+        self, owner: PageOwner, handles: list, mapping: Mapping, failed: list[int], key: tuple,
+        pending=None,
+    ) -> None:  # fmt: skip
+        """Put a fresh zeroed page in place of each ``failed`` one; ``pending(i)`` marks
+        page ``i`` to be rebuilt the moment it is in place. A failure part way (no memory
+        for a fresh page, a driver error mapping it) leaves the pages replaced before it
+        marked — zeroes in place of retained state are never left unknown: the next
+        localization finds the rest, the report names them all — and no page leaked."""
         for i in failed:
             fresh = owner.create()
-            owner.replace(mapping, i, fresh)
-            owner.release(handles[i])
-            handles[i] = fresh
+            try:
+                owner.replace(mapping, i, fresh)
+            except BaseException:
+                owner.release(fresh)  # not in the mapping: nothing else holds it
+                raise
+            old, handles[i] = handles[i], fresh
             self.failed_total += 1
             self.replaced.append((*key, i))
+            if pending is not None:
+                pending(i)
+            owner.release(old)
 
     # -- premapping (parked shadows) ------------------------------------------------
 
