@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (the [titan] extra)")
 
@@ -49,6 +50,17 @@ def test_what_leto_cannot_retain_is_refused_naming_the_flag():
         "--training.enable_cpu_offload",
         "--optimizer.early_step_in_backward",
     ], got
+
+
+def test_torchtitan_with_ranks_sharing_a_gpu_is_refused_naming_the_collective():
+    # leto run --ranks-per-gpu 2 -m leto.titan.train: gloo on CUDA has no PREMUL_SUM,
+    # which torchtitan's FSDP2 reduce-scatter uses.
+    from leto.titan.trainer import shared_gpu_refusal
+
+    why = shared_gpu_refusal(torch.device("cuda", 0), "gloo")
+    assert "torchtitan" in why and "PREMUL_SUM" in why and "Nothing was retained" in why
+    assert shared_gpu_refusal(torch.device("cuda", 0), "nccl") is None
+    assert shared_gpu_refusal(torch.device("cpu"), "gloo") is None
 
 
 @pytest.mark.integ

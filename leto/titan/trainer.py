@@ -25,6 +25,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torchtitan.components.checkpoint import MODEL, ModelWrapper
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.config import JobConfig
@@ -35,6 +36,7 @@ from torchtitan.train import Trainer
 
 import leto
 from leto.errors import InvalidInput
+from leto.trainer import shared_gpu
 
 
 def refusals(job_config: JobConfig) -> list[str]:
@@ -73,6 +75,15 @@ def refusals(job_config: JobConfig) -> list[str]:
     return out
 
 
+def shared_gpu_refusal(device, backend: str | None) -> str | None:
+    """Why torchtitan cannot run in this trainer's process group: ranks sharing a GPU
+    (``leto run --ranks-per-gpu``, gloo on CUDA) lack the PREMUL_SUM its FSDP2 gradient
+    reduce-scatter uses; None where it can."""
+    if not shared_gpu.gloo_on_cuda(device, backend):
+        return None
+    return f"torchtitan under Leto: {shared_gpu.refusal('titan')}. Nothing was retained."
+
+
 class LetoTrainer(Trainer):
     def __init__(self, job_config: JobConfig):
         bad = refusals(job_config)
@@ -85,6 +96,11 @@ class LetoTrainer(Trainer):
         # Before torchtitan's init_distributed (which finds the group made and keeps
         # it): a shadow trainer parks in here, torchtitan imported, until promoted.
         ctx = leto.init()
+        # Before torchtitan builds anything: its first backward would stop on the
+        # collective gloo lacks, deep in FSDP2.
+        why = shared_gpu_refusal(ctx.device, dist.get_backend() if dist.is_initialized() else None)
+        if why is not None:
+            raise InvalidInput(why)
         super().__init__(job_config)
         # torchtitan's checkpoint (--checkpoint.enable), loaded where its train() would
         # load it but before leto.Run: a fresh job retains what it loaded; a recovery
