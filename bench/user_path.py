@@ -337,12 +337,22 @@ def run_one(
     if launch.launcher == LETO:
         res["leto_summary"] = _last_json_line(work / "stdout.txt")
     if res["returncode"] != 0 or res["timed_out"]:
+        err = (work / "stderr.txt").read_text()
         res["error"] = (
             f"{'timed out after ' + str(timeout_s) + ' s, ' if res['timed_out'] else ''}"
-            f"exit code {res['returncode']}; stderr ends: "
-            + (work / "stderr.txt").read_text()[-1500:]
+            f"exit code {res['returncode']}; {_first_errors(err)}stderr ends: {err[-1500:]}"
         )
     return res
+
+
+_ERROR_LINE = re.compile(r"error|exception|terminate|abort|what\(\)|signal|killed", re.I)
+
+
+def _first_errors(stderr: str, n: int = 6) -> str:
+    """The first lines of ``stderr`` that name an error: a launcher's summary at its end
+    says only which rank died of what signal; why is above it."""
+    lines = [ln.strip() for ln in stderr.splitlines() if _ERROR_LINE.search(ln)][:n]
+    return "first error lines: " + " | ".join(lines) + "; " if lines else ""
 
 
 def _last_json_line(path: Path) -> dict | None:
