@@ -122,6 +122,15 @@ def test_the_port_under_leto_run_defaults_is_bit_identical_to_torchrun(tmp_path)
     ]
     args = [*user_path.shape_flags(TINY), "--iterations", str(ITERS), "--warmup", "2"]
     torchrun, leto = user_path.run_all(launches, tmp_path, 2, "cpu", args, ITERS, 1, 180)
+    if "error" in torchrun and "error" not in leto:
+        # The reference alone failed — seen once in CI, a rank of plain torchrun + gloo
+        # aborting (SIGABRT) while faultkit's matrices killed jobs beside it on the same
+        # two cores. Both once more, so the comparison stays within one pass; a second
+        # failure, or any failure of leto run's, fails the test.
+        print(f"the torchrun reference failed; both run again: {torchrun['error'][:800]}")
+        torchrun, leto = user_path.run_all(
+            launches, tmp_path / "again", 2, "cpu", args, ITERS, 1, 180
+        )
     for r in (torchrun, leto):
         assert "error" not in r, f"{r['name']}: {r['error']}"
         assert r["iterations"] == ITERS, r
