@@ -130,3 +130,38 @@ def test_a_recoverable_failure_on_every_rank_is_recovered_not_a_script_error(tmp
     why = agent._script_error(1, dead[:1])
     assert why is not None and "again at the same place after a recovery in place" in why, why
     assert "generations 0 and 1" in why, why
+
+
+def test_peers_broken_collectives_wait_for_the_rank_that_broke_them(tmp_path, monkeypatch):
+    # Seen in CI: rank 1 calls sys.exit(3); its connections close before its process is
+    # gone, so rank 0's "Connection closed by peer" was seen a poll earlier and a
+    # recovery began — the job should have stopped with rank 1's code 3 instead.
+    from leto.job.config import RunConfig as Cfg
+    from leto.launch import agent as agent_module
+    from leto.launch.agent import Agent
+    from leto.launch.monitor import Failure
+
+    gloo = {"exception": "RuntimeError", "message": "[gloo/transport/tcp/pair.cc:553] "
+            "Connection closed by peer [127.0.0.1]:10159. This is typically caused by a "
+            "remote worker crashing."}  # fmt: skip
+    broken = Failure(0, FailureKind.EXIT, 1, gloo)
+    assert broken.collateral
+    assert not Failure(1, FailureKind.EXIT, 3).collateral  # the script's own exit
+    assert not Failure(1, FailureKind.EXIT, -9).collateral  # a crash
+    other = {"exception": "ValueError", "message": "a batch of shape (4, 5)"}
+    assert not Failure(0, FailureKind.EXIT, 1, other).collateral
+    assert not Failure(0, FailureKind.HANG).collateral
+
+    store = dist.HashStore()
+    agent = Agent(Cfg(nproc_per_node=2, log_dir=str(tmp_path)), ["train.py"])
+    now = [100.0]
+    monkeypatch.setattr(agent_module.time, "monotonic", lambda: now[0])
+    assert agent._hold([broken], store, 0)  # held: its cause not seen yet
+    now[0] += agent_module.PEER_GRACE_S - 0.1
+    assert agent._hold([broken], store, 0)
+    assert not agent._hold([broken, Failure(1, FailureKind.EXIT, 3)], store, 0)  # there
+    assert agent._hold([broken], store, 1)  # a new generation, a new wait
+    now[0] += agent_module.PEER_GRACE_S
+    assert not agent._hold([broken], store, 1)  # never seen: on without it, bounded
+    store.add(keys.failures(2), 1)  # another node reported this generation's failure
+    assert not agent._hold([broken], store, 2)

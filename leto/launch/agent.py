@@ -62,6 +62,10 @@ log = logging.getLogger("leto.agent")
 # the job runs and removed when it ends.
 POOLS_FILE = "node{node}.pools.json"
 RELAY_S = 0.1  # how often the script's new output is copied to the console
+# How long failures that are only peers' broken collectives wait for their cause to be
+# seen (``Agent._hold``): a process ends a little after its connections close. Bounded:
+# a cause never seen (a whole node gone) delays that recovery by this much.
+PEER_GRACE_S = 2.0
 
 
 class SignalStop(BaseException):
@@ -101,6 +105,7 @@ class Agent:
         self.records: list[RecoveryRecord] = []
         self._notices_seen, self._notices_at = 0, 0.0  # trainers' console lines logged
         self.script_exit: int | None = None  # a trainer's own sys.exit(n): leto run's code
+        self._held: tuple[int, float] | None = None  # (generation, since): see _hold
         self._signatures: set[tuple] = set()  # script errors recovered from once
         # Recoverable failures Leto raised (EXIT_RECOVERABLE): signature -> generation.
         self._recoverable: dict[tuple, int] = {}
@@ -208,6 +213,8 @@ class Agent:
                     relay.poll()
                     relayed = time.monotonic()
                 dead = self.monitor.failures(gen)
+                if dead and not reported and self._hold(dead, store, gen):
+                    continue
                 if dead and not reported:
                     reported = True
                     self._detected = time.time()
@@ -438,6 +445,20 @@ class Agent:
             f"the same --log-dir: the devices listed in {path} are left out and it resumes "
             f"from the newest checkpoint"
         )
+
+    def _hold(self, dead: list[Failure], store, gen: int) -> bool:
+        """Wait for the failure that caused these? True while every failure seen is a
+        peer's broken collective (``Failure.collateral``), no other node has reported
+        one for this generation, and ``PEER_GRACE_S`` has not passed since the first:
+        a rank's own ``sys.exit(3)`` (the job stops with 3) or crash is then seen with
+        them, not a poll later — after a recovery had begun."""
+        if not all(f.collateral for f in dead) or job_store.counter(store, keys.failures(gen)):
+            self._held = None
+            return False
+        now = time.monotonic()
+        if self._held is None or self._held[0] != gen:
+            self._held = (gen, now)
+        return now - self._held[1] < PEER_GRACE_S
 
     def _script_error(self, gen: int, dead: list[Failure]) -> str | None:
         """Why the job stops instead of recovering, or None. A Python exception is a

@@ -18,6 +18,7 @@ state managers (the agent checks their processes).
 from __future__ import annotations
 
 import enum
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,13 @@ from leto.errors import EXIT_FATAL, EXIT_RECOVERABLE
 from leto.job import keys
 from leto.job.config import RunConfig
 from leto.launch.cell import Cell
+
+# What a collective says when a peer's process went away under it.
+_PEER_GONE = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|remote process exited|"
+    r"NCCL communicator was aborted",
+    re.IGNORECASE,
+)
 
 
 class FailureKind(enum.Enum):
@@ -54,6 +62,15 @@ class Failure:
         if self.error is not None:
             out["error"] = self.error
         return out
+
+    @property
+    def collateral(self) -> bool:
+        """The trainer died of a collective a peer broke (gloo's "Connection closed by
+        peer", NCCL's remote exit): the cause is that peer's failure, which may not have
+        been seen yet — a script's own ``sys.exit(n)`` closes its connections before its
+        process is gone."""
+        msg = (self.error or {}).get("message", "")
+        return self.kind is FailureKind.EXIT and bool(_PEER_GONE.search(msg))
 
     @property
     def script_error(self) -> bool:
