@@ -263,21 +263,29 @@ def test_a_request_that_could_see_parity_lands_a_deferred_scan_first(pool):
     cold.close()
 
 
+def _host_table():
+    """The state manager's table on host pages, with a 3-page protected allocation "w";
+    (its device-page owner, the table)."""
+    from leto.memory.backends.host import HostPageOwner
+    from leto.memory.state_manager.table import Table
+    from tests.pool_helpers import small_config
+
+    owner = HostPageOwner(PAGE)
+    table = Table(small_config(), owner, HostPageOwner(PAGE), HostPageOwner(PAGE))
+    table.alloc("w", AllocationKind.PROTECTED.value, 3 * PAGE)
+    return owner, table
+
+
 def test_a_parity_scan_past_its_timeout_stays_pending_and_a_failed_one_is_dropped():
     # The state manager's table: settling waits at most the given time (the pool's I/O
     # timeout by default), replaces nothing until the scan is done, and a scan that
     # failed is raised once (the next localization scans everything again).
     import threading
 
-    from leto.memory.backends.host import HostPageOwner
     from leto.memory.errors import PoolTimeout
-    from leto.memory.state_manager.table import Table
-    from tests.pool_helpers import small_config
 
-    owner = HostPageOwner(PAGE)
-    table = Table(small_config(), owner, HostPageOwner(PAGE), HostPageOwner(PAGE))
+    _, table = _host_table()
     try:
-        table.alloc("w", AllocationKind.PROTECTED.value, 3 * PAGE)
         gate = threading.Event()
         real = table.parity_owner.failed_pages
 
@@ -405,14 +413,8 @@ def test_a_localization_failing_part_way_leaves_each_replaced_page_marked_and_no
     # No memory for the second fresh page (or a driver error mapping one): the first,
     # already zeroed in place of retained state, must stay known, and the fresh page
     # that never made it into the mapping is released.
-    from leto.memory.backends.host import HostPageOwner
-    from leto.memory.state_manager.table import Table
-    from tests.pool_helpers import small_config
-
-    owner = HostPageOwner(PAGE)
-    table = Table(small_config(), owner, HostPageOwner(PAGE), HostPageOwner(PAGE))
+    owner, table = _host_table()
     try:
-        table.alloc("w", AllocationKind.PROTECTED.value, 3 * PAGE)
         table.inject("data", "w", [0, 1, 2])
         created, released = [], []
         real_create, real_release, real_replace = owner.create, owner.release, owner.replace

@@ -129,11 +129,16 @@ def node_gpus() -> list[str]:
     return [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
 
 
+def gpus_needed(nproc: int, ranks_per_gpu: int = 1) -> int:
+    """GPUs ``nproc`` ranks a node take, ``ranks_per_gpu`` of them sharing each."""
+    return -(-nproc // ranks_per_gpu)
+
+
 def visible_devices(gpus: list[str], bad: set[str], nproc: int, ranks_per_gpu: int = 1) -> str:
     """``CUDA_VISIBLE_DEVICES`` for ``nproc`` ranks on ``gpus`` without ``bad``
     (``ranks_per_gpu`` of them a GPU); ``InvalidInput`` when too few are left."""
     left = [g for g in gpus if g not in bad]
-    need = -(-nproc // ranks_per_gpu)
+    need = gpus_needed(nproc, ranks_per_gpu)
     if len(left) < need:
         shared = f", {ranks_per_gpu} a GPU" if ranks_per_gpu > 1 else ""
         raise InvalidInput(
@@ -149,14 +154,14 @@ def enough_gpus(gpus: list[str], nproc: int, ranks_per_gpu: int = 1) -> None:
     or ``ranks_per_gpu`` sharing each): a rank past the last GPU would otherwise share
     one with NCCL (which refuses it mid-start-up) or put its pool on a GPU that does
     not exist."""
-    need = -(-nproc // ranks_per_gpu)
+    need = gpus_needed(nproc, ranks_per_gpu)
     if len(gpus) < need:
         shared = f", {ranks_per_gpu} a GPU" if ranks_per_gpu > 1 else ""
         raise InvalidInput(
             f"--nproc-per-node {nproc}{shared} needs {need} GPU(s), and this node has "
             f"{len(gpus)} ({','.join(gpus) or 'none'}, as CUDA_VISIBLE_DEVICES or nvidia-smi "
             f"lists them); nothing started (run fewer ranks a node, or, to test on fewer "
-            f"GPUs, --ranks-per-gpu {-(-nproc // max(len(gpus), 1))})"
+            f"GPUs, --ranks-per-gpu {gpus_needed(nproc, max(len(gpus), 1))})"
         )
 
 
