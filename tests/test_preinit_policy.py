@@ -347,7 +347,11 @@ def test_a_shadow_that_already_exited_is_not_signalled(make_reclaimer, shadow):
     assert r.on_cache_miss() is True
     (ev,) = r.events()
     assert not ev.killed and ev.exit_latency_s == 0.0 and ev.outcome is Outcome.RELEASED, ev
-    assert ev.latency_s >= 0.2, f"did not wait for the release ({ev.latency_s:.3f}s)"
+    # Waited for the release: the memory came back before it returned. Its latency runs
+    # from after the pressure probe, and the device's 0.2 s from that probe's reading
+    # (seen in CI: 0.19998 s), so the time alone is within a probe of 0.2 s.
+    assert ev.released_bytes >= 2 * GiB, ev
+    assert ev.latency_s >= 0.15, f"did not wait for the release ({ev.latency_s:.3f}s)"
     dev.close()
 
 
