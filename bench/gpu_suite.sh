@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -453,6 +453,31 @@ if [[ $what == gpu-tests ]]; then
     --ignore=tests/test_field.py --ignore=tests/test_kernels.py \
     --ignore=tests/test_data_state.py ${LETO_GPU_TESTS_FILES:-tests/} > "$OUT/gpu_unit_tests.txt" 2>&1 || rc=1
   grep -E "FAILED|ERROR|passed|failed|Timeout" "$OUT/gpu_unit_tests.txt" | tail -30
+fi
+if [[ $what == horner ]]; then
+  # Issue 46 item 4: parity by the code's Horner scheme (H1 <= 4; leto.erasure.horner).
+  # Its kernels' bytes against the table kernels and the unfused steps (every H1 from 1
+  # to 16), then the codec at H = 4 with the scheme and with the table kernels
+  # (LETO_HORNER=0) side by side, then faultkit's kill and kernel abort inside the update.
+  timeout 300 python3 -m pytest -p no:cacheprovider -q -rfEs --tb=short -m gpu \
+    -W ignore::pytest.PytestUnraisableExceptionWarning tests/test_horner.py tests/test_chunk_pass.py \
+    tests/test_codec_gpu.py tests/test_locate.py > "$OUT/horner_tests.txt" 2>&1 || rc=1
+  grep -E "^(FAILED|ERROR)|passed|failed|rror" "$OUT/horner_tests.txt" | tail -30
+  for env in 1 0; do
+    LETO_HORNER=$env timeout 120 python3 -m bench.codec --device cuda --parity-pages 4 --reps 10 \
+      --json-out "$OUT/codec_h4_horner$env.json" > "$OUT/codec_h4_horner$env.txt" 2>&1 || rc=1
+    echo "LETO_HORNER=$env"; tail -12 "$OUT/codec_h4_horner$env.txt"
+  done
+  timeout 240 python3 -m faultkit.cli matrix --device cuda --world-size 1 --iterations 4 \
+    --phases update --modes kill,kernel-abort 2>&1 | tail -15 | tee "$OUT/horner_faultkit.txt" || rc=1
+fi
+if [[ $what == horner-userpath ]]; then
+  # The user path with the Horner scheme (leto run's defaults) and with the table kernels
+  # (LETO_HORNER=0), against torchrun, in one run (LETO_HU_PRESET: 16 K or 128 K tokens).
+  timeout ${LETO_HU_TIMEOUT:-560} python3 -m bench.user_path --preset ${LETO_HU_PRESET:-h200-1b} \
+    --iterations ${LETO_HU_ITERS:-8} --skip 3 --timeout-s 200 --script-args="--deterministic --tokens zipf" \
+    --leto-variant "tables=LETO_HORNER=0" --json "$OUT/horner_userpath.json" > "$OUT/horner_userpath.txt" 2>&1 || rc=1
+  tail -c 3000 "$OUT/horner_userpath.txt"
 fi
 if [[ $what == tied-job ]]; then
   # The job that raised the false alarm, as its user ran it: the 1.1 B nanoGPT-style port

@@ -84,11 +84,17 @@ def test_cpu_kernel_equals_reference(rows, cols, n_sym, col_offset, accumulate, 
 
 
 @pytest.mark.parametrize("D,H", [(1, 1), (7, 3), (64, 16), (1024, 16)])
-def test_generator_matrix_is_the_documented_cauchy_matrix(D, H):
-    x = GF(np.arange(H))[:, None]
-    y = GF(np.arange(H, H + D))[None, :]
-    expected = np.array(y / (x + y), dtype=np.int64)  # '+' is XOR in GF(2^16)
+def test_generator_matrix_is_the_documented_reed_solomon_code(D, H):
+    # Checks C[r][i] = α^((b+r)·i), α = x (0x2), b = -((H-1)//2); G = C_P⁻¹ · C_D.
+    b = -((H - 1) // 2)
+    r = np.arange(H)[:, None] + b
+    C = GF(np.full((H, D + H), 2)) ** ((r * np.arange(D + H)[None, :]) % 65535)
+    expected = np.array(np.linalg.inv(C[:, D:]) @ C[:, :D], dtype=np.int64)
     assert np.array_equal(np.array(ReedSolomon(D, H).generator_matrix()), expected)
+    # Every codeword (data, parity) satisfies the checks.
+    data = GF(np.random.default_rng(D).integers(0, 1 << 16, (D, 3)))
+    word = np.concatenate([data, GF(np.array(ReedSolomon(D, H).generator_matrix())) @ data])
+    assert not np.any(C @ word)
 
 
 def test_every_square_submatrix_tried_is_invertible():
@@ -115,15 +121,16 @@ def test_encode_equals_galois_matmul(kernel):
 
 
 def test_byte_order_is_little_endian_symbols():
-    # Page bytes [0x34, 0x12] are the symbol 0x1234; multiplying by 2 in GF(2^16)
-    # shifts left, so parity row 1 (coefficient y/(1^y) for y=2: 2/3) is checked via galois.
+    # Page bytes [0x34, 0x12] are the symbol 0x1234; parity row 1's product with its
+    # coefficient is checked via galois.
     rs = ReedSolomon(1, 2)
     page = torch.tensor([[0x34, 0x12]], dtype=torch.uint8)
     parity = rs.encode(page)
     c = rs.generator_matrix()[1][0]
     expected = int(GF(c) * GF(0x1234))
     assert parity[1].tolist() == [expected & 0xFF, expected >> 8]
-    assert parity[0].tolist() == [0x34, 0x12]  # row 0 is XOR: the page itself
+    # With one parity page the code is XOR: the parity of one page is the page itself.
+    assert ReedSolomon(1, 1).encode(page)[0].tolist() == [0x34, 0x12]
 
 
 @pytest.mark.parametrize("n_sym", [1, 2047, 2048, 5000])

@@ -23,10 +23,11 @@ oracle = pytest.mark.skipif(galois is None, reason="needs galois, the independen
 
 
 def oracle_generator(D: int, H: int):
-    """G[j][i] = y_i / (x_j + y_i), x_j = j, y_i = H + i, computed by galois."""
-    x = GF(np.arange(H))[:, None]
-    y = GF(np.arange(H, H + D))[None, :]
-    return y / (x + y)
+    """G = C_P⁻¹ · C_D for the checks C[r][i] = α^((b+r)·i), α = x, b = -((H-1)//2),
+    computed by galois."""
+    r = np.arange(H)[:, None] - (H - 1) // 2
+    C = GF(np.full((H, D + H), 2)) ** ((r * np.arange(D + H)[None, :]) % 65535)
+    return np.linalg.inv(C[:, D:]) @ C[:, :D]
 
 
 def symbols(pages: torch.Tensor) -> np.ndarray:

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from leto.erasure import field
+from leto.erasure import field, horner
 from leto.erasure.errors import PageRangeError, PageShapeError, TooManyErasures
 from leto.erasure.kernels import Coefficients, GFKernel, by_name, for_device
 from leto.erasure.pages import (
@@ -47,9 +47,10 @@ class ReedSolomon:
             raise TypeError("data_pages and parity_pages must be integers")
         self.data_pages = data_pages
         self.parity_pages = parity_pages
-        self._g = field.cauchy_generator(data_pages, parity_pages)
+        self._g = field.rs_generator(data_pages, parity_pages)
         self._g.setflags(write=False)
         self._coeffs = Coefficients(self._g)
+        self._horner: dict[tuple[int, int], Coefficients] = {}
         self._kernel_name = kernel
         if kernel is not None:
             by_name(kernel)  # fail now on an unknown name
@@ -68,6 +69,27 @@ class ReedSolomon:
         """The H × D coefficients: parity page j = Σ_i G[j][i] · data page i."""
         return self._g.tolist()
 
+    @property
+    def first_root(self) -> int:
+        """``b``: the parity checks are at α^b .. α^(b+H-1) (``field.rs_generator``)."""
+        return field.first_root(self.parity_pages)
+
+    def parity_checks(self) -> np.ndarray:
+        """``C_P``: the H × H parity-page part of the check matrix; ``C_P · S`` turns
+        the generator's syndromes ``S = G·d ⊕ p`` into the check sums
+        ``Σ_pos α^((b+r)·pos) · e_pos`` of the errors ``e`` (``leto.erasure.locate``)."""
+        c = field.check_matrix(self.data_pages + self.parity_pages, self.parity_pages)
+        return c[:, self.data_pages :]
+
+    def horner_coefficients(self, col0: int, k: int) -> Coefficients:
+        """``M`` of the run of ``k`` data pages from ``col0`` (``leto.erasure.horner``),
+        kept with its kernel tables: a layout has a few hundred run shapes."""
+        c = self._horner.get((col0, k))
+        if c is None:
+            c = Coefficients(horner.horner_matrix(self.data_pages, self.parity_pages, col0, k))
+            self._horner[(col0, k)] = c
+        return c
+
     @staticmethod
     def parity_page_bytes(page_bytes: int) -> int:
         return parity_page_bytes(page_bytes)
@@ -83,7 +105,7 @@ class ReedSolomon:
             out = torch.empty((self.parity_pages, pbytes), dtype=torch.uint8, device=d.device)
         p = self._parity_pages(out, pbytes, group)
         same_device(group, d, p)
-        self._kernel(d.device).matmul(self._coeffs, padded(d), p.pages)
+        self._by_generator(self._kernel(d.device), padded(d), p.pages)
         return out
 
     def verify(self, data: PageInput, parity: PageInput, *, group: object = None) -> bool:
@@ -92,7 +114,7 @@ class ReedSolomon:
         p = self._parity_pages(parity, parity_page_bytes(d.page_bytes), group)
         same_device(group, d, p)
         fresh = torch.empty((self.parity_pages, p.page_bytes), dtype=torch.uint8, device=d.device)
-        self._kernel(d.device).matmul(self._coeffs, padded(d), list(fresh))
+        self._by_generator(self._kernel(d.device), padded(d), list(fresh))
         return all(torch.equal(fresh[j], p.pages[j]) for j in range(self.parity_pages))
 
     def update(
@@ -120,8 +142,8 @@ class ReedSolomon:
         self._check_run(first_page, len(o), group)
         p = self._parity_pages(parity, parity_page_bytes(o.page_bytes), group)
         same_device(group, o, n, p)
-        self._kernel(o.device).matmul(
-            self._coeffs,
+        self._by_generator(
+            self._kernel(o.device),
             padded(o),
             p.pages,
             col_offset=first_page,
@@ -195,7 +217,7 @@ class ReedSolomon:
             data_in[i].zero_()
         pbytes = data_in[0].numel()
         syndromes = torch.empty((self.parity_pages, pbytes), dtype=torch.uint8, device=d.device)
-        kernel.matmul(self._coeffs, data_in, list(syndromes))
+        self._by_generator(kernel, data_in, list(syndromes))
         ins = [syndromes[j] for j in rows]
         parity_rows = [p.pages[j] for j in rows]
         if d.page_bytes % 2 == 0:
@@ -205,6 +227,19 @@ class ReedSolomon:
         kernel.matmul(a_inv, ins, list(tmp), xor_with=parity_rows)
         for k, i in enumerate(lost):
             d.pages[i].copy_(tmp[k, :-1])
+
+    def _by_generator(self, kernel: GFKernel, inputs, outputs, *, col_offset: int = 0,
+                      xor_with=None, accumulate: bool = False) -> None:  # fmt: skip
+        """``outputs (⊕)= G[:, col_offset:] · (inputs ⊕ xor_with)``: by the code's Horner
+        scheme where the kernel has it (CUDA, at most ``horner.HORNER_ROWS`` parity
+        pages, 16-byte vectors), else by the generic table multiply — the same bytes."""
+        by_horner = getattr(kernel, "horner", None)
+        if by_horner is not None and horner.applies(self.parity_pages):
+            m = self.horner_coefficients(col_offset, len(inputs))
+            if by_horner(m, inputs, outputs, xor_with=xor_with, accumulate=accumulate):
+                return
+        kernel.matmul(self._coeffs, inputs, outputs, col_offset=col_offset,
+                      xor_with=xor_with, accumulate=accumulate)  # fmt: skip
 
     def _parity_pages(self, parity: PageInput, pbytes: int, group: object) -> PageList:
         p = as_pages(parity, self.parity_pages, "parity", group)

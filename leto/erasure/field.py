@@ -114,15 +114,37 @@ def mat_inv(m: np.ndarray) -> np.ndarray:
     return aug[:, n:]
 
 
-def cauchy_generator(data_pages: int, parity_pages: int) -> np.ndarray:
-    """The H × D generator of a systematic code: a column-normalised Cauchy matrix.
+def first_root(parity_pages: int) -> int:
+    """``b``: the code's parity checks are at α^b .. α^(b+H-1), centred on α^0 so the
+    fused update's Horner steps (multiplies by α^-(b+r)) are the cheapest shifts."""
+    return -((parity_pages - 1) // 2)
 
-    ``G[j][i] = y_i / (x_j ⊕ y_i)`` with ``x_j = j`` (parity rows) and
-    ``y_i = H + i`` (data pages). It is the Cauchy matrix ``1 / (x_j ⊕ y_i)`` with
-    column i scaled by ``y_i = x_0 ⊕ y_i``: scaling columns keeps every square
-    submatrix invertible (the MDS property), and makes row 0 all ones, so the first
-    parity page is the plain XOR of the data pages (cheap, and the natural tier 2).
-    Plain Vandermonde rows are avoided: 3 divides 65535, so some of their minors vanish.
+
+def power(exponent: np.ndarray | int) -> np.ndarray:
+    """α^exponent for any integer exponents (negative ones too)."""
+    return EXP[np.mod(np.asarray(exponent, dtype=np.int64), ORDER)].astype(np.int64)
+
+
+def check_matrix(columns: int, parity_pages: int) -> np.ndarray:
+    """The H × n parity checks ``C[r][i] = α^((b+r)·i)``: a codeword c (data at
+    positions 0..D-1, parity page j at D+j) satisfies C · c = 0."""
+    r = np.arange(parity_pages, dtype=np.int64)[:, None] + first_root(parity_pages)
+    return power(r * np.arange(columns, dtype=np.int64)[None, :])
+
+
+def rs_generator(data_pages: int, parity_pages: int) -> np.ndarray:
+    """The H × D generator of a systematic Reed–Solomon code: ``G = C_P⁻¹ · C_D``.
+
+    The code is every word c of D data and H parity symbols with ``C · c = 0`` for the
+    H consecutive powers α^b .. α^(b+H-1) of the primitive element α (``check_matrix``).
+    Any H columns of C form a Vandermonde matrix of distinct powers of α (times a
+    diagonal), so any H lost pages decode (MDS) for D + H ≤ 65535; its parity is
+    ``p = C_P⁻¹ · C_D · d``. The structure is what makes the fused update cheap: the
+    parity change of a run of pages is ``C_P⁻¹ · (Σ_k α^((b+r)·k) · Δ_k)``, and the sum
+    is a Horner scheme whose steps multiply by α^±1, α^±2 (shifts), not by arbitrary
+    constants (``leto.update.chunk_pass``). With H = 1 the parity is the XOR of the data
+    pages. Plain Vandermonde *generators* are avoided: 3 divides 65535, so some of their
+    minors vanish; the check matrix has no such problem.
     """
     if data_pages < 1 or parity_pages < 1:
         raise ValueError(
@@ -132,7 +154,5 @@ def cauchy_generator(data_pages: int, parity_pages: int) -> np.ndarray:
         raise ValueError(
             f"D + H = {data_pages + parity_pages} exceeds {ORDER}, the most GF(2^16) allows"
         )
-    x = np.arange(parity_pages, dtype=np.int64)[:, None]
-    y = np.arange(parity_pages, parity_pages + data_pages, dtype=np.int64)[None, :]
-    denom = x ^ y  # never 0: x < H <= y
-    return mul_vec(y, EXP[(ORDER - LOG[denom]) % ORDER].astype(np.int64))
+    c = check_matrix(data_pages + parity_pages, parity_pages)
+    return matmul(mat_inv(c[:, data_pages:]), c[:, :data_pages])

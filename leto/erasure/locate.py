@@ -9,14 +9,15 @@ consistent). An error of value ``e`` in column ``k`` adds ``h_k · e`` to it, wh
 ``h_k`` is G's column for a data page and the unit vector ``u_j`` for parity page j.
 
 Decoding, per codeword with a non-zero syndrome (on the host: only those codewords
-leave the device):
+leave the device), works on the check sums ``σ = C_P · S``: with the code's parity
+checks (``field.rs_generator``) an error of value ``e`` at position ``pos`` (data page
+i at ``i``, parity page j at ``D + j``) adds ``α^((b+r)·pos) · e`` to ``σ_r``:
 
-* one error (H ≥ 2): in closed form. A parity page ``j`` leaves only ``S_j`` non-zero
-  (G has no zero entry, so no data error does that). A data page ``i`` has
-  ``G[0][i] = 1``, so ``e = S_0``, and ``S_1 / S_0 = y / (1 ⊕ y)`` with ``y = H + i``
-  gives ``y = r / (1 ⊕ r)``; every other row must agree (``S_j = G[j][i] · e``).
-* two errors (H ≥ 5): every pair of columns, solved on rows 0 and 1 and checked on
-  the others (vectorised; only for codewords one error does not explain).
+* one error (H ≥ 2): ``X = σ_1 / σ_0 = α^pos`` names the page and ``e = σ_0 / X^b``;
+  every other row must agree (``σ_r = e · X^(b+r)``).
+* two errors (H ≥ 5): the error locator ``x² = λ_1·x + λ_2`` from four consecutive
+  check sums (Peterson), its two roots found among the D + H positions, the values
+  from two rows, checked on all (only for codewords one error does not explain).
 * anything else: detected, not located (``Unlocatable`` names the group and where).
 
 Why not more: the code's distance is H + 1, so decoding up to t errors still *detects*
@@ -26,7 +27,7 @@ H = 1 (tier 2 as XOR) nothing can be located, only detected.
 
 Not covered: correcting the pages (``SymbolError.apply`` does it; *whether* to is the
 scrubber's call, since a corrupted parameter may already have been read), the cost of
-the pair search (≈ (D + H)² field operations per codeword: for rare codewords only).
+the root search (≈ D + H field operations per codeword: for rare codewords only).
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return field.mul_vec(a, field.EXP[(field.ORDER - field.LOG[b]) % field.ORDER])
 
 
+def _pow(x: np.ndarray, k) -> np.ndarray:
+    """x^k for non-zero field elements x and any integers k (negative too)."""
+    return field.power(field.LOG[x] * np.asarray(k, dtype=np.int64))
+
+
 def locate(
     code: ReedSolomon, positions: np.ndarray, synd: np.ndarray, *, group: object = None
 ) -> list[SymbolError]:
@@ -110,36 +116,28 @@ def locate(
         return []
     if H < 2:
         raise Unlocatable(group, positions.tolist(), f"H = {H}: errors are only detected")
-    g = np.asarray(code.generator_matrix(), dtype=np.int64)  # H × D
-    s = np.asarray(synd, dtype=np.int64)
+    sig = field.matmul(code.parity_checks(), np.asarray(synd, dtype=np.int64))  # H × m
+    b = code.first_root
+    rk = np.arange(H, dtype=np.int64)[:, None] + b  # the rows' exponents b + r
     out: list[SymbolError] = []
-    nz = s != 0
-    # A parity page: one non-zero row.
-    lone = nz.sum(axis=0) == 1
-    for c in np.nonzero(lone)[0]:
-        j = int(np.nonzero(nz[:, c])[0][0])
-        out.append(SymbolError(D + j, int(positions[c]), int(s[j, c])))
-    # A data page: y = r / (1 ⊕ r), r = S_1 / S_0.
-    rest = np.nonzero(~lone)[0]
-    e = s[0, rest]
-    r = np.where(e != 0, _div(s[1, rest], np.where(e != 0, e, 1)), 1)
-    ok = (e != 0) & (r != 1)
-    y = np.where(ok, _div(r, np.where(ok, r ^ 1, 1)), 0)
-    col = y - H
-    ok &= (col >= 0) & (col < D)
-    colc = np.clip(col, 0, D - 1)
-    ok &= np.all(field.mul_vec(g[:, colc], e[None, :]) == s[:, rest], axis=0)
-    for k, c in enumerate(rest):
-        if ok[k]:
-            out.append(SymbolError(int(col[k]), int(positions[c]), int(e[k])))
-    left = [int(c) for k, c in enumerate(rest) if not ok[k]]
+    # One error: X = σ_1 / σ_0 = α^pos, e = σ_0 / X^b, checked on every row.
+    s0, s1 = sig[0], sig[1]
+    ok = (s0 != 0) & (s1 != 0)
+    x = np.where(ok, _div(s1, np.where(ok, s0, 1)), 1)
+    pos = field.LOG[x]
+    ok &= pos < D + H
+    e = np.where(ok, _div(s0, _pow(x, b)), 0)
+    ok &= np.all(field.mul_vec(_pow(x[None, :], rk), e[None, :]) == sig, axis=0)
+    for c in np.nonzero(ok)[0]:
+        out.append(SymbolError(int(pos[c]), int(positions[c]), int(e[c])))
+    left = [int(c) for c in np.nonzero(~ok)[0]]
     if left and H < 5:
         raise Unlocatable(
             group, [int(positions[c]) for c in left],
             f"more than one error in a codeword; H = {H} locates one",
         )  # fmt: skip
     for c in left:
-        pair = _pair(g, s[:, c])
+        pair = _pair(sig[:, c], b, D + H)
         if pair is None:
             raise Unlocatable(
                 group, [int(positions[c]) for c in left],
@@ -150,37 +148,33 @@ def locate(
     return sorted(out, key=lambda x: (x.column, x.symbol))
 
 
-def _pair(g: np.ndarray, s: np.ndarray) -> list[tuple[int, int]] | None:
-    """Two errors ``(column, value)`` that explain the syndrome ``s``, or None."""
-    H, D = g.shape
-    nz = np.nonzero(s)[0]
-    if len(nz) == 2:  # two parity pages (a data error touches at least H - 1 rows)
-        return [(D + int(j), int(s[j])) for j in nz]
-    # A data page and parity page j: the rows other than j are one data error.
-    for j in range(H):
-        rows = np.array([r for r in range(H) if r != j])
-        r0 = rows[0]
-        e = _div(np.full(D, s[r0], dtype=np.int64), g[r0])  # G has no zero entry
-        fit = (e != 0) & np.all(field.mul_vec(g[rows], e[None, :]) == s[rows, None], axis=0)
-        ej = s[j] ^ field.mul_vec(g[j], e)
-        fit &= ej != 0
-        hit = np.nonzero(fit)[0]
-        if len(hit):
-            a = int(hit[0])
-            return [(a, int(e[a])), (D + j, int(ej[a]))]
-    # Two data pages a < b: rows 0 and 1 by Cramer's rule (the determinant
-    # G[1][a] ⊕ G[1][b] is never zero: row 1's entries are distinct), checked on all.
-    for a in range(D - 1):
-        b = np.arange(a + 1, D)
-        ha, hb = g[:, a][:, None], g[:, b]
-        det = ha[1] ^ hb[1]  # row 0 is all ones
-        ea = _div(field.mul_vec(s[0], hb[1]) ^ s[1], det)
-        eb = _div(field.mul_vec(s[0], ha[1]) ^ s[1], det)
-        good = (ea != 0) & (eb != 0)
-        pred = field.mul_vec(ha, ea[None, :]) ^ field.mul_vec(hb, eb[None, :])
-        good &= np.all(pred == s[:, None], axis=0)
-        hit = np.nonzero(good)[0]
-        if len(hit):
-            k = int(hit[0])
-            return [(a, int(ea[k])), (int(b[k]), int(eb[k]))]
-    return None
+def _pair(sig: np.ndarray, b: int, n: int) -> list[tuple[int, int]] | None:
+    """Two errors ``(position, value)`` whose check sums are ``sig`` (H ≥ 4 rows, the
+    exponents b, b+1, ..), or None. With X_1, X_2 the errors' α^pos, every run of three
+    consecutive sums obeys σ_(k+2) = λ_1·σ_(k+1) + λ_2·σ_k (λ_1 = X_1 + X_2,
+    λ_2 = X_1·X_2): two runs give λ; X_1, X_2 are the roots of x² + λ_1·x + λ_2."""
+    m = field.mul
+    s0, s1, s2, s3 = (int(v) for v in sig[:4])
+    det = m(s1, s1) ^ m(s0, s2)
+    if det == 0:
+        return None
+    l1 = field.div(m(s1, s2) ^ m(s0, s3), det)
+    l2 = field.div(m(s1, s3) ^ m(s2, s2), det)
+    xs = field.power(np.arange(n, dtype=np.int64))
+    roots = np.nonzero((field.mul_vec(xs, xs) ^ field.mul_vec(xs, l1) ^ l2) == 0)[0]
+    if len(roots) != 2:
+        return None
+    p1, p2 = (int(r) for r in roots)
+    x1, x2 = int(xs[p1]), int(xs[p2])
+    # z_i = e_i · X_i^b: σ_0 = z_1 + z_2, σ_1 = z_1·X_1 + z_2·X_2.
+    z1 = field.div(s1 ^ m(s0, x2), x1 ^ x2)
+    z2 = s0 ^ z1
+    e1 = m(z1, int(_pow(np.array(x1), -b)))
+    e2 = m(z2, int(_pow(np.array(x2), -b)))
+    if e1 == 0 or e2 == 0:
+        return None
+    rk = np.arange(len(sig), dtype=np.int64) + b
+    pred = field.mul_vec(_pow(np.array([x1]), rk), e1) ^ field.mul_vec(_pow(np.array([x2]), rk), e2)
+    if not np.array_equal(pred, np.asarray(sig, dtype=np.int64)):
+        return None
+    return [(p1, e1), (p2, e2)]

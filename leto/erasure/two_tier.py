@@ -2,8 +2,9 @@
 
 Tier-1 parity (H1 pages) protects the D device pages of a protection group; tier-2
 parity (H2 pages) protects the tier-1 pages, which live in host memory and can be lost
-to host memory errors themselves. Both tiers use the same column-normalised Cauchy
-construction, so with H2 = 1 tier 2 is the XOR of the tier-1 pages.
+to host memory errors themselves. Both tiers use the same Reed–Solomon
+construction (``field.rs_generator``), so with H2 = 1 tier 2 is the XOR of the tier-1
+pages.
 
 Reconstruction rebuilds lost tier-1 pages from tier 2 first (16 pages read instead of
 1024), then lost data pages from tier 1; it succeeds whenever the lost pages are within

@@ -11,9 +11,18 @@
 // consecutive columns of the group. One thread owns 16 bytes (4 floats, 8 GF(2^16)
 // symbols) at one offset of every page of the chunk and walks the chunk's units, so its
 // parity accumulates in registers and is written once — no atomics, no second pass.
-// The GF multiply is gf_matmul.cu's: 4 nibble tables per coefficient, two output rows
-// per 32-bit word; only the NP row pairs the code has are staged (compact), a stage of
-// a few units at a time, double-buffered.
+// Two ways to the parity change, chosen by the number of parity rows H:
+// * H <= 4 (chunk_pass_rs_h*): the code's structure (leto.erasure.field.rs_generator).
+//   The change of the chunk's K columns is C_P^-1 * (sum_k a^((b+r)(col0+k)) * d_k),
+//   and the sum is a Horner scheme: t_r <- t_r * a^-(b+r) ^ d_k along the columns,
+//   each step a shift and a conditional XOR of two symbols in a 32-bit word (SWAR) —
+//   no table, no shared memory in the loop. Once per thread at the end, out ^= M * t
+//   with M = C_P^-1 * diag(a^((b+r)(col0+K-1))) (host-built, chunk_pass.py), by
+//   gf_matmul.cu's nibble tables.
+// * H > 4 (chunk_pass_p*): gf_matmul.cu's multiply of every column by its generator
+//   coefficient: 4 nibble tables per coefficient, two output rows per 32-bit word; only
+//   the NP row pairs the code has are staged (compact), a stage of a few units at a time,
+//   double-buffered.
 //
 // Segments: sorted, disjoint element ranges [start, end) of the chunk with their
 // hyperparameters (an optimizer parameter group's); starts are multiples of 4 (the
@@ -28,9 +37,9 @@
 // Not covered: amsgrad, maximize, a gradient scale, lr as a tensor, mixed dtypes,
 // more than 16 parity rows (the caller falls back to the unfused steps).
 
+#include "gf_horner.cuh"
 #include "tripwire.cuh"
 
-#define TAB_WORDS 512  // words per column in the codec's table layout [pos 4][pair 8][nib 16]
 
 struct Seg {
   long long start, end;  // shard-local elements
@@ -76,36 +85,6 @@ extern "C" __global__ void adam_check(float* p, const float* g, float* m, float*
   p[i] = a;
   m[i] = b;
   v[i] = c;
-}
-
-template <int NP>
-__device__ __forceinline__ void stage(unsigned int* dst, const unsigned int* T, int col0,
-                                      int cols) {
-  // dst[c][pos][p][nib] <- T[(col0 + c)][pos][p][nib] for the NP row pairs used.
-  const int n = cols * 4 * NP * 16;
-  for (int w = threadIdx.x; w < n; w += blockDim.x) {
-    const int nib = w & 15;
-    const int p = (w >> 4) % NP;
-    const int pos = (w / (16 * NP)) & 3;
-    const int c = w / (64 * NP);
-    dst[w] = T[(long long)(col0 + c) * TAB_WORDS + pos * 128 + p * 16 + nib];
-  }
-}
-
-template <int NP>
-__device__ __forceinline__ void gf_accumulate(unsigned int (&acc)[8][NP], uint4 d,
-                                              const unsigned int* t) {
-  const unsigned int w[4] = {d.x, d.y, d.z, d.w};
-#pragma unroll
-  for (int s = 0; s < 8; ++s) {
-    const unsigned int x = (s & 1) ? (w[s >> 1] >> 16) : (w[s >> 1] & 0xFFFFu);
-#pragma unroll
-    for (int pos = 0; pos < 4; ++pos) {
-      const unsigned int* tp = t + pos * (NP * 16) + ((x >> (4 * pos)) & 15u);
-#pragma unroll
-      for (int p = 0; p < NP; ++p) acc[s][p] ^= tp[p * 16];
-    }
-  }
 }
 
 __device__ __forceinline__ uint4 xor4(float4 a, float4 b) {
@@ -204,6 +183,82 @@ __device__ __forceinline__ void chunk_pass_body(
   }
   if (tw) tripwire_leave(tw);
 }
+
+// ---- H <= 4: the Horner scheme -------------------------------------------------------
+
+template <int H>
+__device__ __forceinline__ void chunk_pass_rs_body(
+    float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
+    const float* __restrict__ g, long long unit_elems, int u_begin, int u_end,
+    long long item_lo, long long item_hi, const Seg* __restrict__ segs, int n_seg,
+    const unsigned int* __restrict__ mtables, const unsigned long long* __restrict__ out_ptrs,
+    LetoTripwire* tw) {
+  if (tw && !tripwire_enter(tw)) return;
+  constexpr int NP = (H + 1) / 2;
+  __shared__ __align__(16) unsigned int tab[H * 4 * NP * 16];
+  stage<NP>(tab, mtables, 0, H);  // M's H columns; read once, at the end
+  __syncthreads();
+  const long long item = item_lo + blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (item < item_hi) {
+    unsigned int t[H][4];
+#pragma unroll
+    for (int r = 0; r < H; ++r) t[r][0] = t[r][1] = t[r][2] = t[r][3] = 0;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    int si = 0, cached = -1;
+    Seg s;
+    float bc1 = 1, bc2s = 1;
+    for (int u = u_begin; u < u_end; ++u) {
+      const long long e = (long long)u * unit_elems + item * 4;
+      while (si < n_seg && segs[si].end <= e) ++si;
+      if (si >= n_seg || segs[si].start > e) {  // nothing of ours here: no change, but
+        horner_step<H>(t, zero);                // every column is still a Horner step
+        horner_step<H>(t, zero);
+        horner_step<H>(t, zero);
+        continue;
+      }
+      if (si != cached) {
+        s = segs[si];
+        bias_corrections(s, bc1, bc2s);
+        cached = si;
+      }
+      float4* pp = reinterpret_cast<float4*>(p + e);
+      float4* mp = reinterpret_cast<float4*>(m + e);
+      float4* vp = reinterpret_cast<float4*>(v + e);
+      const float4 p0 = *pp, m0 = *mp, v0 = *vp;
+      const float4 gg = *reinterpret_cast<const float4*>(g + e);
+      float4 p1 = p0, m1 = m0, v1 = v0;
+      const long long left = s.end - e;
+      adam_element(p1.x, gg.x, m1.x, v1.x, s, bc1, bc2s);
+      if (left > 1) adam_element(p1.y, gg.y, m1.y, v1.y, s, bc1, bc2s);
+      if (left > 2) adam_element(p1.z, gg.z, m1.z, v1.z, s, bc1, bc2s);
+      if (left > 3) adam_element(p1.w, gg.w, m1.w, v1.w, s, bc1, bc2s);
+      *pp = p1;
+      *mp = m1;
+      *vp = v1;
+      horner_step<H>(t, xor4(p0, p1));  // columns in group order: param, exp_avg,
+      horner_step<H>(t, xor4(m0, m1));  // exp_avg_sq of each unit
+      horner_step<H>(t, xor4(v0, v1));
+    }
+    horner_finish<H>(t, tab, out_ptrs, item, true);
+  }
+  if (tw) tripwire_leave(tw);
+}
+
+#define CHUNK_PASS_RS(NAME, H)                                                           \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                \
+      float* p, float* m, float* v, const float* g, long long unit_elems, int u_begin,   \
+      int u_end, long long item_lo, long long item_hi, const Seg* segs, int n_seg,       \
+      const unsigned int* mtables, const unsigned long long* out_ptrs, LetoTripwire* tw) { \
+    chunk_pass_rs_body<H>(p, m, v, g, unit_elems, u_begin, u_end, item_lo, item_hi, segs, \
+                          n_seg, mtables, out_ptrs, tw);                                  \
+  }
+
+CHUNK_PASS_RS(chunk_pass_rs_h1, 1)
+CHUNK_PASS_RS(chunk_pass_rs_h2, 2)
+CHUNK_PASS_RS(chunk_pass_rs_h3, 3)
+CHUNK_PASS_RS(chunk_pass_rs_h4, 4)
+
+// ---- H > 4: a table multiply per column -----------------------------------------------
 
 #define CHUNK_PASS(NAME, NP)                                                             \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                \

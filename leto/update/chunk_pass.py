@@ -6,15 +6,20 @@ one. Without it a chunk takes three passes over its state: the script's fused Ad
 (reads parameter, gradient and both moments, writes three), then the codec's parity
 update (reads the undo copy and the new state again). The CUDA kernel
 (``chunk_pass.cu``) reads each element once, applies torch's fused Adam/AdamW
-arithmetic and multiplies the change into the scratch parity in registers.
+arithmetic and folds the change into the scratch parity in registers: with at most
+``horner.HORNER_ROWS`` tier-1 pages by the code's Horner scheme (``leto.erasure.horner``:
+shifts, no table lookups in the loop), with more by a table multiply per column.
 
 Bit-identical to the unfused steps, or not used: the kernel mirrors torch's
 ``adam_math`` (ATen's fused_adam_utils.cuh), and at start-up ``ChunkPass.create`` runs
 it beside ``torch._fused_adamw_``/``_fused_adam_`` of the installed torch on edge-case
 values; any differing byte (a torch release changed its arithmetic) and the updater
 keeps the unfused steps, saying why in ``ChunkPass.reason``. On the CPU the pass runs
-its twin: the same segment tables through torch's fused CPU kernel and the codec's
-update (the bytes the unfused steps give), so CI runs everything but the kernel.
+its twin: the same segment tables through torch's fused CPU kernel, and the parity
+change by the same Horner scheme in NumPy (``horner_sums``: the kernel's shift steps,
+then the host-built matrix) or, above ``horner.HORNER_ROWS`` (or with ``LETO_HORNER=0``),
+the codec's update — the bytes the unfused steps give — so CI runs everything but the
+kernel.
 
 Where it applies (``create`` names the first thing that rules it out): the script's
 optimizers are all ``torch.optim.AdamW``/``Adam`` with ``fused=True``, fp32 state (no
@@ -37,7 +42,9 @@ from importlib import resources
 import numpy as np
 import torch
 
-from leto.erasure.kernels import by_name
+from leto.erasure import horner
+from leto.erasure.codec import ReedSolomon
+from leto.erasure.kernels import by_name, for_device
 from leto.update.layout import RetainedModel
 from leto.update.user_optim import ADAM, ADAMW, UserOptimizer
 from nvbit_tools import tripwire
@@ -104,6 +111,10 @@ class ChunkPass:
         if device.type == "cuda":
             module = _module()
             self._launch = {k: module.get_function(f"chunk_pass_p{k}") for k in (1, 2, 4, 8)}
+            self._launch_rs = {
+                h: module.get_function(f"chunk_pass_rs_h{h}")
+                for h in range(1, horner.HORNER_ROWS + 1)
+            }
 
     @classmethod
     def create(cls, state, user, h1: int, device: torch.device):
@@ -149,23 +160,19 @@ class ChunkPass:
         return None
 
     def run(self, units: tuple[int, int], part: tuple[int, int], col0: int,
-            scratch: list[torch.Tensor], tables, pages, parity_update) -> None:  # fmt: skip
+            scratch: list[torch.Tensor], code: ReedSolomon, pages, parity_update) -> None:  # fmt: skip
         """Optimizer + parity delta on elements ``part`` = [lo, hi) of every page of the
         chunk's ``units`` (its first data page is column ``col0`` of the group; ``lo``
         and ``hi`` multiples of 64), the parity change accumulated into ``scratch``.
-        ``tables``: the group's tier-1 tables (``tables``) for the kernel;
-        ``pages`` (the chunk's live pages, group order) and ``parity_update(scratch,
-        col0, old, new)`` (the codec's) serve the CPU twin."""
+        ``code``: the group's tier-1 code; ``pages`` (the chunk's live pages, group
+        order) and ``parity_update(scratch, col0, old, new)`` (the codec's) serve the
+        CPU twin."""
         if self.table is None:
             raise RuntimeError("ChunkPass.prepare was not called for this update")
         if self.device.type == "cuda":
-            self._kernel(units, part, col0, scratch, tables)
+            self._kernel(units, part, col0, scratch, code)
         else:
-            self._twin(units, part, col0, scratch, pages, parity_update)
-
-    def tables(self, code) -> torch.Tensor:
-        """The CUDA codec's nibble tables of a group's tier-1 code (built once, cached)."""
-        return by_name("cuda").tables(code.tier1.coefficients, self.device)
+            self._twin(units, part, col0, scratch, code, pages, parity_update)
 
     def _segments(self, e0: int, e1: int) -> range:
         lo = bisect.bisect_right(self.ends, e0)
@@ -174,47 +181,48 @@ class ChunkPass:
             hi += 1
         return range(lo, hi)
 
-    def _kernel(self, units, part, col0: int, scratch, tables: torch.Tensor) -> None:
+    def _kernel(self, units, part, col0: int, scratch, code: ReedSolomon) -> None:
         st, ue = self.state, self.state.unit_elems
         (u0, u1), (lo, hi) = units, part
         segs = self._segments(u0 * ue, u1 * ue)
         if not len(segs) or hi <= lo:
             return
         rows = len(scratch)
-        np_ = 1 if rows <= 2 else 2 if rows <= 4 else 4 if rows <= 8 else 8
         ptrs = _pointer_table(self.device, [p.data_ptr() for p in scratch])
         f = st.flat
         grad = st.grad.data_ptr() + 4 * st.shard_start
         blocks = -(-((hi - lo) // 4) // THREADS)
+        head = (
+            np.uint64(f["param"].data_ptr()),
+            np.uint64(f["exp_avg"].data_ptr()),
+            np.uint64(f["exp_avg_sq"].data_ptr()),
+            np.uint64(grad),
+            np.int64(ue),
+            np.int32(u0),
+            np.int32(u1),
+            np.int64(lo // 4),
+            np.int64(hi // 4),
+            np.uint64(self.dev_table.data_ptr() + SEG.itemsize * segs.start),
+            np.int32(len(segs)),
+        )
+        if horner.applies(rows):
+            m = code.horner_coefficients(col0, 3 * (u1 - u0))
+            tail = (np.uint64(by_name("cuda").tables(m, self.device).data_ptr()),
+                    np.uint64(ptrs.data_ptr()))  # fmt: skip
+            launch = self._launch_rs[rows]
+        else:
+            np_ = 1 if rows <= 2 else 2 if rows <= 4 else 4 if rows <= 8 else 8
+            tables = by_name("cuda").tables(code.coefficients, self.device)
+            tail = (np.uint64(tables.data_ptr()), np.int32(0), np.int32(col0),
+                    np.uint64(ptrs.data_ptr()), np.int32(rows))  # fmt: skip
+            launch = self._launch[np_]
         tw = tripwire.launch_arg(self.device, blocks)
         with tripwire.launch_on_torch_stream(self.device):
-            self._launch[np_](
-                (blocks,),
-                (THREADS,),
-                (
-                    np.uint64(f["param"].data_ptr()),
-                    np.uint64(f["exp_avg"].data_ptr()),
-                    np.uint64(f["exp_avg_sq"].data_ptr()),
-                    np.uint64(grad),
-                    np.int64(ue),
-                    np.int32(u0),
-                    np.int32(u1),
-                    np.int64(lo // 4),
-                    np.int64(hi // 4),
-                    np.uint64(self.dev_table.data_ptr() + SEG.itemsize * segs.start),
-                    np.int32(len(segs)),
-                    np.uint64(tables.data_ptr()),
-                    np.int32(0),
-                    np.int32(col0),
-                    np.uint64(ptrs.data_ptr()),
-                    np.int32(rows),
-                    np.uint64(tw),
-                ),
-            )
+            launch((blocks,), (THREADS,), (*head, *tail, np.uint64(tw)))
         if tw:
             tripwire.fire(self.device)  # SIGKILL with the pass in flight
 
-    def _twin(self, units, part, col0, scratch, pages, parity_update) -> None:
+    def _twin(self, units, part, col0, scratch, code, pages, parity_update) -> None:
         """The same segments through torch's fused kernel, then the codec's update from
         the values it read: the unfused steps' bytes."""
         st, ue = self.state, self.state.unit_elems
@@ -247,7 +255,13 @@ class ChunkPass:
             if armed:
                 tripwire.land([t for n in names for t in live[n]],
                               [t for n in names for t in out[n]])  # fmt: skip
-        parity_update([y[cut] for y in scratch], col0, read, [p[cut] for p in pages])  # fmt: skip
+        ys = [y[cut] for y in scratch]
+        if horner.applies(len(scratch)):  # the kernel's way: Horner steps, then M
+            t = horner.horner_sums(code.parity_pages, read, [p[cut] for p in pages])
+            m = code.horner_coefficients(col0, len(pages))
+            for_device(self.device).matmul(m, t, ys, accumulate=True)
+        else:
+            parity_update(ys, col0, read, [p[cut] for p in pages])
 
 
 @functools.cache
@@ -262,8 +276,9 @@ def _module():
     from cupy.cuda import compiler, function
 
     src = resources.files("leto.update").joinpath("chunk_pass.cu").read_text()
+    kernels = resources.files("leto.erasure.kernels")  # gf_horner.cuh
     opts = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "-fmad=true",
-            f"-I{tripwire.include_dir()}")  # fmt: skip
+            f"-I{tripwire.include_dir()}", f"-I{kernels}")  # fmt: skip
     binary = compiler.compile_using_nvrtc(src, options=opts)
     if isinstance(binary, tuple):  # (binary, name mapping) in CuPy >= 13
         binary = binary[0]

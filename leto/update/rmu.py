@@ -610,7 +610,6 @@ class Updater:
         first, _ = self.state.chunk_pages(gi, units)
         ue = self.state.unit_elems
         mid = ue // 2 // CUT_ELEMS * CUT_ELEMS
-        tables = self._fused.tables(code) if self.device.type == "cuda" else None
         scratch = self._pages(y, self.buf[y]).pages
         live = self._pages(("chunk", gi, j), pages).pages
 
@@ -625,7 +624,7 @@ class Updater:
         for k, part in enumerate([(0, mid), (mid, ue)] if mid else [(0, ue)]):
             if k == 1:
                 point("update.optimizer", it)  # a crash here leaves the chunk half updated
-            self._fused.run(units, part, first, scratch, tables, live, parity_update)
+            self._fused.run(units, part, first, scratch, code.tier1, live, parity_update)
         # The pass (the CUDA kernel and its CPU twin alike) absorbed its values into
         # parity as it computed them: a wrong value emulated here is folded in too
         # (``absorb``), so parity agrees with it, as with a pass that computed it wrong.

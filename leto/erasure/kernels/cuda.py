@@ -50,8 +50,9 @@ def _load_module():
             "the CUDA codec kernel needs CuPy (pip install 'leto[cuda]'); the CPU kernel "
             "was not substituted because the pages are on the GPU"
         ) from e
-    source = resources.files("leto.erasure.kernels").joinpath("gf_matmul.cu").read_text()
-    opts = ("-std=c++17", f"-I{tripwire.include_dir()}")  # tripwire.cuh
+    kernels = resources.files("leto.erasure.kernels")
+    source = kernels.joinpath("gf_matmul.cu").read_text()
+    opts = ("-std=c++17", f"-I{tripwire.include_dir()}", f"-I{kernels}")  # the .cuh files
     return cupy, cupy.RawModule(code=source, options=opts)
 
 
@@ -64,6 +65,7 @@ class CudaKernel(GFKernel):
         names += tuple(f"{n}_pf2" for n in names if n.startswith("v8"))
         self._fn = {name: self._module.get_function(f"gf_matmul_{name}") for name in names}
         self._build = self._module.get_function("gf_build_tables")
+        self._horner = {h: self._module.get_function(f"gf_horner_h{h}") for h in range(1, 5)}
         self.threads = int(os.environ.get(ENV_THREADS, DEFAULT_THREADS))
         self.prefetch = int(os.environ.get(ENV_PREFETCH, DEFAULT_PREFETCH))
         if self.prefetch not in (1, 2):
@@ -132,6 +134,56 @@ class CudaKernel(GFKernel):
 
     def _launch_ctx(self, device: torch.device):
         return tripwire.launch_on_torch_stream(device)
+
+    def horner(
+        self,
+        m: Coefficients,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        *,
+        xor_with: Sequence[torch.Tensor] | None = None,
+        accumulate: bool = False,
+    ) -> bool:
+        """The contract for a code's own generator by its Horner scheme
+        (``leto.erasure.horner``): ``m`` is ``horner_matrix`` of the inputs' run, one
+        output a parity row (at most 4). False, and nothing done, where the pages are
+        not whole 16-byte vectors (the caller runs ``matmul``)."""
+        device = outputs[0].device
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        n_bytes = outputs[0].numel()
+        pages = list(inputs) + list(outputs) + (list(xor_with) if xor_with is not None else [])
+        ptrs = [p.data_ptr() for p in pages]
+        h = len(outputs)
+        if h not in self._horner or n_bytes % 16 or any(a % 16 for a in ptrs):
+            return False
+        tables = self.tables(m, device)
+        table = self._pointer_table(device, ptrs)
+        k = len(inputs)
+        in_ptr = table.data_ptr()
+        out_ptr = in_ptr + 8 * k
+        in2_ptr = out_ptr + 8 * h if xor_with is not None else 0
+        n_items = n_bytes // 16
+        blocks = -(-n_items // THREADS)
+        tw = tripwire.launch_arg(device, blocks)
+        with self._launch_ctx(device):
+            self._horner[h](
+                (blocks,),
+                (THREADS,),
+                (
+                    np.uint64(in_ptr),
+                    np.uint64(in2_ptr),
+                    np.uint64(out_ptr),
+                    np.uint64(tables.data_ptr()),
+                    np.int32(k),
+                    np.int64(n_items),
+                    np.int32(1 if accumulate else 0),
+                    np.uint64(tw),
+                ),
+            )
+        if tw:
+            tripwire.fire(device)  # SIGKILL with this kernel in flight
+        return True
 
     def matmul(
         self,

@@ -17,8 +17,15 @@
 // mode) only the first N blocks since arming run; the rest are held until the process
 // is killed. Null costs one uniform branch.
 //
+// gf_horner_h*: the same contract for the code's own generator G = C_P^-1 * C_D with
+// H <= 4 rows (leto.erasure.field.rs_generator), by the Horner scheme of its parity
+// checks: each thread runs the shift steps along its inputs, then multiplies by the
+// host-built M once (gf_horner.cuh) — a few ALU operations a symbol instead of 4 table
+// lookups per row pair.
+//
 // Not covered: aliasing between inputs and outputs (the caller forbids it).
 
+#include "gf_horner.cuh"
 #include "tripwire.cuh"
 
 #define ROWS 16
@@ -224,3 +231,66 @@ GF_MATMUL(gf_matmul_v8_p4_pf2, 8, 4, 2)
 GF_MATMUL(gf_matmul_v8_p2_pf2, 8, 2, 2)
 GF_MATMUL(gf_matmul_v8_p1_pf2, 8, 1, 2)
 GF_MATMUL(gf_matmul_v1, 1, PAIRS, 1)
+
+// ---- the code's generator by the Horner scheme (H <= 4, 16-byte items) ------------------
+
+__device__ __forceinline__ uint4 load_item(const unsigned long long* ptrs,
+                                           const unsigned long long* ptrs2, int k,
+                                           long long item) {
+  uint4 d = reinterpret_cast<const uint4*>(ptrs[k])[item];
+  if (ptrs2) {
+    const uint4 e = reinterpret_cast<const uint4*>(ptrs2[k])[item];
+    d.x ^= e.x, d.y ^= e.y, d.z ^= e.z, d.w ^= e.w;
+  }
+  return d;
+}
+
+template <int H>
+__device__ __forceinline__ void horner_body(const unsigned long long* __restrict__ in_ptrs,
+                                            const unsigned long long* __restrict__ in2_ptrs,
+                                            const unsigned long long* __restrict__ out_ptrs,
+                                            const unsigned int* __restrict__ mtables,
+                                            int n_inputs, long long n_items, int accumulate,
+                                            LetoTripwire* tw) {
+  if (tw && !tripwire_enter(tw)) return;
+  constexpr int NP = (H + 1) / 2;
+  __shared__ __align__(16) unsigned int tab[H * 4 * NP * 16];
+  stage<NP>(tab, mtables, 0, H);
+  __syncthreads();
+  const long long item = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (item < n_items) {
+    unsigned int t[H][4];
+#pragma unroll
+    for (int r = 0; r < H; ++r) t[r][0] = t[r][1] = t[r][2] = t[r][3] = 0;
+    int k = 0;
+    // Four pages' loads in flight before their steps: the steps are few, so a thread
+    // must keep several loads outstanding to cover the memory latency.
+    for (; k + 4 <= n_inputs; k += 4) {
+      const uint4 d0 = load_item(in_ptrs, in2_ptrs, k, item);
+      const uint4 d1 = load_item(in_ptrs, in2_ptrs, k + 1, item);
+      const uint4 d2 = load_item(in_ptrs, in2_ptrs, k + 2, item);
+      const uint4 d3 = load_item(in_ptrs, in2_ptrs, k + 3, item);
+      horner_step<H>(t, d0);
+      horner_step<H>(t, d1);
+      horner_step<H>(t, d2);
+      horner_step<H>(t, d3);
+    }
+    for (; k < n_inputs; ++k) horner_step<H>(t, load_item(in_ptrs, in2_ptrs, k, item));
+    horner_finish<H>(t, tab, out_ptrs, item, accumulate != 0);
+  }
+  if (tw) tripwire_leave(tw);
+}
+
+#define GF_HORNER(NAME, H)                                                               \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                \
+      const unsigned long long* in_ptrs, const unsigned long long* in2_ptrs,             \
+      const unsigned long long* out_ptrs, const unsigned int* mtables, int n_inputs,     \
+      long long n_items, int accumulate, LetoTripwire* tw) {                             \
+    horner_body<H>(in_ptrs, in2_ptrs, out_ptrs, mtables, n_inputs, n_items, accumulate,  \
+                   tw);                                                                  \
+  }
+
+GF_HORNER(gf_horner_h1, 1)
+GF_HORNER(gf_horner_h2, 2)
+GF_HORNER(gf_horner_h3, 3)
+GF_HORNER(gf_horner_h4, 4)
