@@ -464,7 +464,7 @@ if [[ $what == horner ]]; then
     tests/test_codec_gpu.py tests/test_locate.py > "$OUT/horner_tests.txt" 2>&1 || rc=1
   grep -E "^(FAILED|ERROR)|passed|failed|rror" "$OUT/horner_tests.txt" | tail -30
   for env in 1 0; do
-    LETO_HORNER=$env timeout 120 python3 -m bench.codec --device cuda --parity-pages 4 --reps 10 \
+    LETO_HORNER=$env timeout 120 python3 -m bench.codec --device cuda --parity-pages 4 --lost 4 --reps 10 \
       --json-out "$OUT/codec_h4_horner$env.json" > "$OUT/codec_h4_horner$env.txt" 2>&1 || rc=1
     echo "LETO_HORNER=$env"; tail -12 "$OUT/codec_h4_horner$env.txt"
   done

@@ -53,6 +53,8 @@ VARIANTS = {
     "L2": ("L2", "in-place", {}),
     "L3": ("L3", "in-place", {}),
     "L3 (attach cold)": ("L3", "in-place", {ENV_PREMAP: "0"}),
+    # The codec's table kernels instead of the Horner scheme (leto.erasure.horner).
+    "L3 (tables)": ("L3", "in-place", {"LETO_HORNER": "0"}),
     "cold (in place)": ("off", "in-place", {}),
     "torchrun + checkpoint": ("off", "checkpoint", {}),
 }
