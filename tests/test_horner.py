@@ -84,3 +84,16 @@ def test_the_cuda_horner_kernel_gives_the_table_kernels_bytes(h, monkeypatch):
     gpu.reconstruct(dev, got, lost)
     assert torch.equal(dev[lost], saved), "reconstruct"
     assert calls and all(calls), calls  # every generator product took the Horner kernel
+
+
+def test_a_code_keeps_the_matrices_of_its_recent_run_shapes_only(monkeypatch):
+    import leto.erasure.codec as codec
+
+    monkeypatch.setattr(codec, "HORNER_KEPT", 3)
+    code = ReedSolomon(64, 4)
+    first = code.horner_coefficients(0, 5)
+    for col0 in range(1, 4):
+        code.horner_coefficients(col0, 5)
+    assert code.horner_coefficients(3, 5) is code.horner_coefficients(3, 5)  # kept
+    assert code.horner_coefficients(0, 5) is not first  # the oldest went, rebuilt equal
+    assert np.array_equal(code.horner_coefficients(0, 5).matrix, first.matrix)

@@ -14,6 +14,7 @@ provide crash consistency), or thread safety of concurrent calls on the same pag
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import numpy as np
@@ -31,6 +32,8 @@ from leto.erasure.pages import (
     parity_page_bytes,
     same_device,
 )
+
+HORNER_KEPT = 1024  # run shapes whose Horner matrices a code keeps
 
 
 class ReedSolomon:
@@ -50,7 +53,7 @@ class ReedSolomon:
         self._g = field.rs_generator(data_pages, parity_pages)
         self._g.setflags(write=False)
         self._coeffs = Coefficients(self._g)
-        self._horner: dict[tuple[int, int], Coefficients] = {}
+        self._horner: OrderedDict[tuple[int, int], Coefficients] = OrderedDict()
         self._kernel_name = kernel
         if kernel is not None:
             by_name(kernel)  # fail now on an unknown name
@@ -83,11 +86,17 @@ class ReedSolomon:
 
     def horner_coefficients(self, col0: int, k: int) -> Coefficients:
         """``M`` of the run of ``k`` data pages from ``col0`` (``leto.erasure.horner``),
-        kept with its kernel tables: a layout has a few hundred run shapes."""
-        c = self._horner.get((col0, k))
+        kept with its kernel tables (8 KiB on a GPU at H = 4): an updater's layout has a
+        few hundred run shapes; the least recently used beyond ``HORNER_KEPT`` go."""
+        key = (col0, k)
+        c = self._horner.get(key)
         if c is None:
             c = Coefficients(horner.horner_matrix(self.data_pages, self.parity_pages, col0, k))
-            self._horner[(col0, k)] = c
+            self._horner[key] = c
+            if len(self._horner) > HORNER_KEPT:
+                self._horner.popitem(last=False)
+        else:
+            self._horner.move_to_end(key)
         return c
 
     @staticmethod
