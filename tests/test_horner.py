@@ -1,7 +1,9 @@
 """The Horner scheme of the code's parity checks (``leto.erasure.horner``): its shift
 steps multiply every symbol by α and α⁻¹, its sums and matrix give the codec's parity
-change for every run shape with 1-4 parity pages, and on the GPU the codec's Horner
-kernel gives the table kernel's bytes (encode, update, verify, rebuild)."""
+change for every run shape with 1-4 parity pages, the codec routes its generator
+products through a kernel's ``horner`` (checked on the CPU with a NumPy twin of it), and
+on the GPU the codec's Horner kernel gives the table kernel's bytes (encode, update,
+verify, rebuild)."""
 
 from __future__ import annotations
 
@@ -97,3 +99,54 @@ def test_a_code_keeps_the_matrices_of_its_recent_run_shapes_only(monkeypatch):
     assert code.horner_coefficients(3, 5) is code.horner_coefficients(3, 5)  # kept
     assert code.horner_coefficients(0, 5) is not first  # the oldest went, rebuilt equal
     assert np.array_equal(code.horner_coefficients(0, 5).matrix, first.matrix)
+
+
+class _HornerOnCpu:
+    """The CUDA kernel's ``horner`` contract on the CPU (NumPy sums, the C kernel's
+    multiply by M), beside its ``matmul``: what the codec's routing sees on a GPU."""
+
+    name = "cpu"
+
+    def __init__(self):
+        self.cpu, self.calls = by_name("cpu"), 0
+
+    def matmul(self, *a, **kw):
+        return self.cpu.matmul(*a, **kw)
+
+    def horner(self, m, inputs, outputs, *, xor_with=None, accumulate=False):
+        self.calls += 1
+        new = list(xor_with) if xor_with is not None else [torch.zeros_like(p) for p in inputs]
+        t = horner_sums(len(outputs), list(inputs), new)
+        if not accumulate:
+            for o in outputs:
+                o.zero_()
+        self.cpu.matmul(m, t, outputs, accumulate=True)
+        return True
+
+
+@pytest.mark.parametrize("h", [1, 2, 3, 4, 5])
+def test_the_codec_routes_its_generator_products_through_the_horner_scheme(h, monkeypatch):
+    D, n = 23, 256
+    gen = torch.Generator().manual_seed(h)
+    data = torch.randint(0, 256, (D, n), dtype=torch.uint8, generator=gen)
+    plain = ReedSolomon(D, h, kernel="cpu")
+    routed = ReedSolomon(D, h)
+    fake = _HornerOnCpu()
+    monkeypatch.setattr(routed, "_kernel", lambda device: fake)
+    want, got = plain.encode(data), routed.encode(data)
+    assert torch.equal(got, want), "encode"
+    assert routed.verify(data, got)
+    new = torch.randint(0, 256, (4, n), dtype=torch.uint8, generator=gen)
+    plain.update(want, 9, data[9:13], new)
+    routed.update(got, 9, data[9:13], new)
+    assert torch.equal(got, want), "update"
+    data[9:13] = new
+    lost = list(range(2, 2 + h))
+    saved = data[lost].clone()
+    data[lost] = 0
+    routed.reconstruct(data, got, lost)
+    assert torch.equal(data[lost], saved), "reconstruct"
+    assert fake.calls == (4 if h <= 4 else 0)  # encode, verify, update, the rebuild's syndromes
+    monkeypatch.setenv("LETO_HORNER", "0")
+    routed.encode(data)
+    assert fake.calls == (4 if h <= 4 else 0)  # the tables, as asked
