@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|user-recovery|pin-stall|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -478,6 +478,25 @@ if [[ $what == horner-userpath ]]; then
     --iterations ${LETO_HU_ITERS:-8} --skip 3 --timeout-s 200 --script-args="--deterministic --tokens zipf" \
     --leto-variant "tables=LETO_HORNER=0" --json "$OUT/horner_userpath.json" > "$OUT/horner_userpath.txt" 2>&1 || rc=1
   tail -c 3000 "$OUT/horner_userpath.txt"
+fi
+if [[ $what == user-recovery ]]; then
+  # Issue 57: recovery as the user lives it, the paper's measure (I + R: failure until the
+  # interrupted iteration has completed again), on the 1.1 B plain port (no prepare=, no
+  # warmup=) under leto run's defaults: killed in the update with 4 pages a group lost,
+  # and in the backward; the promoted trainer's stages to the end of its first iteration.
+  timeout ${LETO_UR_TIMEOUT:-560} python3 -m bench.plain_recovery --preset h200-1b \
+    --shadow-level ${LETO_UR_LEVELS:-L2,L3} --trials ${LETO_UR_TRIALS:-1} --iterations 9 \
+    --at ${LETO_UR_AT:-update.optimizer@6#1,compute.backward@6#1} --lose-pages 4 --timeout-s 240 \
+    ${LETO_UR_VARIANT:+--variant="$LETO_UR_VARIANT"} \
+    --json-out "$OUT/user_recovery.json" > "$OUT/user_recovery.txt" 2>&1 || rc=1
+  tail -c 5000 "$OUT/user_recovery.txt"
+  grep -H "leto: rank\|Error\|error" /tmp/leto-plain-recovery-*/*/logs/*.log > "$OUT/user_recovery_ranklogs.txt" 2>/dev/null
+fi
+if [[ $what == pin-stall ]]; then
+  # Issue 57: what making a checkpoint's pinned staging buffers (13 GB at 1.1 B) in the
+  # background does to a training thread's steps: a thread, a registration, a process.
+  timeout 300 python3 -m bench.pin_stall --gib ${LETO_PIN_GIB:-13} --json "$OUT/pin_stall.json" 2>&1 \
+    | tee "$OUT/pin_stall.txt" || rc=1
 fi
 if [[ $what == tied-job ]]; then
   # The job that raised the false alarm, as its user ran it: the 1.1 B nanoGPT-style port

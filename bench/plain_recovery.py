@@ -1,28 +1,40 @@
-"""Recovery of a plain script: how long after a kill its ranks train again.
+"""Recovery of a plain script as its user lives it: from the failure until the
+interrupted iteration has completed again (the paper's measure, §8).
 
-Runs ``examples/porting/gpt_leto.py`` — the plain port of a nanoGPT-style script, with no
-line added for Leto's sake (issue 37: its promoted trainer once spent 3.65 s of a
-3.87 s recovery importing ``torch._dynamo``) — under ``leto run`` (``faultkit.job``), one
-rank SIGKILLed at ``--at``, ``--trials`` times. Per trial: "to training" (the kill's
-detection to the slowest promoted trainer's first training step, less the verifiers'
-digest), the progress regained (``bench.recovery_speed.regained_s``), what each promoted
-trainer still imported on its way (``promoted_imports``; empty is the goal) and what its
-shadow imported ahead while parked (``imports_warmup_s``). ``--warmup both`` runs each
-trial with and without the parked shadow's generic warm-up (``leto.trainer.warmup.
-generic_step``, for scripts that give none). Prints a table, writes JSON.
+Runs ``examples/porting/gpt_leto.py`` — the plain port of a nanoGPT-style script (tied
+embeddings, fused AdamW with two parameter groups, LambdaLR, bf16 autocast on a GPU), as
+docs/porting.md ports it: model built after ``leto.init()``, no ``prepare=``, no
+``warmup=`` — under ``leto run`` with its default flags (``faultkit.job``, no ``--verify``: the
+verifiers' per-iteration digest is not what users run), one rank SIGKILLed at each ``--at``
+point (with ``--lose-pages`` data pages of every protection group lost), ``--trials``
+times per shadow level. Per trial, from the recovery record (``leto run --json``):
+
+* I — the failure's detection until the promoted trainer runs the loop body;
+* R — until the interrupted iteration has completed again, less the part of it a
+  fault-free run still had ahead at the failure (0 when the recovery finished the
+  update before the loop);
+* I + R — the time the failure cost; the first iteration after the recovery against a
+  steady one; the promoted trainer's stages from promotion to the end of that iteration
+  (``leto.trainer.first_iteration``);
+* "to leto.Run" — the older, shorter figure (detection until ``leto.Run`` resumed), and
+  what the promoted trainer still imported (``promoted_imports``; empty is the goal).
+
+``--warmup both`` runs each trial with and without the parked shadow's generic warm-up
+(``leto.trainer.warmup.generic_step``, for scripts that give none). Prints a table, writes
+JSON.
 
     python -m bench.plain_recovery --trials 3
-    python -m bench.plain_recovery --device cuda --nproc-per-node 1 --shadow-level L3 \\
-        --script-args="--n-layer 20 --n-embd 2048 --n-head 16 --seq 1024 --batch 16"
+    python -m bench.plain_recovery --preset h200-1b --shadow-level L2,L3 \
+        --at update.optimizer@6#1,compute.backward@6#1 --lose-pages 4
 
 Not covered: the example job's recovery against torchrun + checkpoint
-(``bench/recovery_speed.py``), page losses (this measures the promoted path, not the
-rebuild).
+(``bench/recovery_speed.py``); several ranks failing at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -35,7 +47,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench.recovery_speed import regained_s
 from faultkit.job import REPO, JobFault, run_job
 from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
@@ -43,26 +54,44 @@ from leto.workload.train import TrainConfig
 SCRIPT = Path(REPO) / "examples" / "porting" / "gpt_leto.py"
 # 6.6 M parameters, 4 K tokens a rank: seconds an iteration on two CPU cores.
 CPU_SHAPE = "--n-layer 7 --n-embd 256 --n-head 4 --vocab 4096 --seq 256 --batch 8 --accum 2"
+# The issue's shape: 1.11 B parameters (tied embeddings), 16 K tokens an iteration.
+H200_1B = "--n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 --seq 1024 --batch 16"
+PRESETS = {
+    "cpu-small": {"device": "cpu", "nproc_per_node": 2, "script_args": CPU_SHAPE},
+    "h200-1b": {"device": "cuda", "nproc_per_node": 1, "script_args": H200_1B},
+}
 
 
-def trial(args, out: Path) -> dict:
-    fail_at = int(args.at.split("@")[1].split("#")[0])
-    pool = {"pool": PoolConfig.for_cuda(0, tier1_pages=4)} if args.device == "cuda" else {}
+def trial(args, out: Path, level: str, at: str, flags: str = "") -> dict:
+    pool = (
+        {"pool": PoolConfig.for_cuda(0, tier1_pages=4, allow_fault_injection=True)}
+        if args.device == "cuda"
+        else {}
+    )
+    fault = JobFault(args.nproc_per_node - 1, at, lose_pages=args.lose_pages)
     got = run_job(
-        args.nproc_per_node, TrainConfig(), out, [JobFault(args.nproc_per_node - 1, args.at)],
-        shadow_level=args.shadow_level, script=Path(args.script).resolve(), device=args.device,
+        args.nproc_per_node, TrainConfig(), out, [fault],
+        shadow_level=level, script=Path(args.script).resolve(), device=args.device,
         script_args=[*shlex.split(args.script_args), "--iterations", str(args.iterations),
                      "--out", str(out / "train")],
-        **pool,
+        timeout_s=args.timeout_s, extra=tuple(shlex.split(flags)), verify=False, **pool,
     )  # fmt: skip
     rec = got["recoveries"][0]
     tr = rec["trainers"]
-    to_training = max(t["time"] - t.get("observer_s", 0.0) for t in tr.values())
+    slow = max(tr.values(), key=lambda t: t.get("first_iteration_end", 0.0))
     return {
-        "to_training_s": to_training - rec["detected_at"],
-        "regained_s": max(
-            regained_s(out / "train", int(r), rec["detected_at"], fail_at) for r in tr
-        ),
+        "level": level,
+        "at": at,
+        "leto_flags": flags,
+        "pages_lost": (rec.get("pages_lost") or {}).get("device", 0),
+        "resumed_by": slow.get("resumed_by"),
+        "init_s": rec.get("init_s"),
+        "recompute_s": rec.get("recompute_s"),
+        "regained_s": rec.get("regained_s"),
+        "first_iteration_s": rec.get("first_iteration_s"),
+        "steady_iteration_s": rec.get("steady_iteration_s"),
+        "stages": slow.get("stages", {}),
+        "to_run_s": rec.get("recovery_s"),
         "promoted_imports": {r: t.get("promoted_imports", []) for r, t in tr.items()},
         "promoted_imports_s": max(t.get("promoted_imports_s", 0.0) for t in tr.values()),
         "imports_warmup_s": max(t.get("imports_warmup_s", 0.0) for t in tr.values()),
@@ -70,18 +99,28 @@ def trial(args, out: Path) -> dict:
     }
 
 
+def _s(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--nproc-per-node", type=int, default=2, help="ranks (the last is killed)")
-    ap.add_argument("--shadow-level", default="L2", help="L1, L2 or L3")
-    ap.add_argument("--at", default="compute.forward@4#1", help="the kill's fault point")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="device, ranks and shape at once")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: the preset's, else cpu)")
+    ap.add_argument("--nproc-per-node", type=int, default=None, help="ranks (the last is killed)")
+    ap.add_argument("--shadow-level", default="L2", help="L1, L2 or L3; several: L2,L3")
+    ap.add_argument(
+        "--at", default="compute.forward@4#1", help="the kill's fault point; several: comma"
+    )
+    ap.add_argument(
+        "--lose-pages", type=int, default=0, help="data pages lost in every protection group"
+    )
     ap.add_argument("--iterations", type=int, default=8, help="iterations per job")
-    ap.add_argument("--trials", type=int, default=3, help="jobs, one kill each")
+    ap.add_argument("--trials", type=int, default=3, help="jobs per level and point")
     ap.add_argument(
         "--script-args",
-        default=CPU_SHAPE,
-        help="the script's shape flags, one string (write it with '=')",
+        default=None,
+        help="the script's shape flags, one string (write it with '='; default: the preset's)",
     )
     ap.add_argument(
         "--warmup",
@@ -96,41 +135,67 @@ def main(argv: list[str] | None = None) -> int:
         help="the job (default: the nanoGPT-style port; e.g. examples/titan/debug_job.py, "
         "torchtitan under Leto); it takes --iterations and --out besides --script-args",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="leto run flags of one more variant beside the defaults, one string (e.g. "
+        "--variant=--no-checkpoints); repeatable",
+    )
+    ap.add_argument("--timeout-s", type=float, default=600, help="each job's time limit")
     ap.add_argument("--work-dir", help="jobs' folders (default: a new temporary folder)")
     ap.add_argument("--json-out", help="write the trials as JSON here")
     args = ap.parse_args(argv)
+    preset = PRESETS[args.preset or "cpu-small"]
+    args.device = args.device or preset["device"]
+    args.nproc_per_node = args.nproc_per_node or preset["nproc_per_node"]
+    args.script_args = args.script_args if args.script_args is not None else preset["script_args"]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="leto-plain-recovery-"))
     rows = []
     kinds = ("generic", "none") if args.warmup == "both" else (args.warmup,)
     for i in range(args.trials):
-        for kind in kinds:  # side by side, trial by trial
-            os.environ["LETO_GENERIC_WARMUP"] = "0" if kind == "none" else "1"
-            t0 = time.time()
-            out = work / f"trial{i}-{kind}"
-            row = trial(args, out)
-            # Only the logs and the loss logs stay: a 1 B job's checkpoints are ~13 GB
-            # each, and a few trials filled the H200 machine's 64 GB disk.
-            for d in out.iterdir():
-                if d.is_dir() and d.name not in ("logs", "train"):
-                    shutil.rmtree(d, ignore_errors=True)
-            row.update(trial=i, warmup=kind, job_s=time.time() - t0)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    t = Table(
-        title=f"plain script ({Path(args.script).name}), {args.shadow_level}, kill at {args.at}"
-    )
-    cols = ("trial", "warm-up", "to training s", "regained s", "promoted imports", "ahead s")
+        for level in args.shadow_level.split(","):
+            for at, (vi, flags) in itertools.product(
+                args.at.split(","), enumerate(["", *args.variant])
+            ):
+                for kind in kinds:  # side by side, trial by trial
+                    os.environ["LETO_GENERIC_WARMUP"] = "0" if kind == "none" else "1"
+                    t0 = time.time()
+                    out = work / f"trial{i}-{level}-{at.split('@')[0]}-{kind}-v{vi}"
+                    row = trial(args, out, level, at, flags)
+                    # Only the logs and the loss logs stay: a 1 B job's checkpoints are
+                    # ~13 GB each, and a few trials filled the H200 machine's 64 GB disk.
+                    for d in out.iterdir():
+                        if d.is_dir() and d.name not in ("logs", "train"):
+                            shutil.rmtree(d, ignore_errors=True)
+                    row.update(trial=i, warmup=kind, job_s=time.time() - t0)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    t = Table(title=f"plain script ({Path(args.script).name}), pages lost a group: {args.lose_pages}")
+    cols = ("trial", "level", "killed at", "flags", "warm-up", "I s", "R s", "I + R s", "1st iter s",
+            "steady s", "to leto.Run s", "promoted imports")  # fmt: skip
     for col in cols:
         t.add_column(col)
     for r in rows:
         names = sorted({x["module"] for v in r["promoted_imports"].values() for x in v})
-        t.add_row(str(r["trial"]), r["warmup"], f"{r['to_training_s']:.3f}",
-                  f"{r['regained_s']:.2f}", ", ".join(names) or "none",
-                  f"{r['imports_warmup_s']:.2f}")  # fmt: skip
-    Console(width=120).print(t)
-    for kind in kinds:
-        med = statistics.median(r["to_training_s"] for r in rows if r["warmup"] == kind)
-        print(f"median to training, warm-up {kind}: {med:.3f} s")
+        t.add_row(str(r["trial"]), r["level"], r["at"], r["leto_flags"] or "defaults",
+                  r["warmup"], _s(r["init_s"]),
+                  _s(r["recompute_s"]), _s(r["regained_s"]), _s(r["first_iteration_s"]),
+                  _s(r["steady_iteration_s"]), _s(r["to_run_s"]),
+                  ", ".join(names) or "none")  # fmt: skip
+    Console(width=160).print(t)
+    for r in rows:
+        said = ", ".join(f"{k} {v:.3f}" for k, v in r["stages"].items())
+        print(f"trial {r['trial']} {r['level']} {r['at']} {r['leto_flags']}: stages (s) {said}")
+    for level in args.shadow_level.split(","):
+        for at in args.at.split(","):
+            got = [
+                r["regained_s"] for r in rows
+                if r["level"] == level and r["at"] == at and not r["leto_flags"]
+            ]  # fmt: skip
+            got = [g for g in got if g is not None]
+            if got:
+                print(f"median I + R, {level}, {at}: {statistics.median(got):.3f} s")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "trials": rows}, indent=2))
     return 0

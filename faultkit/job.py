@@ -133,6 +133,7 @@ def start_job(
     pressure: Pressure | None = None,
     save_state: bool = False,
     cwd: Path | None = None,
+    verify: bool = True,
 ) -> list[subprocess.Popen]:
     """Start the job on ``world`` ranks over ``nnodes`` agents (nodes over loopback),
     without waiting (the example job with ``cfg``'s flags, or ``script`` with
@@ -172,7 +173,8 @@ def start_job(
             "--nnodes", str(nnodes), "--node-rank", str(node),
             "--nproc-per-node", str(world // nnodes), "--master-port", str(port),
             "--shadow-level", shadow_level, "--log-dir", str(cwd / "logs"),
-            "--timeout-s", str(agent_timeout_s), "--verify", *_pool_flags(pool), *extra,
+            "--timeout-s", str(agent_timeout_s), *(["--verify"] if verify else []),
+            *_pool_flags(pool), *extra,
             str(script), *script_args,
         ]  # fmt: skip
         log = open(cwd / "leto-run.log", "w")  # noqa: SIM115 - closed by finish_job
@@ -302,11 +304,14 @@ def run_job(
     save_state: bool = False,
     watch: Callable[[str], None] | None = None,
     cwd: Path | None = None,
+    verify: bool = True,
 ) -> dict:
     """Run the job on ``world`` ranks; returns leto run's summary (node 0's; every
     node's under ``"nodes"``) plus each rank's losses (and final state with
     ``save_state``). Raises on a non-zero exit unless ``allow_failure``. ``faults``
-    become the plan (``plan_of``); ``plan`` gives one directly."""
+    become the plan (``plan_of``); ``plan`` gives one directly. ``verify=False``: no
+    ``--verify`` (leto run's defaults: a benchmark of what users run; no trace to
+    compare)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if plan is None:
@@ -315,7 +320,7 @@ def run_job(
         procs = start_job(
             world, cfg, out, plan, pool, device, shadow_level, extra, env, nnodes,
             script=script, script_args=script_args, pressure=pressure, save_state=save_state,
-            cwd=cwd,
+            cwd=cwd, verify=verify,
         )  # fmt: skip
         nodes = finish_job(procs, timeout_s, watch)
         code = next((c for c, _ in nodes if c != 0), 0)

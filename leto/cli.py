@@ -450,7 +450,7 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
         return code
     # Fits 80 columns: the slowest trainer's steps go below the table, a line a failure.
     t = Table(title=head, title_justify="left")
-    for col in ("failure", "kind", "ranks", "shadows", "fence", "promote", "to training"):
+    for col in ("failure", "kind", "ranks", "shadows", "promote", "resumed", "I", "R", "I + R"):
         t.add_column(col)
     steps = {
         "deferred_init_s": "init",
@@ -470,18 +470,32 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
             kind,
             ",".join(map(str, r.get("failed_ranks", []))) or "?",
             str(r.get("level") or "cold"),
-            f"{r['fencing_s'] * 1e3:.0f} ms",
             f"{r['promotion_s'] * 1e3:.0f} ms",
             f"{r['recovery_s']:.2f} s" if "recovery_s" in r else "-",
+            *(f"{r[k]:.2f} s" if k in r else "-" for k in ("init_s", "recompute_s", "regained_s")),
         )
         said = ", ".join(f"{v} {slow[k]:.2f} s" for k, v in steps.items() if k in slow)
         if said:
-            notes.append(f"failure {n}, the slowest trainer's steps: {said}")
+            notes.append(
+                f"failure {n}: fenced in {r['fencing_s'] * 1e3:.0f} ms; the slowest trainer's "
+                f"steps: {said}"
+            )
+        first = max(tr, key=lambda x: x.get("first_iteration_end", 0), default={})
+        if first.get("stages"):
+            stages = ", ".join(f"{k} {v:.2f} s" for k, v in first["stages"].items())
+            steady = r.get("steady_iteration_s")
+            notes.append(
+                f"failure {n}, promotion to the end of the first iteration: {stages}"
+                + (f" (a steady iteration: {steady:.2f} s)" if steady else "")
+            )
     Console().print(t)
     legend = (
         "kind: in place (recovered from memory and parity) or checkpoint (a fatal "
-        "failure: every rank restarted from the newest checkpoint); fence: every trainer "
-        "stopped before the pool is touched; promote: a waiting shadow became the trainer"
+        "failure: every rank restarted from the newest checkpoint); promote: the "
+        "trainers fenced and a waiting shadow became the trainer; resumed: failure to "
+        "leto.Run's resume; I: failure to the loop running again; R: the interrupted "
+        "iteration done again, less what a fault-free run still had ahead of it; I + R: "
+        "the time the failure cost, as the paper measures recovery"
     )
     for line in [legend, *notes]:
         print(textwrap.fill(line, 78, initial_indent="  ", subsequent_indent="    "))

@@ -15,6 +15,7 @@ import pytest
 from faultkit.hooks import POINTS
 from faultkit.job import finish_job, shadow_pids, start_job
 from leto.trainer.checkpoint import latest
+from leto.trainer.first_iteration import STAGES
 from leto.workload.train import TrainConfig
 from verifiers import compare
 
@@ -84,6 +85,19 @@ def test_two_failures_recover_exactly_at_each_shadow_level(reference, tmp_path, 
         assert all(steps <= set(t) for t in rec["trainers"].values()), rec["trainers"]
         roles = {t["role"] for t in rec["trainers"].values()}
         assert roles == ({"active"} if level == "off" else {"promoted"}), roles
+        # Recovery as the paper measures it: I (to the loop), R (to the interrupted
+        # iteration done again, less what was still ahead of it), every stage timed.
+        if all("loop_at" in t for t in rec["trainers"].values()):
+            assert rec["init_s"] > 0 and rec["recompute_s"] >= 0, rec
+            assert rec["regained_s"] == pytest.approx(rec["init_s"] + rec["recompute_s"])
+            assert rec["regained_s"] >= rec["recovery_s"] - 0.05, rec  # ends later
+            assert rec["first_iteration_s"] > 0, rec
+            # (unknown where the failed generation ran fewer than three iterations)
+            assert rec.get("steady_iteration_s", 1.0) > 0, rec
+            for t in rec["trainers"].values():
+                assert set(t["stages"]) == set(STAGES), t["stages"]
+                if t["resumed_by"] == "finish":
+                    assert rec["recompute_s"] == 0 or len(rec["trainers"]) > 1, rec
         # The script's warm-up (one block's step) ran in each L2/L3 shadow while it
         # parked, and cleanly; an L1 shadow parks before the device is up: none.
         # So did the tools' (the verifiers' digest: hashing threads, staging buffers).

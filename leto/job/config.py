@@ -26,7 +26,7 @@ ENV_MTTF_S = "LETO_MTTF_S"
 ENV_HOF_RATIO = "LETO_HOF_RATIO"
 ENV_PG_ATTEMPT = "LETO_PG_ATTEMPT"  # checkpoint fallbacks so far (process-group namespace)
 # A directory: a restarted or promoted trainer profiles (cProfile) its recovery, from
-# promotion (or process start) to ``Context.resumed``, into rank<r>.gen<g>.profile.txt.
+# promotion (or process start) to the end of the first iteration, into rank<r>.gen<g>.profile.txt.
 ENV_PROFILE_RECOVERY = "LETO_PROFILE_RECOVERY"
 # With it, a first-generation trainer's profiled iterations: "FIRST:COUNT" (iterations
 # counted from 1 as they start; default "3:1"), traced for bench.update_breakdown.

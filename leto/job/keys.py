@@ -65,6 +65,18 @@ def warming(gen: int) -> str:
     return f"leto/gen{gen}/warming"
 
 
+def staging(rank: int) -> str:
+    """JSON: a trainer's checkpoint staging layout ({name: [shape, dtype, pinned]}), for
+    its rank's next shadows to make ahead (``leto.trainer.staging``)."""
+    return f"leto/rank{rank}/staging"
+
+
+def pace(gen: int, rank: int) -> str:
+    """JSON: the iteration a trainer of ``gen`` has in progress, when it began and its
+    steady iteration time (``leto.trainer.first_iteration.Pace``; written every beat)."""
+    return f"leto/gen{gen}/rank{rank}/pace"
+
+
 def resumed(gen: int, rank: int) -> str:
     """JSON: a promoted or restarted trainer's recovery timings (written by it)."""
     return f"leto/gen{gen}/rank{rank}/resumed"

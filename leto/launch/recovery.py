@@ -26,6 +26,7 @@ from leto.job import store as job_store
 from leto.job.config import RunConfig
 from leto.launch.cell import Cell
 from leto.launch.shadows import Shadows
+from leto.trainer.first_iteration import regained
 
 log = logging.getLogger("leto.agent")
 
@@ -52,7 +53,15 @@ class RecoveryRecord:
     failed_ranks: list[int] = field(default_factory=list)
     failures: dict = field(default_factory=dict)  # rank -> exit code / hang / error file
     trainers: dict = field(default_factory=dict)  # rank -> the recovered trainer's timings
-    recovery_s: float | None = None  # failure -> the slowest rank training again
+    recovery_s: float | None = None  # failure -> the slowest rank's leto.Run resumed
+    # Recovery as the paper measures it (leto.trainer.first_iteration.regained), for the
+    # rank that took longest: I (failure -> the loop body runs), R (-> the interrupted
+    # iteration completed again, less what a fault-free run still had ahead of it), I + R.
+    init_s: float | None = None
+    recompute_s: float | None = None
+    regained_s: float | None = None
+    first_iteration_s: float | None = None  # that rank's first iteration after recovery
+    steady_iteration_s: float | None = None  # the failed generation's, for comparison
 
     def as_dict(self) -> dict:
         """The JSON form in ``nodeN.recovery.json`` and ``leto run --json``."""
@@ -203,6 +212,28 @@ class Recovery:
             rec.failed_ranks = sorted(int(r) for r in rec.failures)
             if rec.trainers:
                 rec.recovery_s = max(v["time"] for v in rec.trainers.values()) - rec.detected_at
+            self._regained(rec)
+
+    def _regained(self, rec: RecoveryRecord) -> None:
+        """I, R and their sum for the slowest local rank, from what its promoted trainer
+        reported after its first iteration and its failed generation's last pace."""
+        figures = []
+        for r, tr in rec.trainers.items():
+            if "loop_at" not in tr:
+                continue  # the job ended before this trainer's loop ran an iteration
+            k = keys.pace(rec.generation, r)
+            pace = json.loads(self.store.get(k)) if self.store.check([k]) else None
+            done = tr["loop_at"] if tr.get("resumed_by") == "finish" else tr["first_iteration_end"]
+            fig = regained(pace, rec.detected_at, tr["loop_at"], done)
+            fig["first_iteration_s"] = tr.get("first_iteration_s")
+            fig["steady_iteration_s"] = pace.get("steady_s") if pace else None
+            figures.append(fig)
+        if figures:
+            slow = max(figures, key=lambda f: f["regained_s"])
+            rec.init_s, rec.recompute_s = slow["init_s"], slow["recompute_s"]
+            rec.regained_s = slow["regained_s"]
+            rec.first_iteration_s = slow["first_iteration_s"]
+            rec.steady_iteration_s = slow["steady_iteration_s"]
 
 
 def said_lost(lost: dict) -> str:

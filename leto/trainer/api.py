@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from leto import plugins
+from leto import plugins, rank_log
 from leto.errors import (
     InvalidInput,
 )
@@ -42,7 +42,9 @@ from leto.job.config import (
 )
 from leto.memory.client import PoolClient
 from leto.trainer import imports as ahead_imports
+from leto.trainer import staging
 from leto.trainer.exit_hook import record_uncaught
+from leto.trainer.first_iteration import Pace, StageClock
 from leto.trainer.premap import Premap
 from leto.trainer.warmup import generic_step, warm_tools, warm_up
 
@@ -74,6 +76,10 @@ class Context:
     # ``resumed`` sent, which then gets the promoted trainer's ``promoted_imports``.
     imports: object = None
     resumed_record: dict | None = None
+    # Stage times to the end of the first iteration (``leto.trainer.first_iteration``),
+    # and this generation's pace, written with every beat for the next one's figures.
+    clock: StageClock | None = None
+    pace: Pace = field(default_factory=Pace)
 
     @property
     def report(self) -> dict:
@@ -113,6 +119,7 @@ class Context:
             mttf_s=self.env.mttf_s,
             hof_ratio=self.env.hof_ratio,
             joining_at=next_iteration if self.generation > 0 else None,
+            store=self.store,
         )
 
     def heartbeat(self, iteration: int | str) -> None:
@@ -128,6 +135,8 @@ class Context:
         elif self.profiles is not None:
             if change := self.profiles.beat():
                 self.store.add(keys.warming(self.generation), change)
+        if iteration != "done":
+            self.store.set(keys.pace(self.generation, self.rank), self.pace.began(iteration))
         # The first iteration of a process (torch.compile, cuDNN autotuning, lazy
         # allocations) may take far longer than a steady one: while any trainer is in
         # its first, the agent holds every rank to the general timeout, since its peers
@@ -162,9 +171,15 @@ class Context:
             return
         got = watch.stop()
         ahead_imports.publish(self.store, self.rank, got)
-        if self.role == "promoted" and self.resumed_record is not None:
+        # Where this process's way to the end of its first iteration went (rank log).
+        first = self.clock.close() if self.clock is not None else {}
+        if self.profiles is not None:
+            self.profiles.recovery_done()
+        if self.generation > 0 and self.resumed_record is not None:
+            # A promoted or restarted trainer: what it still imported, and those stages
+            # (the agent's recovery figures).
             self.resumed_record.update(
-                promoted_imports=got, promoted_imports_s=sum(r["s"] for r in got)
+                promoted_imports=got, promoted_imports_s=sum(r["s"] for r in got), **first
             )
             key = keys.resumed(self.generation, self.rank)
             self.store.set(key, json.dumps(self.resumed_record))
@@ -215,8 +230,6 @@ class Context:
         key = keys.resumed(self.generation, self.rank)
         self.store.set(key, json.dumps(rec))
         self.resumed_record = rec  # (completed when the first iteration is over)
-        if self.profiles is not None:
-            self.profiles.recovery_done()
 
 
 def warm_device(device: torch.device) -> None:
@@ -370,6 +383,10 @@ def init(prepare=None, warmup=None) -> Context:
             if premap is not None:
                 premap.tick()
             ahead_imports.import_learned(store, rank, device, timings)
+            if ahead >= 2:  # with the device runtime up: the checkpoint's host buffers
+                said = staging.make_ahead(store, rank, device)
+                if said:
+                    rank_log.say(rank, said)
 
         msg = _park(env.promote_fd, tick)
         timings["promoted_at"] = time.time()
@@ -423,6 +440,8 @@ def init(prepare=None, warmup=None) -> Context:
         client, report = attach_localize()
     if premap:
         timings.update(premap.summary(), remapped_pages=client.remapped)
+    clock = StageClock(rank, device, timings.get("promoted_at", t0))
+    clock.mark("init")
     return Context(
         role="promoted" if role == "shadow" else "active",
         rank=rank,
@@ -439,4 +458,5 @@ def init(prepare=None, warmup=None) -> Context:
         profiles=profiles,
         env=env,
         imports=watch,
+        clock=clock,
     )

@@ -237,6 +237,7 @@ class RetainedTraining:
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, m)
         action, t = decide(gathered)
+        self.timings["resumed_by"] = action  # finish: iteration t completed here
         t1 = time.time()
         self.timings["agree_s"] = t1 - t0
         self.observer_s = 0.0

@@ -116,6 +116,8 @@ class Run:
         retained per iteration and restored on a recovery (iterate it after
         ``leto.Run``)."""
         t0 = time.time()
+        self._clock = getattr(ctx, "clock", None)  # stage times to the first iteration's end
+        self._mark("script set-up")
         backend = dist.get_backend() if dist.is_initialized() else None
         if (
             not data_parallel
@@ -261,6 +263,7 @@ class Run:
         self._loss = None  # run.record_loss's, this iteration (None: not given)
         self._left_early: tuple[int, int] | None = None  # (iteration, of) the loop was left
         self._epochs: list[int] = []  # the schedulers' last_epoch when the iteration began
+        self._mark("bind")
         t_resume = time.time()
         self.next_iteration = self.job.resume(
             ctx.report,
@@ -275,6 +278,7 @@ class Run:
         self._epochs = [sc.last_epoch for sc in self.schedulers]  # at the start of an iteration
         if self.job.fresh and ctx.world_size > 1 and self.job.replicated:
             self._check_identical()  # (shards and pipeline stages differ by design)
+        self._mark("resume")
         ctx.resumed(
             self.next_iteration,
             resume_s=time.time() - t_resume,
@@ -286,12 +290,14 @@ class Run:
         if self.checkpointer is not None:
             self.checkpointer.warm(self.job)  # staging buffers made while training starts
         atexit.register(self._close)
+        self._mark("Run's end")
 
     # -- the loop -------------------------------------------------------------------
 
     def iterations(self, total: int):
         """The iterations still to run, up to ``total`` (exclusive): from where the job
         stands (0 on a fresh start; after a recovery, the first unfinished one)."""
+        self._mark("script to loop")
         self._batches.start()
         self._rng.apply()  # after the script's own seeding: a recovery's generator states
         store = self.ctx.store
@@ -307,6 +313,7 @@ class Run:
             self._got_grad.clear()
             self._reported = False
             self.job.begin(t)
+            self._mark("loop start")
             try:
                 yield t
             except GeneratorExit:
@@ -340,6 +347,8 @@ class Run:
             if self.checkpointer is not None:
                 with leto_range("checkpoint"):
                     self.checkpointer.after_iteration(t, self.job)
+            self._mark("after step")
+            self._clock = None  # the first iteration is over: no more marks, no syncs
             t += 1
             self.next_iteration = t
         self._end_of_training(t_first, t_loop, t)
@@ -503,7 +512,9 @@ class Run:
         if self.checkpointer is not None:
             self.checkpointer.before_update()  # the last save's staging has read the state
         self._set_update(self._loop.write_step(t, skip))
+        self._mark("forward/backward")
         self.job.step(t, self._loss)
+        self._mark("update")
         self._stepped = True
         self._loop.committed(skip)
 
@@ -613,6 +624,11 @@ class Run:
     def _point(self, name: str) -> None:
         if self._t is not None and not (self.job.replay is not None and self.job.replay.replaying):
             point(name, self._t)
+
+    def _mark(self, stage: str) -> None:
+        """``stage`` ends now, in this process's way to its first iteration's end."""
+        if self._clock is not None:
+            self._clock.mark(stage)
 
     # -- resume ---------------------------------------------------------------------
 
