@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from leto.trainer import staging
 from leto.trainer.staging import HostStager
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -49,3 +50,88 @@ def test_a_state_of_another_shape_gets_new_buffers():
     got = stager.stage(grown).result(timeout=60)
     assert all(torch.equal(got[k], grown[k]) for k in grown)
     stager.shutdown()
+
+
+class _Store:
+    """The job store's get/set/check, in memory."""
+
+    def __init__(self):
+        self.d: dict[str, bytes] = {}
+
+    def set(self, k, v):
+        self.d[k] = v.encode() if isinstance(v, str) else v
+
+    def get(self, k):
+        return self.d[k]
+
+    def check(self, ks):
+        return all(k in self.d for k in ks)
+
+
+@pytest.fixture
+def fresh_ahead(monkeypatch):
+    monkeypatch.setattr(staging, "_ahead", {"thread": None, "buffers": None, "said": None})
+    monkeypatch.setattr(staging, "_available_bytes", lambda: 64 << 30)
+
+
+def test_a_shadow_makes_the_published_buffers_and_the_promoted_stager_takes_them(fresh_ahead):
+    state = _state("cpu")
+    store = _Store()
+    assert staging.make_ahead(store, 0, torch.device("cpu")) is None  # nothing published yet
+    staging.publish_layout(store, 0, staging.shapes_of(state))
+    said = staging.make_ahead(store, 0, torch.device("cpu"))
+    assert said and "ahead" in said
+    assert staging.make_ahead(store, 0, torch.device("cpu")) is None  # once
+    made = staging._ahead["thread"]
+    stager = HostStager(state)
+    got = stager.stage(state).result(timeout=60)
+    assert stager.made["how"] == "made ahead by the parked shadow", stager.made
+    assert not made.is_alive()
+    for k, v in state.items():
+        assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))
+    stager.shutdown()
+
+
+def test_buffers_made_ahead_for_other_shapes_are_not_used(fresh_ahead):
+    state = _state("cpu")
+    store = _Store()
+    staging.publish_layout(store, 0, staging.shapes_of(state))
+    staging.make_ahead(store, 0, torch.device("cpu"))
+    grown = {k: torch.cat([v, v]) for k, v in state.items()}
+    stager = HostStager(grown)
+    got = stager.stage(grown).result(timeout=60)
+    assert stager.made["how"].startswith("made here"), stager.made
+    assert all(torch.equal(got[k], grown[k]) for k in grown)
+    stager.shutdown()
+
+
+def test_no_buffers_ahead_when_the_host_lacks_room_for_both(fresh_ahead, monkeypatch):
+    state = {"rank0.param": torch.zeros(1 << 20)}  # 4 MiB
+    store = _Store()
+    staging.publish_layout(store, 0, staging.shapes_of(state))
+    monkeypatch.setattr(staging, "_available_bytes", lambda: (8 << 30) + (2 << 20))
+    said = staging.make_ahead(store, 0, torch.device("cpu"))
+    assert said and "not made ahead" in said and "available" in said, said
+    assert staging._ahead["thread"] is None
+    assert staging.take_ahead(staging.shapes_of(state)) is None
+
+
+def test_staging_ahead_can_be_turned_off(fresh_ahead, monkeypatch):
+    store = _Store()
+    staging.publish_layout(store, 0, staging.shapes_of(_state("cpu")))
+    monkeypatch.setenv(staging.ENV_AHEAD, "0")
+    assert staging.make_ahead(store, 0, torch.device("cpu")) is None
+    assert staging._ahead["thread"] is None
+
+
+@pytest.mark.parametrize("numel", [1, 1000, (staging.CHUNK_BYTES // 4) * 2 + 3])
+def test_pieces_cover_the_tensor_once_within_one_registration_each(numel):
+    src = torch.arange(numel, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seen = 0
+    for s, d in staging._pieces(src, dst):
+        assert d.numel() * d.element_size() <= staging.CHUNK_BYTES
+        assert d.data_ptr() - dst.data_ptr() == seen * 4  # contiguous, in order
+        d.copy_(s)
+        seen += d.numel()
+    assert seen == numel and torch.equal(dst, src)

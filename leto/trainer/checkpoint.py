@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 
 from leto.errors import InvalidInput
 from leto.sim.model import young_interval
-from leto.trainer.staging import HostStager
+from leto.trainer.staging import HostStager, publish_layout, shapes_of
 
 
 def _step_dir(root: Path, iteration: int) -> Path:
@@ -69,18 +69,20 @@ class Checkpointer:
         hof_ratio: float = 0.0,
         keep: int = 2,
         joining_at: int | None = None,
+        store=None,
     ):
         """``interval``: a fixed interval in iterations; otherwise Young's with
         ``mttf_s`` (all failures) and ``hof_ratio``. ``joining_at``: this process joins a
         running job (a promoted shadow, a restart after a fallback) at that iteration —
-        collective."""
+        collective. ``store``: the job's store (the staging layout is published there
+        for the next shadow)."""
         if interval is None and mttf_s is None:
             raise InvalidInput("give a checkpoint interval, or the MTTF for Young's formula")
         if interval is not None and interval < 1:
             raise InvalidInput(f"checkpoint interval {interval}: expected >= 1 iterations")
         if not 0.0 <= hof_ratio <= 1.0:
             raise InvalidInput(f"hof_ratio {hof_ratio}: expected a fraction in [0, 1]")
-        self.root, self.rank = Path(root), rank
+        self.root, self.rank, self.store = Path(root), rank, store
         self.fixed = interval
         self.ff_mttf_s = math.inf if mttf_s is None or hof_ratio >= 1 else mttf_s / (1 - hof_ratio)
         self.keep = keep
@@ -121,11 +123,11 @@ class Checkpointer:
         """Make the staging buffers now, in the background, while the first iterations
         run: allocating and pinning them is most of a first save's staging (seconds at
         1 B parameters), which the next update would otherwise wait for — a save that
-        comes due before they exist is put off. The copy this stages is discarded (it may
-        read the state mid-update: only the buffers count)."""
+        comes due before they exist is put off. Nothing is copied into them yet."""
         state = self._state(job)
-        self._stager = HostStager(state)
-        self._warming = self._stager.stage(state)
+        self._stager = HostStager(state, rank=self.rank)
+        publish_layout(self.store, self.rank, shapes_of(state))  # for the next shadow
+        self._warming = self._stager.prepare(state)
 
     def after_iteration(self, t: int, job) -> None:
         """Call once iteration ``t`` is complete (its update done)."""
@@ -171,7 +173,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         state = self._state(job)
         if self._stager is None:
-            self._stager = HostStager(state)
+            self._stager = HostStager(state, rank=self.rank)
         stager = self._stager
         # The stager's copies wait on this stream for the update of iteration t.
         # The writer is named: with none, torch picks one by trying its fsspec backend,
