@@ -149,6 +149,17 @@ def _joining_worker(rank: int, world: int, port: int, root: str, q) -> None:
     back.pending = failed
     back.close()
     got["close reported"] = back.close_error
+    # A promoted trainer joining where a save is due (Young's interval of 3, agreed by an
+    # earlier generation, newest checkpoint 8) keeps that interval and puts the save off
+    # its first iteration, the one a recovery's user waits for: it saves at 14, not 13.
+    store = dist.HashStore()
+    store.set(ckpt.keys.CHECKPOINT_INTERVAL, "3")
+    young = Checkpointer(root, rank, mttf_s=3600.0, joining_at=13, store=store)
+    for t in range(13, 16):
+        young.after_iteration(t, job)
+        young.drain()
+    young.close()
+    got["joined at 13"] = ([s["iteration"] for s in young.saves], young.interval)
     got["a save found old metadata"] = any(stale)
     q.put((rank, got))
     dist.destroy_process_group()
@@ -161,6 +172,7 @@ def test_a_trainer_joining_a_running_job_continues_its_checkpoint_schedule(tmp_p
         "first": [0, 4],
         "joined at 7": [8],
         "joined at 1": [4],
+        "joined at 13": ([14], 3),
         "a save found old metadata": False,
         "close reported": "OSError: disk full",
     }

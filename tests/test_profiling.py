@@ -36,6 +36,17 @@ def test_a_recovered_trainer_profiles_its_recovery_and_its_first_iteration(tmp_p
     assert "aten::mm" in (tmp_path / "rank1.gen2.iteration.txt").read_text()
 
 
+def test_the_recovery_profile_runs_through_the_first_iteration(tmp_path):
+    # As a promoted trainer runs it: the recovery's cProfile is still on when the first
+    # iteration's window opens (one cProfile at a time), and ends after that iteration.
+    p = Profiles(str(tmp_path), rank=0, generation=1, device=CPU)
+    p.start_recovery()
+    assert _iterations(p, 2) == [1, -1]
+    p.recovery_done()
+    assert "_iterations" in (tmp_path / "rank0.gen1.profile.txt").read_text()
+    assert "aten::mm" in (tmp_path / "rank0.gen1.iteration.txt").read_text()
+
+
 def test_a_first_generation_trainer_profiles_its_third_iteration_only(tmp_path):
     p = Profiles(str(tmp_path), rank=0, generation=0, device=CPU)
     p.recovery_done()  # (never started: nothing written)

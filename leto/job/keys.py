@@ -65,6 +65,11 @@ def warming(gen: int) -> str:
     return f"leto/gen{gen}/warming"
 
 
+# The job's agreed checkpoint interval in iterations (Young's, once a first save was
+# timed): trainers joining later keep to it (leto.trainer.checkpoint).
+CHECKPOINT_INTERVAL = "leto/checkpoint_interval"
+
+
 def staging(rank: int) -> str:
     """JSON: a trainer's checkpoint staging layout ({name: [shape, dtype, pinned]}), for
     its rank's next shadows to make ahead (``leto.trainer.staging``)."""

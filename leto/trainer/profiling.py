@@ -87,8 +87,12 @@ class Profiles:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             tp = torch.profiler.profile(activities=activities)
             tp.start()
-            cp = cProfile.Profile()
-            cp.enable()
+            # A recovered trainer's recovery profile runs to the end of its first
+            # iteration (one cProfile at a time): its own file holds that iteration's.
+            cp = None
+            if self.recovery is None:
+                cp = cProfile.Profile()
+                cp.enable()
             self.iteration = (cp, tp)
             return 1
         if self.beats == self.window[1]:
@@ -102,13 +106,14 @@ class Profiles:
         if self.iteration is None:
             return 0
         cp, tp = self.iteration
-        cp.disable()
+        if cp is not None:
+            cp.disable()
         tp.stop()
         table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
         if self.device.type == "cuda":
             by_gpu = tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
             table += "\n" + by_gpu
-        self._write("iteration", table + "\n" + _stats(cp, 50, 40))
+        self._write("iteration", table + ("\n" + _stats(cp, 50, 40) if cp is not None else ""))
         tp.export_chrome_trace(str(self.dir / f"{self.stem}.trace.json"))
         self.iteration = None
         return -1
