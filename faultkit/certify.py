@@ -305,15 +305,23 @@ def _rows(struck: list[tuple[str, JobFault]], got: dict) -> list[dict]:
     the last of them at or before its iteration (``diverged_after``); its hint is judged
     against the run's first fault."""
     rows = [_row(phase, f) for phase, f in struck]
+    # One recovery a fault, in order (fault k in generation k): each row its own figures.
+    timed = got.get("recoveries_timed") or []
+    if len(timed) != len(rows):
+        timed = [{} for _ in rows]
     div = (got["verdict"] or {}).get("first_divergence")
     first_it = min(f.iteration for _, f in struck) if struck else 0
     why = hint(got["verdict"], first_it) if got["verdict"] else got["fatal_detail"]
     after = [r for r in rows if div is not None and r["iteration"] <= div["iteration"]]
     blamed = after[-1] if after else (rows[0] if rows and not got["exact"] else None)
-    for r in rows:
+    for r, tm in zip(rows, timed, strict=True):
         r.update(
             exact=got["exact"],
-            recovery_s=got["recovery_s"],
+            # I + R (the paper's measure), its parts, and the older "to leto.Run" figure
+            recovery_s=tm.get("regained_s", tm.get("recovery_s")),
+            init_s=tm.get("init_s"),
+            recompute_s=tm.get("recompute_s"),
+            resumed_s=tm.get("recovery_s"),
             first_divergence=got["first_divergence"],
             fatal_detail=got["fatal_detail"],
             run=str(Path(got["workdir"])),

@@ -66,7 +66,9 @@ def _table(v: dict) -> None:
         title=f"faultkit certify {v['script']}: [bold {colour}]{v['verdict']}[/]",
         title_justify="left",
     )
-    for c in ("phase", "rank", "iteration", "lost", "recovered", "result"):
+    # recovered: this fault's I + R (failure until its interrupted iteration completed
+    # again; under --verify, so the verifiers' digest is in it)
+    for c in ("phase", "rank", "iteration", "lost", "recovered (I + R)", "result"):
         t.add_column(c, overflow="fold")
     for r in v["faults"]:
         lost = f"{r['pages_lost_per_group']}/group" + (" +host" if r["host_parity_pages"] else "")
@@ -81,9 +83,14 @@ def _table(v: dict) -> None:
         else:
             result = "[red]NOT EXACT[/]"
         rec = r.get("recovery_s")
+        parts = (
+            f" ({r['init_s']:.2f} + {r['recompute_s']:.2f})"
+            if r.get("init_s") is not None and r.get("recompute_s") is not None
+            else ""
+        )
         t.add_row(
             r["phase"], str(r["rank"]), str(r["iteration"]), lost,
-            f"{rec:.1f} s" if rec else "-", result,
+            f"{rec:.2f} s{parts}" if rec else "-", result,
         )  # fmt: skip
     for p in v["not_run"]:
         t.add_row(p, "-", "-", "-", "-", "[yellow]not run (time budget)[/]")

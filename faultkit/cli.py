@@ -307,7 +307,8 @@ def _verdict_table(v: dict, title: str) -> int:
             else "-",
         ),
         (
-            f"recovery (failure to training, slowest rank; shadows {v['shadow_level']})",
+            f"recovery (failure until the interrupted iteration completed again, I + R; "
+            f"the slowest of {v['recoveries']}; shadows {v['shadow_level']})",
             f"{v['recovery_s']:.2f} s" if v["recovery_s"] else "-",
         ),
         ("first divergence", v["first_divergence"] or "none"),

@@ -89,7 +89,7 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path):
     assert "is not a file" in p.stderr
 
 
-def _fake(monkeypatch, tmp_path, unfired_at=(), ref_s=1.0):
+def _fake(monkeypatch, tmp_path, unfired_at=(), ref_s=1.0, timed=False):
     """certify with the runs replaced: every faulted run exact, except that faults at
     ``unfired_at`` points never strike (leto run lists them as unfired)."""
     runs = []
@@ -100,9 +100,16 @@ def _fake(monkeypatch, tmp_path, unfired_at=(), ref_s=1.0):
     def faulted_run(cfg, faults, ref, work, label):
         runs.append([f.at for f in faults])
         unfired = [{"at": f.at} for f in faults if f.at.split("@")[0] in unfired_at]
+        # Each recovery its own figures (fault k in generation k): I = 0.1 k, R = 0.01 k.
+        per = [
+            {"class": "HOF", "init_s": 0.1 * k, "recompute_s": 0.01 * k,
+             "regained_s": 0.11 * k, "recovery_s": 0.05 * k}
+            for k in range(1, 1 + len(faults) - len(unfired))
+        ]  # fmt: skip
         return {
             "exact": True, "verdict": {"exact": True}, "first_divergence": None,
-            "fatal_detail": None, "recovery_s": 0.1, "workdir": str(work),
+            "fatal_detail": None, "recovery_s": max(r["regained_s"] for r in per),
+            "recoveries_timed": per if timed else [], "workdir": str(work),
             "faulted_run_s": 1.0, "unfired": unfired,
         }  # fmt: skip
 
@@ -131,6 +138,15 @@ def test_every_phase_exact_is_exact_and_separately_is_one_run_each(monkeypatch, 
     runs.clear()
     v = cert.certify(cert.CertifyConfig(script=script, separately=True), tmp_path)
     assert v["verdict"] == "EXACT" and len(runs) == len(PHASES)
+
+
+def test_each_fault_reports_its_own_recovery_not_the_runs_slowest(monkeypatch, tmp_path):
+    _, script = _fake(monkeypatch, tmp_path, timed=True)
+    v = cert.certify(cert.CertifyConfig(script=script, nproc_per_node=2), tmp_path)
+    got = [(r["init_s"], r["recompute_s"], r["recovery_s"]) for r in v["faults"]]
+    want = [(0.1 * k, 0.01 * k, 0.11 * k) for k in range(1, len(PHASES) + 1)]
+    assert got == pytest.approx(want), got
+    assert len({r["recovery_s"] for r in v["faults"]}) == len(PHASES)
 
 
 def test_runs_past_the_time_budget_are_not_started(monkeypatch, tmp_path):

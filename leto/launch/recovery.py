@@ -216,7 +216,10 @@ class Recovery:
 
     def _regained(self, rec: RecoveryRecord) -> None:
         """I, R and their sum for the slowest local rank, from what its promoted trainer
-        reported after its first iteration and its failed generation's last pace."""
+        reported after its first iteration and its failed generation's last pace (an
+        in-place recovery: its first iteration is the interrupted one, or the next)."""
+        if rec.failure_class is not FailureClass.HOF:
+            return  # a fallback recomputes from its checkpoint: many iterations, not one
         figures = []
         for r, tr in rec.trainers.items():
             if "loop_at" not in tr:
