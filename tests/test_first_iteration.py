@@ -1,5 +1,6 @@
-"""Recovery as the paper measures it (leto.trainer.first_iteration): the stage clock,
-the pace a generation leaves for the next, and I, R and their sum from them."""
+"""Recovery as the paper measures it: the stage clock and the pace a generation leaves
+for the next (leto.trainer.first_iteration), and I, R and their sum the agent takes from
+them (leto.launch.recovery.regained)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 import pytest
 import torch
 
-from leto.trainer.first_iteration import Pace, StageClock, regained
+from leto.launch.recovery import regained
+from leto.trainer.first_iteration import Pace, StageClock
 
 
 def test_stages_add_up_to_the_way_and_name_the_loop_start():

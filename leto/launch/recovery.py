@@ -26,7 +26,6 @@ from leto.job import store as job_store
 from leto.job.config import RunConfig
 from leto.launch.cell import Cell
 from leto.launch.shadows import Shadows
-from leto.trainer.first_iteration import regained
 
 log = logging.getLogger("leto.agent")
 
@@ -237,6 +236,26 @@ class Recovery:
             rec.regained_s = slow["regained_s"]
             rec.first_iteration_s = slow["first_iteration_s"]
             rec.steady_iteration_s = slow["steady_iteration_s"]
+
+
+def regained(pace: dict | None, detected_at: float, loop_at: float, redone_end: float) -> dict:
+    """Recovery as the paper measures it, for one rank. ``pace``: the failed generation's
+    last ``Pace`` record (None: unknown); ``detected_at``: the failure seen; ``loop_at``:
+    the promoted trainer's loop body began; ``redone_end``: the interrupted iteration
+    completed again (``loop_at`` when the recovery finished its update before the loop).
+    I = failure → the loop body; R = → the interrupted iteration done again, less the
+    part of it a fault-free run still had ahead at the failure (never below 0)."""
+    init_s = loop_at - detected_at
+    remainder = 0.0
+    if pace is not None and pace.get("steady_s") is not None:
+        remainder = max(0.0, pace["began_at"] + pace["steady_s"] - detected_at)
+    recompute = max(0.0, redone_end - loop_at - remainder)
+    return {
+        "init_s": init_s,
+        "recompute_s": recompute,
+        "fault_free_remainder_s": remainder if pace is not None else None,
+        "regained_s": init_s + recompute,
+    }
 
 
 def said_lost(lost: dict) -> str:

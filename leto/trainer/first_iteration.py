@@ -20,7 +20,8 @@ iteration is over: a steady iteration is never synchronized by it). Stages, in o
 
 ``Pace`` is written with every heartbeat: when the iteration in progress began and the
 generation's steady iteration time, so that a later generation can tell how much of the
-interrupted iteration a fault-free run still had ahead (``regained``).
+interrupted iteration a fault-free run still had ahead (the agent's
+``leto.launch.recovery.regained``).
 
 Not covered: time before ``leto.init()`` in a fresh process (the interpreter, the
 script's imports: the rank log's first line says when the process started); other ranks'
@@ -107,23 +108,3 @@ class Pace:
         # The first iteration of a process is no steady one (warm-up, lazy set-up).
         steady = statistics.median(self._times[1:]) if len(self._times) > 1 else None
         return json.dumps({"iteration": iteration, "began_at": now, "steady_s": steady})
-
-
-def regained(pace: dict | None, detected_at: float, loop_at: float, redone_end: float) -> dict:
-    """Recovery as the paper measures it, for one rank. ``pace``: the failed generation's
-    last ``Pace`` record (None: unknown); ``detected_at``: the failure seen; ``loop_at``:
-    the promoted trainer's loop body began; ``redone_end``: the interrupted iteration
-    completed again (``loop_at`` when the recovery finished its update before the loop).
-    I = failure → the loop body; R = → the interrupted iteration done again, less the
-    part of it a fault-free run still had ahead at the failure (never below 0)."""
-    init_s = loop_at - detected_at
-    remainder = 0.0
-    if pace is not None and pace.get("steady_s") is not None:
-        remainder = max(0.0, pace["began_at"] + pace["steady_s"] - detected_at)
-    recompute = max(0.0, redone_end - loop_at - remainder)
-    return {
-        "init_s": init_s,
-        "recompute_s": recompute,
-        "fault_free_remainder_s": remainder if pace is not None else None,
-        "regained_s": init_s + recompute,
-    }
