@@ -73,9 +73,14 @@ class Computed:
 SDC_GRAD_POINT = "grad.computed"
 # Outside an iteration: "resume" (key 0) fires once per start, in the middle of a
 # recovery — after the pool's pages are rebuilt, before the ranks agree where to resume.
+RESUME_POINT = "resume"
 ONCE_PER_ITERATION = frozenset(
     {"gather", "compute.forward", "compute.backward", "allreduce", "sync"}
 )
+
+# Every name a fault plan's ``at`` may give: the points, the resume and the seams of
+# silent corruption (checked before a job starts: a misspelt name never fires).
+FAULT_POINTS = (*POINTS, RESUME_POINT, SDC_POINT, SDC_GRAD_POINT)
 
 # The phases a fault plan or schedule names, and the point each strikes at (faultkit
 # kills there; a schedule's failures name them).

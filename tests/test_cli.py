@@ -45,6 +45,10 @@ def test_leto_run_refuses_a_bad_fault_plan_before_anything_starts(capsys, tmp_pa
         ({**ok, "lose_pages": 2}, "pass --allow-fault-injection"),
         ({**ok, "rank": 2}, "rank 2 is not in 0..0"),
         ({**ok, "at": "update.optimizer"}, "expected NAME@ITERATION or NAME@ITERATION#N"),
+        (
+            {**ok, "at": "update.optimiser@3#1"},
+            "no fault point is named 'update.optimiser' (did you mean update.optimizer",
+        ),
         ({**ok, "lose_pages": "2"}, "lose_pages='2' is not a int"),
         ({"rank": 0, "at": "sync@1"}, "missing ['generation']"),
     ]

@@ -9,7 +9,8 @@ key                    type      meaning
 =====================  ========  ==========================================================
 ``generation``         int ≥ 0   the failure's generation (the k-th failure strikes gen. k)
 ``rank``               int       the rank that fails, 0 ≤ rank < world size
-``at``                 str       ``NAME@ITERATION`` or ``NAME@ITERATION#N`` (a fault point)
+``at``                 str       ``NAME@ITERATION`` or ``NAME@ITERATION#N`` (a fault point:
+                                 ``leto.plugins.FAULT_POINTS``)
 ``mode``               str       how it fails (faultkit's modes; default ``kill``)
 ``lose_pages``         int ≥ 0   data pages lost in every protection group of every rank
 ``host_parity_pages``  int ≥ 0   tier-1 host parity pages lost
@@ -25,10 +26,12 @@ itself (leto never imports it).
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 
 from leto.errors import InvalidInput
+from leto.plugins import FAULT_POINTS
 
 KEYS = {
     "generation": int,
@@ -76,6 +79,14 @@ def parse(text: str, world_size: int, allow_fault_injection: bool) -> list[dict]
             raise InvalidInput(
                 f"{at}: at={f['at']!r}: expected NAME@ITERATION or NAME@ITERATION#N "
                 "(e.g. update.optimizer@5#1)"
+            )
+        name = f["at"].split("@")[0]
+        if name not in FAULT_POINTS:
+            close = difflib.get_close_matches(name, FAULT_POINTS, n=3, cutoff=0.5)
+            raise InvalidInput(
+                f"{at}: at={f['at']!r}: no fault point is named {name!r}"
+                + (f" (did you mean {' or '.join(close)}?)" if close else "")
+                + f"; the points are {', '.join(FAULT_POINTS)} — nothing was started"
             )
         for e in f.get("inject", []):
             ok = (
