@@ -85,6 +85,13 @@ def test_two_failures_recover_exactly_at_each_shadow_level(reference, tmp_path, 
         assert all(steps <= set(t) for t in rec["trainers"].values()), rec["trainers"]
         roles = {t["role"] for t in rec["trainers"].values()}
         assert roles == ({"active"} if level == "off" else {"promoted"}), roles
+        # A promoted trainer whose pool held its state did not initialize the model
+        # the state overwrote (leto.trainer.skip_init) — and the run is still EXACT.
+        if level != "off":
+            g = rec["generation"] + 1
+            for r in (0, 1):
+                log = (tmp_path / "logs" / f"rank{r}.gen{g}.shadow.log").read_text()
+                assert "model set-up:" in log and "skipped" in log, (r, g, log[-2000:])
         # Recovery as the paper measures it: I (to the loop), R (to the interrupted
         # iteration done again, less what was still ahead of it), every stage timed.
         if all("loop_at" in t for t in rec["trainers"].values()):

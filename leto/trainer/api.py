@@ -42,7 +42,7 @@ from leto.job.config import (
 )
 from leto.memory.client import PoolClient
 from leto.trainer import imports as ahead_imports
-from leto.trainer import staging
+from leto.trainer import skip_init, staging
 from leto.trainer.exit_hook import record_uncaught
 from leto.trainer.first_iteration import Pace, StageClock
 from leto.trainer.premap import Premap
@@ -80,6 +80,21 @@ class Context:
     # and this generation's pace, written with every beat for the next one's figures.
     clock: StageClock | None = None
     pace: Pace = field(default_factory=Pace)
+    # leto.trainer.skip_init's mode while the script builds its model (None: off).
+    skip_init: object = None
+
+    def end_skip_init(self) -> None:
+        """The model is built: parameter writes run again (``leto.Run``, else the first
+        heartbeat). The rank log says what was skipped."""
+        mode, self.skip_init = self.skip_init, None
+        if mode is not None:
+            skip_init.stop(mode)
+            rank_log.say(
+                self.rank,
+                f"model set-up: {mode.skipped} write(s) to parameters skipped and "
+                f"{mode.moved} parameter(s) moved without their values — the retained "
+                f"state supplies them ({skip_init.ENV_SKIP_INIT}=0 runs them)",
+            )
 
     @property
     def report(self) -> dict:
@@ -128,6 +143,7 @@ class Context:
         held to the general timeout, not the hang timeout, as is every trainer's first
         iteration in its process). Under ``--shadow-level auto``
         the preinitialization guard reports first (memory, reclamations)."""
+        self.end_skip_init()  # (a loop without leto.Run: it ends here at the latest)
         if iteration != "done" and self.env.preinit:
             self._guard().beat()
         if iteration == "done":
@@ -441,6 +457,9 @@ def init(prepare=None, warmup=None) -> Context:
     if premap:
         timings.update(premap.summary(), remapped_pages=client.remapped)
     clock = StageClock(rank, device, timings.get("promoted_at", t0))
+    # The script's model set-up from here to leto.Run: parameters the retained state
+    # overwrites are not initialized (a promoted trainer whose pool holds its state).
+    skip = skip_init.start(store, generation, rank) if role == "shadow" else None
     clock.mark("init")
     return Context(
         role="promoted" if role == "shadow" else "active",
@@ -459,4 +478,5 @@ def init(prepare=None, warmup=None) -> Context:
         env=env,
         imports=watch,
         clock=clock,
+        skip_init=skip,
     )

@@ -116,6 +116,8 @@ class Run:
         retained per iteration and restored on a recovery (iterate it after
         ``leto.Run``)."""
         t0 = time.time()
+        if hasattr(ctx, "end_skip_init"):
+            ctx.end_skip_init()  # before anything here reads the model
         self._clock = getattr(ctx, "clock", None)  # stage times to the first iteration's end
         self._mark("script set-up")
         backend = dist.get_backend() if dist.is_initialized() else None

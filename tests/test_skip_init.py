@@ -1,0 +1,128 @@
+"""A promoted trainer's model set-up (leto.trainer.skip_init): writes to parameters are
+skipped and moves give uninitialized tensors, while buffers, flags, ties and the mode
+stack come out as the script wrote them — and only where the pool holds the state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import _get_current_function_mode_stack
+
+from leto.job import keys
+from leto.trainer import skip_init
+
+
+class Tiny(nn.Module):
+    """What model code does while it builds: init functions, a tie, a frozen part, a
+    buffer computed from scratch, a loaded value."""
+
+    def __init__(self, vocab=64, width=16, seq=8):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq)))
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, width, 2) / width)))
+        for p in self.parameters():
+            if p.ndim >= 2:
+                nn.init.trunc_normal_(p, std=0.02)
+        self.norm.requires_grad_(False)  # frozen
+        with torch.no_grad():
+            self.fc.bias.copy_(torch.full_like(self.fc.bias, 0.5))  # "a checkpoint"
+
+
+def _build(mode_on: bool):
+    torch.manual_seed(0)
+    mode = skip_init.SkipInit() if mode_on else None
+    if mode is not None:
+        torch.overrides._push_mode(mode)
+    try:
+        m = Tiny().to(torch.float64)
+    finally:
+        skip_init.stop(mode)
+    return m, mode
+
+
+def test_parameters_are_left_alone_and_everything_else_is_built_as_written():
+    want, _ = _build(False)
+    got, mode = _build(True)
+    # every init function and write to a parameter: reset_parameters' (5), the script's
+    # trunc_normal_ (2: the tie once) and its copy_ (1)
+    assert mode.skipped >= 8 and mode.moved == len(list(got.parameters())), (mode.skipped, mode.moved)
+    for (n, a), (_, b) in zip(want.named_buffers(), got.named_buffers(), strict=True):
+        assert torch.equal(a, b), n  # computed, not skipped (and moved with a copy)
+    for (n, a), (_, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
+        assert (a.shape, a.dtype, a.requires_grad) == (b.shape, b.dtype, b.requires_grad), n
+    assert got.head.weight is got.wte.weight  # the tie survives the move
+    assert not got.norm.weight.requires_grad
+    # off again: a write to a parameter runs
+    got.fc.bias.data.fill_(3.0)
+    with torch.no_grad():
+        got.fc.bias.add_(1.0)
+    assert torch.equal(got.fc.bias, torch.full_like(got.fc.bias, 4.0))
+
+
+def test_stop_inside_a_device_context_leaves_the_scripts_modes_in_place():
+    mode = skip_init.SkipInit()
+    torch.overrides._push_mode(mode)
+    with torch.device("cpu"):
+        before = len(_get_current_function_mode_stack())
+        skip_init.stop(mode)
+        stack = _get_current_function_mode_stack()
+        assert mode not in stack and len(stack) == before - 1
+        assert torch.empty(2).device.type == "cpu"
+    assert mode not in _get_current_function_mode_stack()
+    skip_init.stop(mode)  # twice: nothing more to do
+
+
+class _Store:
+    def __init__(self, keys_present=()):
+        self.present = set(keys_present)
+
+    def check(self, ks):
+        return all(k in self.present for k in ks)
+
+
+@pytest.mark.parametrize(
+    "generation,present,on",
+    [
+        (1, [keys.pace(0, 0)], True),  # the failed generation trained: the pool holds it
+        (1, [], False),  # it died before its first iteration: initialize as written
+        (0, [keys.pace(0, 0)], False),  # a first start
+        (2, [keys.pace(0, 0)], False),  # only the generation just before counts
+    ],
+)
+def test_only_a_pool_known_to_hold_the_state_turns_it_on(generation, present, on, monkeypatch):
+    monkeypatch.delenv(skip_init.ENV_SKIP_INIT, raising=False)
+    mode = skip_init.start(_Store(present), generation, 0)
+    try:
+        assert (mode is not None) == on
+    finally:
+        skip_init.stop(mode)
+
+
+def test_it_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(skip_init.ENV_SKIP_INIT, "0")
+    assert skip_init.start(_Store([keys.pace(0, 0)]), 1, 0) is None
+
+
+def test_nn_init_on_a_parameter_is_not_run():
+    # 64 M parameters initialized on the CPU as GPT-2 does (1.5 s here without the mode):
+    # nn.init's functions come to the mode with the tensor as a keyword.
+    def build():
+        lin = nn.Linear(8192, 8192, bias=False)
+        nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2))
+        return lin
+
+    mode = skip_init.SkipInit()
+    torch.overrides._push_mode(mode)
+    try:
+        build()
+    finally:
+        skip_init.stop(mode)
+    assert mode.skipped == 2  # kaiming_uniform_'s uniform_ in reset_parameters, normal_
