@@ -450,8 +450,8 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
         return code
     # Fits 80 columns: the slowest trainer's steps go below the table, a line a failure.
     t = Table(title=head, title_justify="left")
-    for col in ("failure", "kind", "ranks", "shadows", "promote", "resumed", "I", "R", "I + R"):
-        t.add_column(col)
+    for col in ("#", "kind", "ranks", "level", "resumed", "I", "R", "I + R"):
+        t.add_column(col, no_wrap=True)
     steps = {
         "deferred_init_s": "init",
         "attach_localize_s": "attach",
@@ -470,15 +470,14 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
             kind,
             ",".join(map(str, r.get("failed_ranks", []))) or "?",
             str(r.get("level") or "cold"),
-            f"{r['promotion_s'] * 1e3:.0f} ms",
             f"{r['recovery_s']:.2f} s" if "recovery_s" in r else "-",
             *(f"{r[k]:.2f} s" if k in r else "-" for k in ("init_s", "recompute_s", "regained_s")),
         )
         said = ", ".join(f"{v} {slow[k]:.2f} s" for k, v in steps.items() if k in slow)
         if said:
             notes.append(
-                f"failure {n}: fenced in {r['fencing_s'] * 1e3:.0f} ms; the slowest trainer's "
-                f"steps: {said}"
+                f"failure {n}: fenced in {r['fencing_s'] * 1e3:.0f} ms, shadows promoted in "
+                f"{r['promotion_s'] * 1e3:.0f} ms; the slowest trainer's steps: {said}"
             )
         first = max(tr, key=lambda x: x.get("first_iteration_end", 0), default={})
         if first.get("stages"):
@@ -491,8 +490,8 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
     Console().print(t)
     legend = (
         "kind: in place (recovered from memory and parity) or checkpoint (a fatal "
-        "failure: every rank restarted from the newest checkpoint); promote: the "
-        "trainers fenced and a waiting shadow became the trainer; resumed: failure to "
+        "failure: every rank restarted from the newest checkpoint); level: the shadows "
+        "promoted; resumed: failure to "
         "leto.Run's resume; I: failure to the loop running again; R: the interrupted "
         "iteration done again, less what a fault-free run still had ahead of it; I + R: "
         "the time the failure cost, as the paper measures recovery"

@@ -109,3 +109,66 @@ def test_a_killed_trainer_loses_no_line_it_printed(tmp_path):
         assert f"[rank0]:it {t} rank 0" in lines and f"[rank1]:note {t}" in lines
     assert lines.count("[rank0]:bye") == 1 and lines.count("[rank1]:bye") == 1
     assert "rank 0: chunk updates" not in console  # Leto's own lines stay in the rank logs
+
+
+GLOO_BROKEN = (
+    "Traceback (most recent call last):\n"
+    '  File "train.py", line 40, in <module>\n'
+    "    loss.backward()\n"
+    "    ^^^^^^^^^^^^^^^\n"
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:41234: Connection reset by peer\n"
+)
+SCRIPT_ERROR = (
+    "Traceback (most recent call last):\n"
+    '  File "train.py", line 12, in <module>\n'
+    "    raise ValueError('bad batch')\n"
+    "ValueError: bad batch\n"
+)
+
+
+def test_a_collective_a_failed_peer_broke_is_one_leto_line_not_a_traceback(tmp_path):
+    cells = [_cell(tmp_path, 0), _cell(tmp_path, 1)]
+    out = io.StringIO()
+    relay = Relay(cells, out, world_size=2)
+    _log(tmp_path, 1, "step 3\n" + GLOO_BROKEN[:90])  # split mid-traceback across polls
+    relay.poll()
+    assert out.getvalue() == "[rank1]:step 3\n"  # held: not yet known which it is
+    _log(tmp_path, 1, GLOO_BROKEN[90:] + "after\n")
+    relay.poll()
+    text = out.getvalue()
+    assert "Traceback" not in text and "pair.cc" not in text.split("(")[0], text
+    assert "leto: rank 1: a collective broke when a peer failed (RuntimeError:" in text, text
+    assert "rank1.gen0.active.log" in text and text.endswith("[rank1]:after\n"), text
+
+
+def test_the_scripts_own_error_is_shown_in_full(tmp_path):
+    cells = [_cell(tmp_path, 0), _cell(tmp_path, 1)]
+    out = io.StringIO()
+    relay = Relay(cells, out, world_size=2)
+    _log(tmp_path, 0, SCRIPT_ERROR)
+    relay.poll()
+    want = "".join(f"[rank0]:{ln}\n" for ln in SCRIPT_ERROR.splitlines())
+    assert out.getvalue() == want
+
+
+def test_a_traceback_cut_off_by_the_end_is_shown_as_it_is(tmp_path):
+    cells = [_cell(tmp_path, 0)]
+    out = io.StringIO()
+    relay = Relay(cells, out, world_size=1)
+    _log(tmp_path, 0, "Traceback (most recent call last):\n  File \"x.py\", line 1\n")
+    relay.poll()
+    assert out.getvalue() == ""
+    relay.poll(final=True)
+    assert out.getvalue() == 'Traceback (most recent call last):\n  File "x.py", line 1\n'
+
+
+def test_torchs_own_rank_prefix_does_not_hide_a_broken_collective(tmp_path):
+    # torch prints a distributed rank's uncaught exception with "[rank<r>]: " itself.
+    cells = [_cell(tmp_path, 0), _cell(tmp_path, 1)]
+    out = io.StringIO()
+    relay = Relay(cells, out, world_size=2)
+    _log(tmp_path, 0, "".join(f"[rank0]: {ln}\n" for ln in GLOO_BROKEN.splitlines()))
+    relay.poll()
+    text = out.getvalue()
+    assert "Traceback" not in text and "a collective broke when a peer failed" in text, text

@@ -29,7 +29,7 @@ from leto.job.config import RunConfig
 from leto.launch.cell import Cell
 
 # What a collective says when a peer's process went away under it.
-_PEER_GONE = re.compile(
+PEER_GONE = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|remote process exited|"
     r"NCCL communicator was aborted",
     re.IGNORECASE,
@@ -70,7 +70,7 @@ class Failure:
         been seen yet — a script's own ``sys.exit(n)`` closes its connections before its
         process is gone."""
         msg = (self.error or {}).get("message", "")
-        return self.kind is FailureKind.EXIT and bool(_PEER_GONE.search(msg))
+        return self.kind is FailureKind.EXIT and bool(PEER_GONE.search(msg))
 
     @property
     def script_error(self) -> bool:
@@ -117,6 +117,12 @@ class Failure:
         if self.kind is FailureKind.STATE_MANAGER:
             return "lost its state manager"
         why = f"exited with {self.code}"
+        if self.error and self.collateral:
+            # Not a crash of its own: the way a peer's failure reached it.
+            return (
+                f"{why}: a collective broke when a peer failed ({self.error['exception']}; "
+                f"traceback in {self.error['file']})"
+            )
         if self.error:
             why += (
                 f": {self.error['exception']}: {self.error['message']} "

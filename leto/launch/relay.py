@@ -14,6 +14,13 @@ Leto's own trainer-side lines (``leto.rank_log``) are told apart by their mark:
 job-wide facts reach the console once, through the agent's notices (the checks line, a
 check switched off).
 
+A healthy rank's traceback from a collective its failed peer broke (gloo's "Connection
+reset by peer", NCCL's remote exit: ``leto.launch.monitor.PEER_GONE``) is not a
+crash of its script but the way the failure reached it, and Leto recovers it: the
+traceback stays in the rank log, and the console gets one line saying so. A traceback
+is held until its exception line shows which it is; every other one (the script's own
+error) is shown in full.
+
 Not covered: a trainer's output before its first poll is shown when that poll comes
 (the agent polls every ``poll_s``); the order of lines across ranks is the order the
 relay read them, not the order they were written.
@@ -21,13 +28,16 @@ relay read them, not the order they were written.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import TextIO
 
+from leto.launch.monitor import PEER_GONE
 from leto.rank_log import MARK, SHOWN
 
 READ_LIMIT = 1 << 20  # bytes read from one file in one poll: a flood cannot stall the agent
+_TORCH_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 
 
 class _Follow:
@@ -64,6 +74,7 @@ class Relay:
         self.prefix = world_size > 1
         self.ranks = None if ranks is None else set(ranks)
         self.following: dict[int, _Follow] = {}
+        self.held: dict[int, list[str]] = {}  # a traceback being read, per rank
 
     def _path(self, cell) -> Path | None:
         if cell.active is None:
@@ -82,18 +93,25 @@ class Relay:
             path = self._path(cell)
             f = self.following.get(cell.rank)
             if f is not None and f.path != path:
-                self._write(cell.rank, f.read(final=True))  # the old trainer's last lines
+                self._write(cell.rank, f.read(final=True), f.path)  # the old one's last lines
+                self._write(cell.rank, self._release(cell.rank), f.path, held=True)
                 f = None
             if f is None and path is not None:
                 f = self.following[cell.rank] = _Follow(path)
             if f is not None:
-                self._write(cell.rank, f.read(final))
+                self._write(cell.rank, f.read(final), f.path)
+                if final:
+                    self._write(cell.rank, self._release(cell.rank), f.path, held=True)
         try:
             self.out.flush()
         except (OSError, ValueError):
             self.out = None  # the console is gone (a closed pipe): the logs keep it all
 
-    def _write(self, rank: int, lines: list[bytes]) -> None:
+    def _release(self, rank: int) -> list[bytes]:
+        """A traceback still held (its file ended before its exception line): shown."""
+        return [ln.encode() for ln in self.held.pop(rank, [])]
+
+    def _write(self, rank: int, lines: list[bytes], path: Path, held: bool = False) -> None:
         if not lines or self.out is None:
             return
         head = f"[rank{rank}]:" if self.prefix else ""
@@ -104,6 +122,26 @@ class Relay:
                 continue
             if line.startswith(SHOWN):  # Leto's own, for the console: no rank prefix
                 shown.append(MARK + line[len(SHOWN) :] + "\n")
+                continue
+            block = self.held.get(rank)
+            # (torch prefixes a distributed rank's uncaught traceback with "[rank<r>]: ")
+            bare = _TORCH_PREFIX.sub("", line, count=1)
+            if block is None and bare.startswith("Traceback (most recent call last):") and not held:
+                self.held[rank] = [line]
+                continue
+            if block is not None:
+                block.append(line)
+                if not bare or bare[0].isspace() or bare.startswith("Traceback"):
+                    continue  # its frames
+                del self.held[rank]  # its exception line: a peer's failure, or its own
+                if PEER_GONE.search(line):
+                    shown.append(
+                        f"{MARK}rank {rank}: a collective broke when a peer failed "
+                        f"({bare.strip()[:160]}); Leto recovers it — the traceback is in "
+                        f"{path}\n"
+                    )
+                else:
+                    shown.extend(head + b + "\n" for b in block)
                 continue
             shown.append(head + line + "\n")
         try:
