@@ -437,6 +437,15 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
             "losses, so the verifiers compare no loss (call it before optimizer.step())",
             file=sys.stderr,
         )
+    if summary.get("unprotected_ranks") and not stopped:
+        ranks = summary["unprotected_ranks"]
+        print(
+            f"leto run: warning: rank(s) {', '.join(map(str, ranks))} never reached "
+            "leto.Run: nothing of their training was retained or protected, and a failure "
+            "would have restarted them from the top — call leto.init() and wrap the model "
+            "and optimizer in leto.Run (docs/porting.md)",
+            file=sys.stderr,
+        )
     for f in summary.get("unfired_faults", []):
         print(
             f"leto run: warning: fault-plan entry for generation {f['generation']} (rank "

@@ -145,6 +145,23 @@ def test_an_error_before_leto_init_shows_the_end_of_its_log(tmp_path):
     assert "no data at /data/shard0" in record["stopped"], record["stopped"]
 
 
+def test_a_script_that_never_reaches_leto_run_is_told_nothing_was_protected(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text("print('trained without Leto')\n")
+    cmd = [
+        sys.executable, "-m", "leto.cli", "run", "--device", "cpu", "--nproc-per-node", "1",
+        "--master-port", str(free_port()), "--log-dir", str(tmp_path / "logs"), str(script),
+    ]  # fmt: skip
+    r = subprocess.run(
+        cmd, env=_env(tmp_path / "tmp"), cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "trained without Leto" in r.stdout, r.stdout
+    assert "rank(s) 0 never reached leto.Run: nothing of their training was retained" in r.stderr, (
+        r.stderr[-2000:]
+    )
+
+
 @pytest.fixture(scope="module")
 def inject_cli(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """``faultkit inject`` as a user runs it (its table on stdout, its stages on

@@ -576,6 +576,20 @@ class Agent:
         except Exception:  # noqa: BLE001 - the store may be gone at a stop; only a notice
             return 0
 
+    def _unprotected(self, last_gen: int) -> list[int]:
+        """The local ranks none of whose trainers reached ``leto.Run``'s resume in any
+        generation: their state was never retained (a script without ``leto.init()`` and
+        ``leto.Run``, or one that never got that far)."""
+        if self.store is None:
+            return []
+        try:
+            return [
+                cl.rank for cl in self.cells
+                if not any(self.store.check([keys.resumed(g, cl.rank)]) for g in range(last_gen + 1))
+            ]  # fmt: skip
+        except Exception:  # noqa: BLE001 - the store may be gone at a stop; only a notice
+            return []
+
     def summary(self, last_gen: int) -> dict:
         if self.store is not None:
             self._notices(self.store, every_s=0.0)  # any the loop had no time to show
@@ -601,6 +615,8 @@ class Agent:
             "no_loss_ranks": self._no_loss(),
             # Fault-plan entries whose generation ended without a failure (node 0 says so).
             "unfired_faults": self._unfired(),
+            # Local ranks whose state was never retained (the script never reached leto.Run).
+            "unprotected_ranks": self._unprotected(last_gen),
             "store_requests": self.store.requests if self.store is not None else 0,
             "store_requests_per_s": self.store.rate() if self.store is not None else 0.0,
         }
