@@ -401,12 +401,19 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
     reason first when it stopped (a signal, a script error, a repeated fatal failure);
     the table of recoveries only when there were some."""
     m = summary["measured"]
-    ettr = (
-        f"ETTR {m['ettr']:.1%} ({m['iterations']} iterations of {m['median_iteration_s']:.3f} s "
-        f"in {m['wall_s']:.1f} s; start-up counts against it, so a short run reads low)"
-        if m["ettr"] is not None
-        else f"ETTR not measured: {m['why']}"
-    )
+    if m["ettr"] is None:
+        ettr = f"ETTR not measured: {m['why']}"
+    elif summary["failures"]:
+        ettr = (
+            f"ETTR {m['ettr']:.1%} ({m['iterations']} iterations of "
+            f"{m['median_iteration_s']:.3f} s in {m['wall_s']:.1f} s; start-up counts "
+            "against it, so a short run reads low)"
+        )
+    else:  # without failures an ETTR measures only the start-up: the figures instead
+        ettr = (
+            f"{m['iterations']} iterations of {m['median_iteration_s']:.3f} s in "
+            f"{m['wall_s']:.1f} s (start-up and shutdown included)"
+        )
     shadows = cfg.level()
     if summary.get("preinit"):
         p = summary["preinit"]

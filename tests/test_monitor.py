@@ -5,6 +5,7 @@ every rank is held to the general ``timeout_s``, since its peers stall behind it
 Real store (torch's HashStore) and the trainer's own heartbeat code (``Context``); the
 trainers are stand-ins that only say they are alive."""
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -165,3 +166,19 @@ def test_peers_broken_collectives_wait_for_the_rank_that_broke_them(tmp_path, mo
     assert not agent._hold([broken], store, 1)  # never seen: on without it, bounded
     store.add(keys.failures(2), 1)  # another node reported this generation's failure
     assert not agent._hold([broken], store, 2)
+
+
+def test_the_iteration_count_is_the_trainers_not_the_beats_the_monitor_saw():
+    # A fast loop: the monitor polls at iterations 0-2 only, the trainer runs 30. The
+    # count comes from the trainer's last pace (what the agent's summary reads).
+    store = dist.HashStore()
+    trainer = _trainer(store, 0)
+    m = _monitor(store)
+    for it in range(30):
+        trainer.heartbeat(it)
+        if it < 3:
+            time.sleep(0.01)
+            m.failures(0)
+    assert m.ettr()["iterations"] == 3  # what the polled beats alone say
+    last = json.loads(store.get(keys.pace(0, 0)))["iteration"]
+    assert m.ettr(last + 1)["iterations"] == 30

@@ -576,6 +576,19 @@ class Agent:
         except Exception:  # noqa: BLE001 - the store may be gone at a stop; only a notice
             return 0
 
+    def _iterations(self, last_gen: int) -> int | None:
+        """Iterations the first local rank's trainers began (their last pace), or None."""
+        if self.store is None or not self.cells:
+            return None
+        try:
+            for g in range(last_gen, -1, -1):
+                k = keys.pace(g, self.cells[0].rank)
+                if self.store.check([k]):
+                    return int(json.loads(self.store.get(k))["iteration"]) + 1
+        except Exception:  # noqa: BLE001 - the store may be gone at a stop; only a figure
+            return None
+        return None
+
     def _unprotected(self, last_gen: int) -> list[int]:
         """The local ranks none of whose trainers reached ``leto.Run``'s resume in any
         generation: their state was never retained (a script without ``leto.init()`` and
@@ -594,7 +607,11 @@ class Agent:
         if self.store is not None:
             self._notices(self.store, every_s=0.0)  # any the loop had no time to show
         return {
-            "measured": self.monitor.ettr() if self.monitor is not None else {"ettr": None},
+            "measured": (
+                self.monitor.ettr(self._iterations(last_gen))
+                if self.monitor is not None
+                else {"ettr": None}
+            ),
             "config": asdict(self.cfg),
             "generations": last_gen + 1,
             "failures": len(self.records),

@@ -218,10 +218,12 @@ class Monitor:
         oldest = min((b for b, _ in hung), default=None)
         return [cl for b, cl in hung if b == oldest]
 
-    def ettr(self) -> dict:
+    def ettr(self, iterations: int | None = None) -> dict:
         """Measured ETTR from the first local rank's heartbeats: productive time (distinct
         iterations x the median fault-free iteration time) over the wall time since the
-        agent started (so start-up, failures and recomputation all count against it)."""
+        agent started (so start-up, failures and recomputation all count against it).
+        ``iterations``: the count the trainers reported (their last pace), exact where
+        the polled beats may have missed the last ones of a fast loop."""
         p = self._progress
         steps = [
             b[0] - a[0] for a, b in zip(p, p[1:], strict=False) if a[1] == b[1] and b[2] == a[2] + 1
@@ -229,7 +231,7 @@ class Monitor:
         if not steps:
             return {"ettr": None, "why": "fewer than two consecutive iterations were observed"}
         t_iter = sorted(steps)[len(steps) // 2]
-        iterations = max(it for _, _, it in p) + 1
+        iterations = max(iterations or 0, max(it for _, _, it in p) + 1)
         wall = time.time() - self._started
         return {
             "ettr": iterations * t_iter / wall,
