@@ -17,12 +17,13 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from faultkit.cli_common import keep_if_not_exact, progress, refuse, workdir, workdir_flags
+
 EXIT = {"EXACT": 0, "NOT EXACT": 1, "INCOMPLETE": 3}
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
     from faultkit.certify import CertifyConfig, certify, check
-    from faultkit.cli import _keep_if_not_exact, _progress, _refuse, _workdir
     from faultkit.inject import PHASES
 
     script_args = list(args.script_args)
@@ -43,13 +44,13 @@ def cmd_certify(args: argparse.Namespace) -> int:
     try:
         check(cfg)  # before the work directory, before anything runs
     except ValueError as e:
-        return _refuse("certify", e, args)
-    with _progress("certify") as say, _workdir(args, say) as (work, keep):
+        return refuse("certify", e, args)
+    with progress("certify") as say, workdir(args, say) as (work, keep):
         try:
             v = certify(cfg, work)
         except (ValueError, RuntimeError) as e:
-            return _refuse("certify", e, args)
-        _keep_if_not_exact(keep, v["verdict"] != "NOT EXACT")
+            return refuse("certify", e, args)
+        keep_if_not_exact(keep, v["verdict"] != "NOT EXACT")
         v["workdir"] = str(work)
         v["workdir_kept"] = bool(keep["why"])
     if args.json:
@@ -115,7 +116,6 @@ def _table(v: dict) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``certify`` to a faultkit argparse subparsers object."""
-    from faultkit.cli import workdir_flags
     from faultkit.inject import PHASES
 
     p = subparsers.add_parser(

@@ -18,21 +18,16 @@ verdict that is not EXACT keep it: DIR/reference/train and DIR/<run>/train are w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
-import shutil
 import signal
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from rich.text import Text
 
 from faultkit.certify_cli import register as register_certify
+from faultkit.cli_common import keep_if_not_exact, progress, refuse, workdir, workdir_flags
 from faultkit.schedule_cli import register as register_plan
 from leto.memory.mechanisms import probe
 
@@ -76,74 +71,6 @@ def _config(args: argparse.Namespace):
     )
 
 
-@contextlib.contextmanager
-def _progress(command: str):
-    """One line per stage on stderr as the runs go (faultkit.inject logs them at INFO;
-    stdout keeps the table or the JSON): a run of the example job takes tens of seconds,
-    a matrix many minutes, and nothing was shown until the end. Yields the function
-    that prints a line."""
-    console = Console(stderr=True, highlight=False)
-    t0 = time.monotonic()
-
-    def say(line: str) -> None:
-        elapsed = (f"{time.monotonic() - t0:6.1f} s ", "dim")
-        console.print(Text.assemble(elapsed, f"faultkit {command}: {line}"), soft_wrap=True)
-
-    class Lines(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            say(record.getMessage())
-
-    log = logging.getLogger("faultkit")
-    handler, level, propagate = Lines(), log.level, log.propagate
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False  # shown here once, not again by a root handler
-    try:
-        yield say
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-        log.propagate = propagate
-
-
-@contextlib.contextmanager
-def _workdir(args: argparse.Namespace, say):
-    """Where the runs write (logs, checkpoints, traces: 40-60 MB a run). A directory
-    the user named is kept; a temporary one is removed at the end — also after SIGTERM
-    or Ctrl-C, once the job's agents have stopped — unless ``--keep``, or unless the
-    verdict was not EXACT (``keep["why"]`` set: the traces are the evidence)."""
-    if args.workdir:
-        path = Path(args.workdir).resolve()
-        made = not path.exists()
-        path.mkdir(parents=True, exist_ok=True)
-        keep = {"why": "--workdir"}
-    else:
-        path, made = Path(tempfile.mkdtemp(prefix="faultkit-")), True
-        keep = {"why": "--keep" if args.keep else None}
-    say(
-        f"work directory {path}" + ("" if keep["why"] else " (removed at the end; --keep keeps it)")
-    )
-    try:
-        yield path, keep
-    finally:
-        empty = path.is_dir() and not any(path.iterdir())
-        if not keep["why"] or (made and empty):
-            shutil.rmtree(path, ignore_errors=True)
-            if not empty:
-                say(f"removed {path} (--keep or --workdir DIR keeps the runs' traces)")
-        else:
-            runs = sorted(str(t.relative_to(path)) for t in path.glob("*/train") if t.is_dir())
-            say(f"kept {path} ({keep['why']}); traces: {', '.join(runs) or 'none'}")
-            if len(runs) >= 2 and "reference/train" in runs:
-                other = next(r for r in runs if r != "reference/train")
-                say(f"compare them: verifiers compare {path}/reference/train {path}/{other}")
-
-
-def _keep_if_not_exact(keep: dict, exact: bool) -> None:
-    if not exact and not keep["why"]:
-        keep["why"] = "the verdict is not EXACT: its traces are the evidence"
-
-
 def cmd_inject(args: argparse.Namespace) -> int:
     from faultkit.inject import check, inject
 
@@ -151,13 +78,13 @@ def cmd_inject(args: argparse.Namespace) -> int:
     try:
         check(cfg)  # before the work directory, before anything runs
     except ValueError as e:
-        return _refuse("inject", e, args)
-    with _progress("inject") as say, _workdir(args, say) as (work, keep):
+        return refuse("inject", e, args)
+    with progress("inject") as say, workdir(args, say) as (work, keep):
         try:
             v = inject(cfg, work)
         except (ValueError, RuntimeError) as e:
-            return _refuse("inject", e, args)
-        _keep_if_not_exact(keep, v["exact"])
+            return refuse("inject", e, args)
+        keep_if_not_exact(keep, v["exact"])
         v["workdir_kept"] = bool(keep["why"])
     if args.json:
         print(json.dumps(v))
@@ -177,13 +104,13 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     try:
         matrix_cases(_config(args), **cases)  # every case checked before anything runs
     except ValueError as e:
-        return _refuse("matrix", e, args)
-    with _progress("matrix") as say, _workdir(args, say) as (work, keep):
+        return refuse("matrix", e, args)
+    with progress("matrix") as say, workdir(args, say) as (work, keep):
         try:
             rows = matrix(_config(args), work, **cases)
         except (ValueError, RuntimeError) as e:
-            return _refuse("matrix", e, args)
-        _keep_if_not_exact(keep, all(r["exact"] for r in rows))
+            return refuse("matrix", e, args)
+        keep_if_not_exact(keep, all(r["exact"] for r in rows))
     bad = [r for r in rows if not r["exact"]]
     if args.json:
         print(json.dumps({"exact": not bad, "cases": rows}))
@@ -228,13 +155,13 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
         schedule = Schedule.from_json(Path(args.schedule).read_text())
         plan_faults(schedule, _config(args), args.iteration_s)  # every failure checked
     except (OSError, InvalidInput, ValueError) as e:
-        return _refuse("run-plan", e, args)
-    with _progress("run-plan") as say, _workdir(args, say) as (work, keep):
+        return refuse("run-plan", e, args)
+    with progress("run-plan") as say, workdir(args, say) as (work, keep):
         try:
             v = run_plan(schedule, _config(args), args.iteration_s, work)
         except (InvalidInput, ValueError, RuntimeError) as e:
-            return _refuse("run-plan", e, args)
-        _keep_if_not_exact(keep, v["exact"])
+            return refuse("run-plan", e, args)
+        keep_if_not_exact(keep, v["exact"])
         v["workdir_kept"] = bool(keep["why"])
     v.setdefault("mode", "from schedule")
     v.setdefault("phase", "from schedule")
@@ -258,15 +185,6 @@ def _unseen(v: dict) -> str:
         " — nothing found: absorbed into consistent parity (a page whose chunk was in "
         "flight; docs/integrity.md)"
     )
-
-
-def _refuse(command: str, e: Exception, args: argparse.Namespace) -> int:
-    """A refusal: the reason on stderr and, under ``--json``, as a JSON object on stdout
-    (a script reading stdout gets an object either way). Nothing ran."""
-    print(f"faultkit {command}: {e}", file=sys.stderr)
-    if getattr(args, "json", False):
-        print(json.dumps({"refused": True, "error": str(e), "exact": False}))
-    return 2
 
 
 def _verdict_table(v: dict, title: str) -> int:
@@ -387,20 +305,6 @@ PARALLEL_HELP = (
     "torchtitan's Llama 3 debug model under leto.titan's LetoTrainer; torchtitan 0.2 "
     "installed; world size 1 on the CPU)"
 )
-
-
-def workdir_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--workdir",
-        default=None,
-        help="write the runs here (kept): DIR/reference/train and DIR/<run>/train hold the "
-        "traces `verifiers compare` reads; default: a temporary directory, removed at the end",
-    )
-    p.add_argument(
-        "--keep",
-        action="store_true",
-        help="keep the temporary work directory (it is kept anyway when a verdict is not EXACT)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -571,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _terminated(signum, frame):
     # Unwinds like Ctrl-C: the job's agents are stopped and the temporary work
-    # directory removed (the finally clauses of finish_job and _workdir).
+    # directory removed (the finally clauses of finish_job and cli_common.workdir).
     raise SystemExit(128 + signum)
 
 

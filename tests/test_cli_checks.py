@@ -194,7 +194,8 @@ def test_an_interrupted_job_gets_sigterm_not_sigkill(tmp_path):
 def test_faultkit_workdir_is_removed_unless_kept(tmp_path, no_temp_leftovers):
     from argparse import Namespace
 
-    from faultkit.cli import _keep_if_not_exact, _workdir
+    from faultkit.cli_common import keep_if_not_exact as _keep_if_not_exact
+    from faultkit.cli_common import workdir as _workdir
 
     lines: list[str] = []
     with _workdir(Namespace(workdir=None, keep=False), lines.append) as (work, _):
