@@ -68,7 +68,7 @@ def _table(v: dict) -> None:
         title_justify="left",
     )
     # recovered: this fault's I + R (failure until its interrupted iteration completed
-    # again; under --verify, so the verifiers' digest is in it)
+    # again; under --verify, so the verifiers' digest is in it); I and R apart: --json
     for c in ("phase", "rank", "iteration", "lost", "recovered (I + R)", "result"):
         t.add_column(c, overflow="fold")
     for r in v["faults"]:
@@ -84,14 +84,9 @@ def _table(v: dict) -> None:
         else:
             result = "[red]NOT EXACT[/]"
         rec = r.get("recovery_s")
-        parts = (
-            f" ({r['init_s']:.2f} + {r['recompute_s']:.2f})"
-            if r.get("init_s") is not None and r.get("recompute_s") is not None
-            else ""
-        )
         t.add_row(
             r["phase"], str(r["rank"]), str(r["iteration"]), lost,
-            f"{rec:.2f} s{parts}" if rec else "-", result,
+            f"{rec:.2f} s" if rec else "-", result,
         )  # fmt: skip
     for p in v["not_run"]:
         t.add_row(p, "-", "-", "-", "-", "[yellow]not run (time budget)[/]")

@@ -221,12 +221,16 @@ class Recovery:
             return  # a fallback recomputes from its checkpoint: many iterations, not one
         figures = []
         for r, tr in rec.trainers.items():
-            if "loop_at" not in tr:
+            loop_at = tr.get("loop_at")
+            if loop_at is None and tr.get("resumed_by") == "finish" and "time" in tr:
+                # The interrupted iteration was the loop's last: done once leto.Run resumed.
+                loop_at = tr["time"]
+            if loop_at is None:
                 continue  # the job ended before this trainer's loop ran an iteration
             k = keys.pace(rec.generation, r)
             pace = json.loads(self.store.get(k)) if self.store.check([k]) else None
-            done = tr["loop_at"] if tr.get("resumed_by") == "finish" else tr["first_iteration_end"]
-            fig = regained(pace, rec.detected_at, tr["loop_at"], done)
+            done = loop_at if tr.get("resumed_by") == "finish" else tr["first_iteration_end"]
+            fig = regained(pace, rec.detected_at, loop_at, done)
             fig["first_iteration_s"] = tr.get("first_iteration_s")
             fig["steady_iteration_s"] = pace.get("steady_s") if pace else None
             figures.append(fig)
