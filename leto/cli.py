@@ -481,6 +481,9 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
         tr = list(r.get("trainers", {}).values())
         slow = max(tr, key=lambda x: x.get("resume_s", 0), default={})
         kind = {"HOF": "in place", "FF": "checkpoint"}.get(r["class"], r["class"])
+        if r.get("cause"):
+            kind = "script error"  # recovered in place, then known for what it was
+            notes.append(f"failure {n}: {r['cause']}; it was recovered in place first")
         t.add_row(
             str(n),
             kind,

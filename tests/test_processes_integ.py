@@ -62,6 +62,8 @@ def test_a_script_error_stops_the_job_instead_of_recovering(tmp_path, when):
         return
     (rec,) = summary["recoveries"]
     assert rec["failed_ranks"] == [1] and "raised ValueError again at the same place" in why
+    # The recovery it got first is counted as what it turned out to be.
+    assert rec["cause"].startswith("a script error (ValueError), raised again"), rec
 
     error = rec["failures"]["1"]["error"]
     assert error["exception"] == "ValueError" and "(4, 5) was expected" in error["message"]

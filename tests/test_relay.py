@@ -172,3 +172,18 @@ def test_torchs_own_rank_prefix_does_not_hide_a_broken_collective(tmp_path):
     relay.poll()
     text = out.getvalue()
     assert "Traceback" not in text and "a collective broke when a peer failed" in text, text
+
+
+def test_the_same_error_from_a_promoted_trainer_is_not_shown_twice(tmp_path):
+    cells = [_cell(tmp_path, 0)]
+    out = io.StringIO()
+    relay = Relay(cells, out, world_size=1)
+    _log(tmp_path, 0, SCRIPT_ERROR)
+    relay.poll()
+    cells[0].active_generation, cells[0].active_role = 1, "shadow"  # promoted
+    _log(tmp_path, 0, "starting\n" + SCRIPT_ERROR, gen=1, role="shadow")
+    relay.poll(final=True)
+    text = out.getvalue()
+    assert text.count("Traceback") == 1 and text.count("raise ValueError") == 1, text
+    assert "leto: rank 0: the same error again (ValueError: bad batch)" in text, text
+    assert "rank0.gen1.shadow.log" in text and "starting\n" in text, text

@@ -106,7 +106,8 @@ class Agent:
         self._notices_seen, self._notices_at = 0, 0.0  # trainers' console lines logged
         self.script_exit: int | None = None  # a trainer's own sys.exit(n): leto run's code
         self._held: tuple[int, float] | None = None  # (generation, since): see _hold
-        self._signatures: set[tuple] = set()  # script errors recovered from once
+        # script errors recovered from once: signature -> the generation that raised it
+        self._signatures: dict[tuple, int] = {}
         # Recoverable failures Leto raised (EXIT_RECOVERABLE): signature -> generation.
         self._recoverable: dict[tuple, int] = {}
         self.tally: faulty.Tally | None = None  # detections that named ranks (run())
@@ -518,12 +519,19 @@ class Agent:
                 continue
             sig = f.signature()
             if sig in self._signatures:
+                # What the earlier recovery was, now that it is known: the same error.
+                for rec in self.records:
+                    if rec.generation == self._signatures[sig]:
+                        rec.cause = (
+                            f"a script error ({f.error['exception'] if f.error else 'exit'}), "
+                            f"raised again at the same place in generation {gen}"
+                        )
+                # (its traceback was on the console when it first came: not again)
                 return (
                     f"rank {f.rank} {what} again at the same place, as before a recovery "
-                    f"(generation {gen}; {said}) — the job stops instead of looping.\n"
-                    f"{f.traceback_tail()}\n({where})"
+                    f"(generation {gen}; {said}) — the job stops instead of looping ({where})"
                 )
-            self._signatures.add(sig)
+            self._signatures.setdefault(sig, gen)
         return None
 
     def _pool_status(self, cl: Cell) -> dict:

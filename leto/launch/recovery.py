@@ -48,6 +48,9 @@ class RecoveryRecord:
     pages_lost: dict | None = None  # HOF: what the fault plan lost
     older_checkpoints: int | None = None  # FF: newest checkpoints passed over
     repeats: list[int] | None = None  # generations that failed the same way before
+    # Set once known: what the failure was, where Leto could not tell at the time (a
+    # script error it recovered from as a possible hardware failure, then saw again).
+    cause: str | None = None
     # Added by ``collect`` after the job:
     failed_ranks: list[int] = field(default_factory=list)
     failures: dict = field(default_factory=dict)  # rank -> exit code / hang / error file

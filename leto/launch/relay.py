@@ -19,7 +19,8 @@ reset by peer", NCCL's remote exit: ``leto.launch.monitor.PEER_GONE``) is not a
 crash of its script but the way the failure reached it, and Leto recovers it: the
 traceback stays in the rank log, and the console gets one line saying so. A traceback
 is held until its exception line shows which it is; every other one (the script's own
-error) is shown in full.
+error) is shown in full — once: the same traceback again from the rank's promoted
+trainer is one line pointing to it.
 
 Not covered: a trainer's output before its first poll is shown when that poll comes
 (the agent polls every ``poll_s``); the order of lines across ranks is the order the
@@ -75,6 +76,7 @@ class Relay:
         self.ranks = None if ranks is None else set(ranks)
         self.following: dict[int, _Follow] = {}
         self.held: dict[int, list[str]] = {}  # a traceback being read, per rank
+        self.shown: set[tuple] = set()  # tracebacks shown in full (their lines, bare)
 
     def _path(self, cell) -> Path | None:
         if cell.active is None:
@@ -141,7 +143,15 @@ class Relay:
                         f"{path}\n"
                     )
                 else:
-                    shown.extend(head + b + "\n" for b in block)
+                    key = (rank, *(_TORCH_PREFIX.sub("", b, count=1) for b in block))
+                    if key in self.shown:  # a promoted trainer ran into it again
+                        shown.append(
+                            f"{MARK}rank {rank}: the same error again ({bare.strip()[:160]}) "
+                            f"— its traceback is above; this one is in {path}\n"
+                        )
+                    else:
+                        self.shown.add(key)
+                        shown.extend(head + b + "\n" for b in block)
                 continue
             shown.append(head + line + "\n")
         try:
