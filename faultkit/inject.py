@@ -359,8 +359,13 @@ def reference_run(cfg: InjectConfig, work: Path) -> dict:
     """The fault-free run every faulted run of the same job is compared with. Without
     shadows: a parked shadow computes nothing, so the bytes are the same and the job
     starts half the processes."""
-    log.info("reference run (fault-free, %s, %d ranks, %d iterations) started",
-             cfg.parallel, cfg.world_size, cfg.iterations)  # fmt: skip
+    # A user's script (certify) runs its own loop: its count is known only after this run.
+    what = (
+        f"{Path(cfg.script).name}, {cfg.world_size} ranks, the script's own iterations"
+        if cfg.script
+        else f"{cfg.parallel}, {cfg.world_size} ranks, {cfg.iterations} iterations"
+    )
+    log.info("reference run (fault-free, %s) started", what)
     ref = _run(replace(cfg, shadow_level="off"), work / "reference")
     log.info("reference run finished in %.1f s", ref["run_s"])
     return ref

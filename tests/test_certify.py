@@ -177,3 +177,21 @@ def test_certify_names_the_divergence_of_a_loader_not_handed_over(tmp_path):
     assert v["first_divergence"].startswith(f"rank {first['rank']} iteration {first['iteration']}")
     assert "'loss' differs" in v["first_divergence"]
     assert v["hint"] == cert.HINT_DATA and "data=loader" in v["hint"]
+
+
+def test_the_reference_runs_line_does_not_count_a_users_scripts_iterations(
+    monkeypatch, tmp_path, caplog
+):
+    # certify's config holds a placeholder count until the reference run has told it;
+    # its first progress line said "1 iterations" for a 24-iteration script.
+    import logging
+
+    from faultkit import inject
+
+    monkeypatch.setattr(inject, "_run", lambda cfg, out: {"run_s": 0.0})
+    cfg = cert.CertifyConfig(script=str(tmp_path / "train.py"), nproc_per_node=2)
+    with caplog.at_level(logging.INFO, logger="faultkit"):
+        inject.reference_run(cfg.inject_config(), tmp_path)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "train.py, 2 ranks, the script's own iterations" in said, said
+    assert "1 iterations" not in said, said
