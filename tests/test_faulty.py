@@ -102,8 +102,8 @@ def test_leto_run_refuses_an_unreadable_faulty_devices_file_and_starts_nothing(t
 
 
 def test_a_fault_plan_entry_that_never_fired_is_reported(tmp_path, monkeypatch, capsys):
-    from leto.run_cli import _print_summary
     from leto.launch.recovery import FailureClass, RecoveryRecord
+    from leto.run_cli import _print_summary
 
     plan = [{"generation": 0, "rank": 0, "at": "update.optimizer@2#1"},
             {"generation": 1, "rank": 1, "at": "sync@40#1"}]  # fmt: skip
