@@ -246,6 +246,7 @@ def certify(cfg: CertifyConfig, work: Path) -> dict:
     todo = list(zip(cfg.phases, faults, strict=True))
     groups = [[x] for x in todo] if cfg.separately else [todo]
     rows: list[dict] = []
+    truncated: list[str] = []  # files the script emptied when it ran again
     not_run: list[str] = []
     runs = 0
     while groups:
@@ -260,6 +261,7 @@ def certify(cfg: CertifyConfig, work: Path) -> dict:
         runs += 1
         label = f"faulted-{runs}-" + (group[0][0] if cfg.separately else "all")
         got = faulted_run(base, [f for _, f in group], ref, work, label)
+        truncated += got.get("files_truncated", [])
         unfired = {f["at"] for f in got["unfired"]}
         first_unfired = next((i for i, (_, f) in enumerate(group) if f.at in unfired), None)
         struck = group if first_unfired is None else group[:first_unfired]
@@ -279,7 +281,9 @@ def certify(cfg: CertifyConfig, work: Path) -> dict:
         verdict = "INCOMPLETE"
     else:
         verdict = "EXACT"
-    return _result(cfg, t0, verdict, iterations, rows, not_run=not_run, ref=ref)
+    return _result(
+        cfg, t0, verdict, iterations, rows, not_run=not_run, ref=ref, truncated=truncated
+    )
 
 
 def _row(phase: str, f: JobFault, unreached: bool = False) -> dict:
@@ -334,9 +338,14 @@ def _rows(struck: list[tuple[str, JobFault]], got: dict) -> list[dict]:
     return rows
 
 
-def _result(cfg, t0, verdict, iterations, rows, not_run=(), ref=None, reference_error=None):
+def _result(
+    cfg, t0, verdict, iterations, rows, not_run=(), ref=None, reference_error=None, truncated=()
+):
     bad = next((r for r in rows if r["diverged_after"]), None)
     return {
+        # Files the script emptied when it ran again after a recovery (noticed by the
+        # promoted trainers, not judged: the training's state is what EXACT is about).
+        "files_truncated": list(dict.fromkeys(truncated)),
         "verdict": verdict,
         "exact": verdict == "EXACT",
         "script": cfg.script,

@@ -105,6 +105,12 @@ def _table(v: dict) -> None:
             f"not reached in this job: {', '.join(v['unreached'])} (the script's iterations "
             "never pass those points; nothing was judged there)"
         )
+    for path in v.get("files_truncated", []):
+        say(
+            f'[yellow]emptied after a recovery[/]: the script opened {path} with "w" when '
+            "it ran again: what the failed trainer wrote there was lost (the training is "
+            'exact) — open it with "a" when ctx.generation > 0 (docs/porting.md)'
+        )
     if v["workdir_kept"]:
         say(f"runs kept in {v['workdir']}")
 

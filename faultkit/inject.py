@@ -477,6 +477,9 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         "verdict": verdict.as_dict() if verdict else None,
         "recovery_s": max(recovery) if recovery else None,
         "recoveries_timed": timed,
+        # Files the script emptied when a promoted trainer ran its set-up again
+        # (leto.trainer.truncation's console lines): noticed, not judged.
+        "files_truncated": _truncated(work / label / "logs"),
         "scrub": scrub,
         # A wrong computation: detected, by what, when, whom it named (_detection).
         **_detection(replay, recheck, replica, back_to),
@@ -586,6 +589,19 @@ def _sdc_fields(replay: dict) -> dict:
         "suspects": suspects,
         "rolled_back": replay["iteration"],
     }
+
+
+def _truncated(logs: Path) -> list[str]:
+    """The files promoted trainers said the script opened with "w" (each once)."""
+    from leto.trainer.truncation import SAID
+
+    found: dict[str, None] = {}
+    for f in sorted(logs.glob("rank*.log")):
+        for line in f.read_text(errors="replace").splitlines():
+            if SAID in line:
+                path = line.split(SAID, 1)[1].strip().split(' with "w"')[0]
+                found.setdefault(path, None)
+    return list(found)
 
 
 def _scrub_outcome(train_out: Path) -> str | None:

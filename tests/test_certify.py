@@ -177,6 +177,10 @@ def test_certify_names_the_divergence_of_a_loader_not_handed_over(tmp_path):
     assert v["first_divergence"].startswith(f"rank {first['rank']} iteration {first['iteration']}")
     assert "'loss' differs" in v["first_divergence"]
     assert v["hint"] == cert.HINT_DATA and "data=loader" in v["hint"]
+    # The log the script opens with "w": emptied by the promoted trainers, and said.
+    assert v["files_truncated"] and all(
+        Path(f).name in ("train0.log", "train1.log") for f in v["files_truncated"]
+    ), v["files_truncated"]
 
 
 def test_the_reference_runs_line_does_not_count_a_users_scripts_iterations(

@@ -42,7 +42,7 @@ from leto.job.config import (
 )
 from leto.memory.client import PoolClient
 from leto.trainer import imports as ahead_imports
-from leto.trainer import skip_init, staging
+from leto.trainer import skip_init, staging, truncation
 from leto.trainer.exit_hook import record_uncaught
 from leto.trainer.first_iteration import Pace, StageClock
 from leto.trainer.premap import Premap
@@ -86,6 +86,7 @@ class Context:
     def end_skip_init(self) -> None:
         """The model is built: parameter writes run again (``leto.Run``, else the first
         heartbeat). The rank log says what was skipped."""
+        truncation.stop()
         mode, self.skip_init = self.skip_init, None
         if mode is not None:
             skip_init.stop(mode)
@@ -460,6 +461,8 @@ def init(prepare=None, warmup=None) -> Context:
     # The script's model set-up from here to leto.Run: parameters the retained state
     # overwrites are not initialized (a promoted trainer whose pool holds its state).
     skip = skip_init.start(store, generation, rank) if role == "shadow" else None
+    if role == "shadow":  # the script's set-up again: a log it empties is said
+        truncation.watch(rank)
     clock.mark("init")
     return Context(
         role="promoted" if role == "shadow" else "active",
