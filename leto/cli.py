@@ -28,9 +28,16 @@ from leto.sim.cli import register as register_sim
 def _codec_kernels() -> dict[str, str]:
     import torch
 
+    from leto.erasure.kernels import cpu
+
+    c = cpu.native() is not None  # what the CPU kernel runs here: C, or NumPy without it
     found = {
         "reference": "available (host, per-symbol Python)",
-        "cpu": "available (NumPy split tables)",
+        "cpu": (
+            "available (split tables: the C kernel gf_cpu.c)"
+            if c
+            else f"available (split tables: NumPy — no C compiler, or {cpu.ENV_CPU_CODEC}=numpy)"
+        ),
     }
     if not torch.cuda.is_available():
         found["cuda"] = "unavailable: torch sees no CUDA device"

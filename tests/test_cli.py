@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from faultkit.cli import main as faultkit_main
 from leto.cli import main as leto_main
 from leto.memory.mechanisms import Mechanism, kernel_has_memory_failure
@@ -61,3 +63,20 @@ def test_leto_run_refuses_a_bad_fault_plan_before_anything_starts(capsys, tmp_pa
         err = capsys.readouterr().err
         assert got == 2 and says in err, (entry, got, err)
         assert time.time() - t0 < 5, f"refused only after {time.time() - t0:.1f} s"
+
+
+def test_leto_info_names_the_cpu_codec_that_runs(capsys, monkeypatch):
+    from leto.erasure.kernels import cpu
+
+    for env, says in ((None, "the C kernel gf_cpu.c"), ("numpy", "NumPy")):
+        if env is None:
+            monkeypatch.delenv(cpu.ENV_CPU_CODEC, raising=False)
+        else:
+            monkeypatch.setenv(cpu.ENV_CPU_CODEC, env)
+        cpu.native.cache_clear()
+        if env is None and cpu.native() is None:
+            pytest.skip("no C compiler here: the NumPy kernel is what runs")
+        assert leto_main(["info", "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)["codec_kernels"]["cpu"]
+        assert says in got, got
+    cpu.native.cache_clear()
