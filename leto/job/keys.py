@@ -76,6 +76,12 @@ def staging(rank: int) -> str:
     return f"leto/rank{rank}/staging"
 
 
+def skip_init(rank: int) -> str:
+    """"safe", or why not: whether a promoted trainer of ``rank`` may skip the model's
+    initialization (``leto.trainer.skip_init``; written by the active trainer)."""
+    return f"leto/rank{rank}/skip_init"
+
+
 def pace(gen: int, rank: int) -> str:
     """JSON: the iteration a trainer of ``gen`` has in progress, when it began and its
     steady iteration time (``leto.trainer.first_iteration.Pace``; written every beat)."""

@@ -83,19 +83,33 @@ class Context:
     # leto.trainer.skip_init's mode while the script builds its model (None: off).
     skip_init: object = None
 
-    def end_skip_init(self) -> None:
+    def end_skip_init(self, observed_too: bool = True) -> None:
         """The model is built: parameter writes run again (``leto.Run``, else the first
-        heartbeat). The rank log says what was skipped."""
+        heartbeat). An active trainer's observation runs on to the loop's start
+        (``observed_too``): a draw between ``leto.Run`` and the loop counts too. The rank
+        log says what was skipped, or what was observed."""
         truncation.stop()
-        mode, self.skip_init = self.skip_init, None
-        if mode is not None:
-            skip_init.stop(mode)
+        mode = self.skip_init
+        if mode is None or (mode.observe and not observed_too):
+            return
+        self.skip_init = None
+        skip_init.stop(mode)
+        if mode.observe:
+            verdict = skip_init.publish(self.store, self.rank, mode)
             rank_log.say(
                 self.rank,
-                f"model set-up: {mode.skipped} write(s) to parameters skipped and "
-                f"{mode.moved} parameter(s) moved without their values — the retained "
-                f"state supplies them ({skip_init.ENV_SKIP_INIT}=0 runs them)",
+                "model set-up observed: a promoted trainer may skip its initialization"
+                if verdict == skip_init.SAFE
+                else f"model set-up observed: a promoted trainer initializes it as written "
+                f"({verdict})",
             )
+            return
+        rank_log.say(
+            self.rank,
+            f"model set-up: {mode.skipped} write(s) to parameters skipped and "
+            f"{mode.moved} parameter(s) moved without their values — the retained "
+            f"state supplies them ({skip_init.ENV_SKIP_INIT}=0 runs them)",
+        )
 
     @property
     def report(self) -> dict:
@@ -460,7 +474,8 @@ def init(prepare=None, warmup=None) -> Context:
     clock = StageClock(rank, device, timings.get("promoted_at", t0))
     # The script's model set-up from here to leto.Run: parameters the retained state
     # overwrites are not initialized (a promoted trainer whose pool holds its state).
-    skip = skip_init.start(store, generation, rank) if role == "shadow" else None
+    # (an active trainer observes the same set-up: may its promoted trainers skip it?)
+    skip = skip_init.start(store, generation, rank) if role == "shadow" else skip_init.observe()
     if role == "shadow":  # the script's set-up again: a log it empties is said
         truncation.watch(rank)
     clock.mark("init")

@@ -118,7 +118,7 @@ class Run:
         ``leto.Run``)."""
         t0 = time.time()
         if hasattr(ctx, "end_skip_init"):
-            ctx.end_skip_init()  # before anything here reads the model
+            ctx.end_skip_init(observed_too=False)  # before anything here reads the model
         self._clock = getattr(ctx, "clock", None)  # stage times to the first iteration's end
         self._mark("script set-up")
         backend = dist.get_backend() if dist.is_initialized() else None
@@ -304,6 +304,8 @@ class Run:
         """The iterations still to run, up to ``total`` (exclusive): from where the job
         stands (0 on a fresh start; after a recovery, the first unfinished one)."""
         self._mark("script to loop")
+        if hasattr(self.ctx, "end_skip_init"):
+            self.ctx.end_skip_init()  # the set-up's draws observed up to here
         self._batches.start()
         self._rng.apply()  # after the script's own seeding: a recovery's generator states
         store = self.ctx.store

@@ -17,11 +17,18 @@ Everything else runs as written: buffers (a causal mask, rotary tables) are comp
 flag like ``requires_grad_`` is set, random numbers drawn outside parameters are drawn
 (the generators' states are the retained ones again when the loop starts).
 
-Only when the pool holds this rank's retained state for certain: the failed generation
-of this rank began an iteration (its pace is in the store), so its ``leto.Run`` had
-bound and protected the state. A first start, a restart from a checkpoint, and a
-promotion after a failure before any iteration initialize as written.
-``LETO_SKIP_INIT=0`` turns it off.
+Skipping a random fill leaves torch's global generators where they were, so whatever
+the script draws from them afterwards (a synthetic dataset, a shuffle without its own
+generator) would differ. So the active trainer *observes* the same window with the same
+mode, skipping nothing: a draw from a global generator after a parameter's random
+initialization marks the script unsafe, and its rank's promoted trainers then
+initialize as written (the rank log and the store, ``leto/rank<r>/skip_init``, say
+why). A promoted trainer skips only when the pool holds this rank's retained state for
+certain — the failed generation of this rank began an iteration (its pace is in the
+store), so its ``leto.Run`` had bound and protected the state — and the active trainer
+found the window safe. A first start, a restart from a checkpoint, and a promotion
+after a failure before any iteration initialize as written. ``LETO_SKIP_INIT=0`` turns
+it off.
 
 Not covered: a script that computes something other than a parameter from a
 parameter's value before ``leto.Run`` (a buffer copied from a weight, say): with this
@@ -53,23 +60,48 @@ WRITES = frozenset(
 )
 
 
+# Ops that draw from a generator (torch's global ones unless given ``generator=``).
+RANDOM = frozenset(
+    """rand randn randint randperm rand_like randn_like randint_like normal bernoulli
+    multinomial poisson dropout dropout_ feature_dropout alpha_dropout native_dropout
+    random_ uniform_ normal_ bernoulli_ exponential_ geometric_ cauchy_ log_normal_""".split()
+)
+
+
 class SkipInit(TorchFunctionMode):
-    def __init__(self):
+    """``observe=True``: skip nothing, only find whether skipping would be safe."""
+
+    def __init__(self, observe: bool = False):
         super().__init__()
+        self.observe = observe
         self.skipped = 0  # in-place writes to parameters not run
         self.moved = 0  # parameters given an uninitialized tensor on another device
+        self.filled = False  # a parameter was initialized at random
+        self.unsafe: str | None = None  # the first global draw after that, if any
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
         # (nn.init's functions come here once, their tensor as a keyword; what they call
         # inside is not seen again)
         if getattr(func, "__module__", None) == "torch.nn.init":
             target = args[0] if args else kwargs.get("tensor")
             if isinstance(target, torch.nn.Parameter):
-                self.skipped += 1
-                return target
-        if args and isinstance(args[0], torch.nn.Parameter):
-            name = getattr(func, "__name__", "")
+                self.filled |= name not in ("ones_", "zeros_", "constant_", "eye_", "dirac_")
+                if not self.observe:
+                    self.skipped += 1
+                    return target
+            else:
+                self._draw(name, kwargs)
+            return func(*args, **kwargs)
+        param = bool(args) and isinstance(args[0], torch.nn.Parameter)
+        if param and name in RANDOM:
+            self.filled = True
+        elif name in RANDOM:
+            self._draw(name, kwargs)
+        if self.observe:
+            return func(*args, **kwargs)
+        if param:
             if name in WRITES:
                 self.skipped += 1
                 return args[0]
@@ -79,6 +111,14 @@ class SkipInit(TorchFunctionMode):
                     self.moved += 1
                     return moved
         return func(*args, **kwargs)
+
+    def _draw(self, name: str, kwargs: dict) -> None:
+        """A draw not for a parameter: from a global generator after a parameter's
+        random initialization, it would differ were that initialization skipped."""
+        if self.filled and self.unsafe is None and kwargs.get("generator") is None:
+            self.unsafe = (
+                f"{name}() drew from torch's global generator after the model's initialization"
+            )
 
 
 def _moved(name: str, p: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -101,6 +141,26 @@ def _moved(name: str, p: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tenso
     return torch.empty(p.shape, dtype=dtype, device=device)
 
 
+SAFE = "safe"
+
+
+def observe() -> SkipInit | None:
+    """In an active trainer: watch the script's set-up, skipping nothing."""
+    if os.environ.get(ENV_SKIP_INIT, "1") == "0":
+        return None
+    mode = SkipInit(observe=True)
+    _push_mode(mode)
+    return mode
+
+
+def publish(store, rank: int, mode: SkipInit) -> str:
+    """What an observed set-up showed, for this rank's promoted trainers; returns it."""
+    verdict = mode.unsafe or SAFE
+    if store is not None:
+        store.set(keys.skip_init(rank), verdict)
+    return verdict
+
+
 def retained_for_certain(store, generation: int, rank: int) -> bool:
     """Whether the previous generation of this rank bound and protected its state (it
     began an iteration: its pace is in the store)."""
@@ -113,6 +173,9 @@ def start(store, generation: int, rank: int) -> SkipInit | None:
         store, generation, rank
     ):
         return None
+    key = keys.skip_init(rank)
+    if not store.check([key]) or store.get(key).decode() != SAFE:
+        return None  # the active trainer's set-up drew after its initialization, or unseen
     mode = SkipInit()
     _push_mode(mode)
     return mode
