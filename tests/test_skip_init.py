@@ -175,3 +175,18 @@ def test_nn_init_on_a_parameter_is_not_run():
     finally:
         skip_init.stop(mode)
     assert mode.skipped == 2  # kaiming_uniform_'s uniform_ in reset_parameters, normal_
+
+
+def test_an_observation_paused_over_leto_run_sees_only_the_scripts_draws(monkeypatch):
+    monkeypatch.delenv(skip_init.ENV_SKIP_INIT, raising=False)
+    mode = skip_init.observe()
+    try:
+        Tiny()
+        skip_init.stop(mode)  # leto.Run begins: its own sampling is not the script's
+        torch.randint(0, 8, (4,))
+        skip_init.resume(mode)  # leto.Run is done: the script again
+        assert mode.unsafe is None
+        torch.rand(3)  # the script's draw between leto.Run and its loop
+    finally:
+        skip_init.stop(mode)
+    assert mode.unsafe is not None and mode.unsafe.startswith("rand()"), mode.unsafe

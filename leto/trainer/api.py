@@ -83,6 +83,12 @@ class Context:
     # leto.trainer.skip_init's mode while the script builds its model (None: off).
     skip_init: object = None
 
+    def resume_observing(self) -> None:
+        """After ``leto.Run``: an active trainer's observation of the script's set-up
+        goes on to the loop's start."""
+        if self.skip_init is not None and self.skip_init.observe:
+            skip_init.resume(self.skip_init)
+
     def end_skip_init(self, observed_too: bool = True) -> None:
         """The model is built: parameter writes run again (``leto.Run``, else the first
         heartbeat). An active trainer's observation runs on to the loop's start
@@ -90,7 +96,12 @@ class Context:
         log says what was skipped, or what was observed."""
         truncation.stop()
         mode = self.skip_init
-        if mode is None or (mode.observe and not observed_too):
+        if mode is None:
+            return
+        if mode.observe and not observed_too:
+            # leto.Run's own binding is not the script's set-up: not watched (its
+            # checks' sampling would read as the script's draws), resumed after it.
+            skip_init.stop(mode)
             return
         self.skip_init = None
         skip_init.stop(mode)

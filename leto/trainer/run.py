@@ -296,6 +296,8 @@ class Run:
         if self.checkpointer is not None:
             self.checkpointer.warm(self.job)  # staging buffers made while training starts
         atexit.register(self._close)
+        if hasattr(ctx, "resume_observing"):
+            ctx.resume_observing()  # the script's code up to its loop is watched again
         self._mark("Run's end")
 
     # -- the loop -------------------------------------------------------------------

@@ -181,6 +181,12 @@ def start(store, generation: int, rank: int) -> SkipInit | None:
     return mode
 
 
+def resume(mode: SkipInit) -> None:
+    """Turn a stopped mode on again (an observation paused over ``leto.Run``)."""
+    if mode not in _get_current_function_mode_stack():
+        _push_mode(mode)
+
+
 def stop(mode: SkipInit | None) -> None:
     """Turn it off, wherever it stands in the mode stack (a ``with device:`` the script
     opened after it may still be open)."""
