@@ -19,10 +19,17 @@ SHOWN = "leto! "  # a line for the console too (the relay writes it as "leto: ..
 
 def say(rank: int, message: str) -> None:
     """``leto: rank <rank>: <message>`` in the rank log (stderr), flushed."""
-    print(f"{MARK}rank {rank}: {message}", file=sys.stderr, flush=True)
+    _line(f"{MARK}rank {rank}: {message}")
 
 
 def tell(rank: int | None, message: str) -> None:
     """As ``say``, and on ``leto run``'s console (``rank`` None: a line of no rank's)."""
     who = "" if rank is None else f"rank {rank}: "
-    print(f"{SHOWN}{who}{message}", file=sys.stderr, flush=True)
+    _line(f"{SHOWN}{who}{message}")
+
+
+def _line(text: str) -> None:
+    # One write with its newline: print() writes the two apart, and a line said from a
+    # thread (the staging buffers') ran into another thread's.
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
