@@ -82,6 +82,17 @@ def skip_init(rank: int) -> str:
     return f"leto/rank{rank}/skip_init"
 
 
+# Why parked shadows no longer run the script's set-up ahead in this job (a shadow's
+# set-up failed there, or a rank had no room: ``leto.trainer.run_ahead``).
+RUN_AHEAD_OFF = "leto/run_ahead_off"
+
+
+def run_ahead(gen: int, attempt: str) -> str:
+    """Counter: shadows of ``gen`` (process-group attempt ``attempt``) ready to run the
+    script's set-up ahead; they do once it reaches the world size."""
+    return f"leto/gen{gen}/run_ahead/{attempt}"
+
+
 def pace(gen: int, rank: int) -> str:
     """JSON: the iteration a trainer of ``gen`` has in progress, when it began and its
     steady iteration time (``leto.trainer.first_iteration.Pace``; written every beat)."""

@@ -42,7 +42,7 @@ from leto.job.config import (
 )
 from leto.memory.client import PoolClient
 from leto.trainer import imports as ahead_imports
-from leto.trainer import skip_init, staging, truncation
+from leto.trainer import run_ahead, skip_init, staging, truncation
 from leto.trainer.exit_hook import record_uncaught
 from leto.trainer.first_iteration import Pace, StageClock
 from leto.trainer.premap import Premap
@@ -82,6 +82,14 @@ class Context:
     pace: Pace = field(default_factory=Pace)
     # leto.trainer.skip_init's mode while the script builds its model (None: off).
     skip_init: object = None
+    # leto.trainer.run_ahead's Ahead while a parked shadow runs the script's set-up ahead
+    # of its promotion (None: promoted, or never ran ahead).
+    ahead: object = None
+
+    def await_promotion(self, what: str) -> None:
+        """A shadow running the set-up ahead reached ``what``: wait for the promotion."""
+        if self.ahead is not None:
+            self.ahead.reach(what)
 
     def resume_observing(self) -> None:
         """After ``leto.Run``: an active trainer's observation of the script's set-up
@@ -169,6 +177,7 @@ class Context:
         held to the general timeout, not the hang timeout, as is every trainer's first
         iteration in its process). Under ``--shadow-level auto``
         the preinitialization guard reports first (memory, reclamations)."""
+        self.await_promotion("began its loop")  # (a loop without leto.Run, run ahead)
         self.end_skip_init()  # (a loop without leto.Run: it ends here at the latest)
         if iteration != "done" and self.env.preinit:
             self._guard().beat()
@@ -303,20 +312,30 @@ def warm_device(device: torch.device) -> None:
         lending.warm_workspaces(device)
 
 
-def _park(fd: int, tick=None, every_s: float = 0.5) -> dict:
-    """Block until the agent writes one JSON line, calling ``tick()`` every ``every_s``
-    meanwhile (the premapping); EOF means the agent no longer wants this shadow (it
-    stopped, or the job ended): exit quietly. (No timeout: a shadow parks as long as
-    its trainer trains; the agent ends it by closing the pipe.)"""
-    import select
+class _Pipe:
+    """A shadow's promotion pipe from its agent."""
 
-    with os.fdopen(fd, "r") as f:
-        while tick is not None and not select.select([f], [], [], every_s)[0]:
+    def __init__(self, fd: int):
+        self.f = os.fdopen(fd, "r")
+
+    def park(self, tick=None, every_s: float = 0.5, until=None) -> dict | None:
+        """Block until the agent writes one JSON line, calling ``tick()`` every
+        ``every_s`` meanwhile (the premapping); None as soon as ``until()`` holds (the
+        shadow runs the script's set-up ahead, ``leto.trainer.run_ahead``). EOF means
+        the agent no longer wants this shadow (it stopped, or the job ended): exit
+        quietly. (No timeout: a shadow parks as long as its trainer trains; the agent
+        ends it by closing the pipe.)"""
+        import select
+
+        while tick is not None and not select.select([self.f], [], [], every_s)[0]:
             tick()
-        line = f.readline()
-    if not line:
-        sys.exit(0)
-    return json.loads(line)
+            if until is not None and until():
+                return None
+        line = self.f.readline()
+        self.f.close()
+        if not line:
+            os._exit(0) if run_ahead.running() else sys.exit(0)
+        return json.loads(line)
 
 
 def placement(
@@ -390,6 +409,66 @@ def init(prepare=None, warmup=None) -> Context:
     order = ("device", "prepare", "pg")
     timings: dict[str, float] = {}
     premap = None
+    msg = None  # the agent's promotion line (a shadow's)
+
+    def attach_localize() -> tuple[PoolClient, dict]:
+        t_pool = time.time()
+        client = premap.promote() if premap else None
+        if client is None:
+            client = PoolClient.connect(
+                env.pool_socket, env.pool_token, takeover=True, timeout_s=timeout_s
+            )
+        t_localize = time.time()
+        # A premapped client maps again what was replaced, and leaves the host parity
+        # scan running until its report is first read (Context.report).
+        report = client.localize(defer_parity=client.premapped)
+        timings["attach_localize_s"] = time.time() - t_pool
+        # Its parts: attach (premapped: the last premap call and the takeover), then
+        # the state manager's scan of every page (of which data and parity) and the
+        # remap here.
+        timings["attach_s"] = t_localize - t_pool
+        timings["localize_s"] = time.time() - t_localize
+        timings.update(
+            {f"localize_{k}": report[k] for k in ("seconds", "data_s", "parity_s") if k in report}
+        )
+        return client, report
+
+    def promoted(msg: dict | None):
+        """The rest of a promotion (``msg``: the agent's line; None for an active
+        trainer): what the level deferred, the pool taken over and localized."""
+        nonlocal watch
+        if msg is not None:
+            timings["promoted_at"] = time.time()
+            profile_recovery()
+            if timings["imports_learned"] < 0:
+                # Promoted before it saw what its trainer published: imported now, on the
+                # recovery's path (as the promoted trainer would), and the record says so.
+                timings["imports_learned_late"] = ahead_imports.import_learned(
+                    store, rank, device, timings
+                )
+            watch = ahead_imports.ImportWatch().start()
+            if msg.get("fault_at"):
+                plugins.arm(msg["fault_at"], msg.get("fault_mode", "kill"))
+        client = report = None
+        if premap is not None and premap.client is not None:
+            # Premapped (the device is up): take the pool over and localize before the
+            # deferred steps, so the host parity scan also runs under them (an L2 shadow's
+            # process group: 0.35 s at 1 B on the H200).
+            client, report = attach_localize()
+        t_deferred = time.time()
+        for name in order:
+            if name not in done:
+                step(name)
+        timings["deferred_init_s"] = time.time() - t_deferred
+        if report is None:  # cold: the deferred steps bring the device up first
+            client, report = attach_localize()
+        if premap:
+            timings.update(premap.summary(), remapped_pages=client.remapped)
+        clock = StageClock(rank, device, timings.get("promoted_at", t0))
+        if msg is not None:  # the script's set-up again: a log it empties is said
+            truncation.watch(rank)
+        return client, report, watch, clock
+
     if role == "shadow":
         ahead = {"L1": 0, "L2": 2, "L3": 3}[level]
         for name in order[:ahead]:
@@ -430,65 +509,49 @@ def init(prepare=None, warmup=None) -> Context:
                 if said:
                     rank_log.say(rank, said)
 
-        msg = _park(env.promote_fd, tick)
-        timings["promoted_at"] = time.time()
-        profile_recovery()
-        if timings["imports_learned"] < 0:
-            # Promoted before it saw what its trainer published: imported now, on the
-            # recovery's path (as the promoted trainer would), and the record says so.
-            timings["imports_learned_late"] = ahead_imports.import_learned(
-                store, rank, device, timings
-            )
-        watch = ahead_imports.ImportWatch().start()
-        if msg.get("fault_at"):
-            plugins.arm(msg["fault_at"], msg.get("fault_mode", "kill"))
+        pipe = _Pipe(env.promote_fd)
+        gate = None
+        if run_ahead.wanted(level):
+            gate = run_ahead.Gate(
+                store, generation, env.pg_attempt, rank, world, device,
+                lambda: premap.client.mapped_bytes() if premap and premap.client else 0,
+            )  # fmt: skip
+        msg = pipe.park(tick, until=gate.open if gate is not None else None)
+        if msg is None:
+            # The script's set-up runs ahead from here; its first step that could change
+            # something outside this process (leto.Run at best) waits for the promotion.
+            ctx = Context(
+                role="promoted", rank=rank, world_size=world, local_rank=local_rank,
+                generation=generation, level=level, device=device, pool=None,
+                localization={}, prepared=prepared, timings=timings, store=store,
+                profiles=profiles, env=env,
+            )  # fmt: skip
+
+            def promote() -> None:
+                got = promoted(pipe.park(tick))
+                ctx.pool, ctx.localization, ctx.imports, ctx.clock = got
+                ctx.timings.update(ran_ahead_to=runner.stopped_at, ran_ahead_s=runner.ran_s)
+                rank_log.say(
+                    rank,
+                    f"shadow: ran the script's set-up ahead in {runner.ran_s:.2f} s, to where "
+                    f"it {runner.stopped_at}; promoted",
+                )
+                ctx.clock.mark("init")
+
+            runner = run_ahead.Ahead(rank, promote, store)
+            ctx.ahead = runner
+            ctx.skip_init = skip_init.start(store, generation, rank)
+            rank_log.say(rank, "shadow: running the script's set-up ahead of a promotion")
+            runner.start()
+            return ctx
     elif generation > 0:
         profile_recovery()  # a trainer restarted cold
 
-    def attach_localize() -> tuple[PoolClient, dict]:
-        t_pool = time.time()
-        client = premap.promote() if premap else None
-        if client is None:
-            client = PoolClient.connect(
-                env.pool_socket, env.pool_token, takeover=True, timeout_s=timeout_s
-            )
-        t_localize = time.time()
-        # A premapped client maps again what was replaced, and leaves the host parity
-        # scan running until its report is first read (Context.report).
-        report = client.localize(defer_parity=client.premapped)
-        timings["attach_localize_s"] = time.time() - t_pool
-        # Its parts: attach (premapped: the last premap call and the takeover), then
-        # the state manager's scan of every page (of which data and parity) and the
-        # remap here.
-        timings["attach_s"] = t_localize - t_pool
-        timings["localize_s"] = time.time() - t_localize
-        timings.update(
-            {f"localize_{k}": report[k] for k in ("seconds", "data_s", "parity_s") if k in report}
-        )
-        return client, report
-
-    client = report = None
-    if premap is not None and premap.client is not None:
-        # Premapped (the device is up): take the pool over and localize before the
-        # deferred steps, so the host parity scan also runs under them (an L2 shadow's
-        # process group: 0.35 s at 1 B on the H200).
-        client, report = attach_localize()
-    t_deferred = time.time()
-    for name in order:
-        if name not in done:
-            step(name)
-    timings["deferred_init_s"] = time.time() - t_deferred
-    if report is None:  # cold: the deferred steps bring the device up first
-        client, report = attach_localize()
-    if premap:
-        timings.update(premap.summary(), remapped_pages=client.remapped)
-    clock = StageClock(rank, device, timings.get("promoted_at", t0))
+    client, report, watch, clock = promoted(msg)
     # The script's model set-up from here to leto.Run: parameters the retained state
     # overwrites are not initialized (a promoted trainer whose pool holds its state).
     # (an active trainer observes the same set-up: may its promoted trainers skip it?)
     skip = skip_init.start(store, generation, rank) if role == "shadow" else skip_init.observe()
-    if role == "shadow":  # the script's set-up again: a log it empties is said
-        truncation.watch(rank)
     clock.mark("init")
     return Context(
         role="promoted" if role == "shadow" else "active",

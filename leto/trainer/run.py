@@ -116,6 +116,8 @@ class Run:
         e.g. torchdata's ``StatefulDataLoader``), or a list of them: its position is
         retained per iteration and restored on a recovery (iterate it after
         ``leto.Run``)."""
+        if getattr(ctx, "ahead", None) is not None:
+            ctx.await_promotion("reached leto.Run")  # a shadow that ran the set-up ahead
         t0 = time.time()
         if hasattr(ctx, "end_skip_init"):
             ctx.end_skip_init(observed_too=False)  # before anything here reads the model

@@ -1,0 +1,356 @@
+"""A parked L3 shadow runs the script's set-up ahead of its promotion (issue 57 item 3).
+
+Runs in a shadow trainer at L3. A promoted trainer runs the script again from
+``leto.init()``'s return: its model, optimizer, scheduler and data set-up, then
+``leto.Run`` binds the retained state. At L3 the shadow already has everything the script
+needs there (the device, its process group with the other ranks' shadows), so once its
+rank's active trainer has begun an iteration (the pool then holds the state that every
+value the set-up computes is replaced by) ``leto.init()`` returns *before* the promotion
+and the script's set-up runs while the shadow is still parked; the promotion is awaited
+at the first point where running ahead could change something outside this process:
+
+* ``leto.Run`` (or the loop's first heartbeat, for a script without it) — the goal;
+* a file opened for writing, appending or creating, or removed, renamed, truncated,
+  linked or made (``os.mkdir`` of a folder that exists goes ahead: it changes nothing) —
+  the live trainer may own it (a log opened with ``"w"`` would be emptied);
+* a network connection or listening socket, a subprocess, ``os.fork``;
+* a ``torch.distributed`` collective or new group (its peers are shadows too, but one
+  that stopped earlier would leave it waiting).
+
+Those are Python's audit events (``sys.addaudithook``) raised by any code but Leto's,
+faultkit's and the verifiers' (a ``.pyc`` an import writes is ignored). The script's
+output to ``sys.stdout``/``sys.stderr`` while running ahead is held and written at the
+promotion, where a promoted trainer's set-up would have written it. The parameters are
+built with ``leto.trainer.skip_init``'s mode where the active trainer found that safe
+(uninitialized memory; as written otherwise), so running ahead holds one model's worth of
+device memory: it runs only where free device memory (host memory on the CPU) exceeds
+the pool's retained bytes by ``MARGIN_BYTES``, and every rank's shadow runs ahead or none
+does (they agree in the store), so a collective the check cannot see meets its peers.
+
+A script whose set-up raises while running ahead ends the shadow: its log has the
+error, the job's later shadows park at ``leto.init()`` (``keys.RUN_AHEAD_OFF``), and the
+agent replaces it as any dead parked shadow. ``LETO_RUN_AHEAD=0`` turns it off.
+
+Not covered: C code's side effects (a library writing a file from C, CUDA IPC), output
+written to the file descriptors directly, a script that ends without ``leto.Run`` or a
+heartbeat, names a script bound from ``torch.distributed`` before ``leto.init()``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from leto import rank_log
+from leto.job import keys
+
+ENV_RUN_AHEAD = "LETO_RUN_AHEAD"
+GiB = 1 << 30
+MARGIN_BYTES = 2 * GiB  # beside the model the set-up builds: its buffers, the allocator's slack
+
+# Collectives and groups (torch.distributed and distributed_c10d, where the script's
+# ``dist.`` calls land).
+COLLECTIVES = (
+    "all_reduce all_gather all_gather_object all_gather_into_tensor all_to_all "
+    "all_to_all_single barrier monitored_barrier broadcast broadcast_object_list gather "
+    "gather_object reduce reduce_scatter reduce_scatter_tensor scatter scatter_object_list "
+    "send recv isend irecv batch_isend_irecv new_group new_subgroups"
+).split()
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+_CHANGES = {
+    "os.remove": "removes",
+    "os.rename": "renames",
+    "os.rmdir": "removes the folder",
+    "os.truncate": "truncates",
+    "os.link": "links",
+    "os.symlink": "links",
+    "os.chmod": "changes the mode of",
+    "os.chown": "changes the owner of",
+    "shutil.rmtree": "removes the tree",
+    "os.mkdir": "makes the folder",
+}
+_PROCESSES = {
+    "subprocess.Popen": "starts a subprocess",
+    "os.system": "runs a shell command",
+    "os.exec": "replaces the process",
+    "os.posix_spawn": "starts a process",
+    "os.spawn": "starts a process",
+    "os.fork": "forks",
+    "socket.connect": "opens a network connection",
+    "socket.bind": "listens on a socket",
+    "urllib.Request": "opens a URL",
+}
+_OURS = tuple(
+    str(Path(__file__).resolve().parents[2] / d) for d in ("leto", "faultkit", "verifiers")
+)
+_state: dict = {"ahead": None, "hooked": False, "ran": False}
+
+
+def running() -> bool:
+    """Whether this process ran the script's set-up ahead: it must not unwind through
+    the script's code when its agent lets it go (its ``finally`` blocks and ``atexit``
+    handlers would write what the live trainer owns)."""
+    return _state["ran"]
+
+
+def wanted(level: str) -> bool:
+    return level == "L3" and os.environ.get(ENV_RUN_AHEAD, "1") != "0"
+
+
+def room(device: torch.device, retained_bytes: int) -> tuple[bool, str]:
+    """Whether this rank can hold the set-up's model beside the live trainer, and why."""
+    need = retained_bytes + MARGIN_BYTES
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        where = "device"
+    else:
+        free = _mem_available()
+        where = "host"
+    if free < need:
+        return False, (
+            f"{where} free memory {free / GiB:.1f} GiB is below the {need / GiB:.1f} GiB the "
+            f"set-up's model and a margin need"
+        )
+    return True, f"{where} free memory {free / GiB:.1f} GiB"
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Gate:
+    """When a parked shadow may run ahead: its trainer has finished an iteration since
+    the shadow parked, the job has not turned running ahead off, it has room, and every
+    rank's shadow agreed. Checked at each tick of the park (cheap store reads), never
+    blocking it."""
+
+    def __init__(
+        self, store, generation: int, attempt: str, rank: int, world: int, device, retained_bytes
+    ):
+        self.store, self.generation, self.rank, self.world = store, generation, rank, world
+        self.key = keys.run_ahead(generation, attempt)  # (restarted L3 shadows count anew)
+        self.device, self.retained_bytes = device, retained_bytes
+        self.said: str | None = None  # why it does not run ahead (said once)
+        self.offered = False
+        self.first_pace: bytes | None = None  # the trainer's pace when first seen
+
+    def open(self) -> bool:
+        if self.said is not None:
+            return False
+        s = self.store
+        if s.check([keys.RUN_AHEAD_OFF]):
+            self._no(f"turned off for this job: {s.get(keys.RUN_AHEAD_OFF).decode()}")
+            return False
+        # Its trainer began an iteration (the pool holds the state), and began another
+        # since: one iteration is over, so the device memory the trainer holds is its
+        # peak (its allocator keeps it), and what is free now is free for the set-up.
+        pace = keys.pace(self.generation - 1, self.rank)
+        if not s.check([pace]):
+            return False
+        now = s.get(pace)
+        if self.first_pace is None:
+            self.first_pace = now
+        if now == self.first_pace:
+            return False
+        if not self.offered:
+            ok, why = room(self.device, self.retained_bytes())
+            if not ok:
+                self._no(why)
+                s.set(keys.RUN_AHEAD_OFF, f"rank {self.rank}: {why}")
+                return False
+            self.offered = True
+            s.add(self.key, 1)
+        return int(s.add(self.key, 0)) >= self.world
+
+    def _no(self, why: str) -> None:
+        self.said = why
+        rank_log.say(self.rank, f"shadow: parks at leto.init() ({why})")
+
+
+class Ahead:
+    """The script's set-up running ahead; ``reach(what)`` awaits the promotion."""
+
+    def __init__(self, rank: int, promote: Callable[[], None], store=None):
+        self.rank = rank
+        self.store = store  # where a failure turns running ahead off for the job
+        self._promote = promote
+        self._lock = threading.Lock()
+        self.t0 = time.time()
+        self.stopped_at: str | None = None  # what the set-up reached first
+        self.promoted = False
+        self._saved: dict = {}
+        self._held = (_Held(sys.stdout), _Held(sys.stderr))
+
+    def start(self) -> None:
+        _state["ahead"] = self
+        _state["ran"] = True
+        if not _state["hooked"]:
+            sys.addaudithook(_hook)
+            _state["hooked"] = True
+        for mod in (dist, dist.distributed_c10d):
+            for name in COLLECTIVES:
+                fn = getattr(mod, name, None)
+                if fn is not None:
+                    self._saved[(mod, name)] = fn
+                    setattr(mod, name, _waits_for_promotion(self, name, fn))
+        self._streams = (sys.stdout, sys.stderr)
+        sys.stdout, sys.stderr = self._held
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):  # the set-up failed while running ahead
+            if _state["ahead"] is self:
+                self.failed(f"the set-up raised {kind.__name__}: {value}")
+            previous(kind, value, tb)
+
+        self._excepthook = previous
+        sys.excepthook = hook
+
+    def reach(self, what: str) -> None:
+        """The set-up reached ``what``: wait for the promotion here (once; later calls
+        and other threads return when it is done). The held output is written after it."""
+        with self._lock:
+            if self.promoted:
+                return
+            self.stopped_at = what
+            self.ran_s = time.time() - self.t0
+            self._unhook()
+            try:
+                self._promote()  # parks, then promotes (leto.trainer.api)
+            except Exception as e:
+                # Not the script's error, but ending this shadow all the same: the job's
+                # next shadows must not meet it again.
+                self.failed(f"its promotion raised {type(e).__name__}: {e}")
+                raise
+            finally:
+                self._release()
+            self.promoted = True
+
+    def failed(self, why: str) -> None:
+        self._unhook()
+        self._release()
+        if self.store is not None:
+            self.store.set(keys.RUN_AHEAD_OFF, f"rank {self.rank}: {why}")
+        rank_log.say(
+            self.rank,
+            f"shadow: running the script's set-up ahead failed ({why}); this job's next "
+            f"shadows park at leto.init() ({ENV_RUN_AHEAD}=0 turns it off)",
+        )
+
+    def _unhook(self) -> None:
+        if _state["ahead"] is not self:
+            return
+        _state["ahead"] = None
+        for (mod, name), fn in self._saved.items():
+            setattr(mod, name, fn)
+        sys.excepthook = self._excepthook
+
+    def _release(self) -> None:
+        if sys.stdout is self._held[0]:
+            sys.stdout, sys.stderr = self._streams
+        for held, stream in zip(self._held, self._streams, strict=True):
+            held.release(stream)
+
+
+def _waits_for_promotion(ahead: Ahead, name: str, fn):
+    def call(*args, **kwargs):
+        ahead.reach(f"calls torch.distributed.{name}")
+        return fn(*args, **kwargs)
+
+    call.__wrapped__ = fn
+    return call
+
+
+class _Held(io.TextIOBase):
+    """The script's output while running ahead, written out at the promotion."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._parts: list[str] = []
+
+    def write(self, s: str) -> int:
+        self._parts.append(s)
+        return len(s)
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self):
+        return getattr(self._stream, "encoding", "utf-8")
+
+    def release(self, stream) -> None:
+        parts, self._parts = self._parts, []
+        if parts:
+            stream.write("".join(parts))
+            stream.flush()
+
+
+def _hook(event: str, args: tuple) -> None:
+    ahead = _state["ahead"]
+    if ahead is None:
+        return
+    what = _side_effect(event, args)
+    if what is None or _ours():
+        return
+    ahead.reach(what)
+
+
+def _side_effect(event: str, args: tuple) -> str | None:
+    """What the event would change outside this process, or None."""
+    if event == "open":
+        path, mode, flags = (tuple(args) + (None, None, None))[:3]
+        if isinstance(mode, str):
+            writes = any(c in mode for c in "wax+")
+        else:
+            writes = isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
+        if not writes or not isinstance(path, (str, bytes, os.PathLike)):
+            return None
+        p = os.fsdecode(path)
+        if "__pycache__" in p or p == os.devnull:
+            return None
+        return f"opens {p} for writing"
+    if event in _CHANGES:
+        path = args[0] if args else None
+        if event == "os.mkdir":
+            try:
+                if os.path.isdir(os.fsdecode(path)):
+                    return None  # (makedirs(exist_ok=True) of a folder that is there)
+            except (TypeError, ValueError):
+                pass
+        return f"{_CHANGES[event]} {os.fsdecode(path) if path is not None else ''}".strip()
+    if event in _PROCESSES:
+        return _PROCESSES[event]
+    return None
+
+
+def _ours() -> bool:
+    """Whether Leto's, faultkit's or the verifiers' code is on the stack: what they do
+    while the script runs ahead (a rank log line, the park's own requests) is theirs."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith("<") and os.path.realpath(name).startswith(_OURS):
+            return True
+        f = f.f_back
+    return False

@@ -1,0 +1,157 @@
+"""A parked L3 shadow running the script's set-up ahead (leto.trainer.run_ahead): it
+waits for its promotion at the first step that could change something outside its
+process — a file written, a process started, a connection, a collective — and at
+leto.Run; the script's output is held until then; a failure turns it off for the job;
+it runs only once its trainer finished an iteration, with room, and when every rank
+can."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from leto.job import keys
+from leto.trainer import run_ahead
+
+
+@pytest.fixture
+def ahead(monkeypatch):
+    """An Ahead (not started: the test's own files first) whose promotion is recorded,
+    not awaited; undone after the test."""
+    monkeypatch.setattr(run_ahead, "_state", {**run_ahead._state, "ahead": None})
+    store = dist.HashStore()
+    promotions = []
+    a = run_ahead.Ahead(5, lambda: promotions.append(a.stopped_at), store)
+    a.promotions = promotions
+    yield a
+    a._unhook()
+    a._release()
+
+
+@pytest.mark.parametrize(
+    "event, args, said",
+    [
+        ("open", ("/x/train.log", "w", 0), "opens /x/train.log for writing"),
+        ("open", ("/x/train.log", "a", 0), "opens /x/train.log for writing"),
+        ("open", ("/x/data.bin", "r+b", 0), "opens /x/data.bin for writing"),
+        ("open", ("/x/new", None, os.O_CREAT | os.O_WRONLY), "opens /x/new for writing"),
+        ("open", ("/x/data.bin", "rb", 0), None),
+        ("open", ("/x/data.bin", None, os.O_RDONLY), None),
+        ("open", ("/x/__pycache__/m.cpython-311.pyc.123", None, os.O_CREAT | os.O_WRONLY), None),
+        ("open", (os.devnull, "w", 0), None),
+        ("os.remove", ("/x/ckpt.pt", -1), "removes /x/ckpt.pt"),
+        ("os.rename", ("/x/a", "/x/b", -1, -1), "renames /x/a"),
+        ("os.mkdir", ("/", 0o777, -1), None),  # a folder that is there: makedirs(exist_ok)
+        ("os.mkdir", ("/no/such/folder/here", 0o777, -1), "makes the folder /no/such/folder/here"),
+        ("subprocess.Popen", ("git", ["git"], None, None), "starts a subprocess"),
+        ("socket.connect", (None, ("10.0.0.1", 443)), "opens a network connection"),
+        ("os.fork", (), "forks"),
+        ("os.listdir", ("/x",), None),
+        ("import", ("json", None, [], [], []), None),
+    ],
+)
+def test_what_counts_as_a_step_outside_the_process(event, args, said):
+    assert run_ahead._side_effect(event, args) == said
+
+
+def test_a_file_opened_for_writing_waits_for_the_promotion(ahead, tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("the live trainer's lines\n")
+    before = []
+
+    def promoted():  # what the file holds when the promotion comes
+        before.append(log.read_text())
+        ahead.promotions.append(ahead.stopped_at)
+
+    ahead._promote = promoted
+    ahead.start()
+    log.read_text()  # reading is not a step outside
+    torch.zeros(3).sum()
+    assert ahead.promotions == []
+    with open(log, "w") as f:
+        f.write("the promoted trainer's lines\n")
+    assert before == ["the live trainer's lines\n"], "the file was emptied before the promotion"
+    assert ahead.promotions == [f"opens {log} for writing"]
+    open(tmp_path / "other.log", "w").close()  # promoted: nothing waits any more
+    assert len(ahead.promotions) == 1
+
+
+def test_a_collective_waits_for_the_promotion(ahead):
+    torchs = dist.barrier
+    ahead.start()
+    assert dist.barrier is not torchs and dist.all_reduce.__qualname__.startswith("_waits")
+    with pytest.raises((ValueError, RuntimeError)):  # no process group in this test
+        dist.barrier()
+    assert ahead.promotions == ["calls torch.distributed.barrier"]
+    assert dist.barrier is torchs, "the collectives are torch's again"
+
+
+def test_a_subprocess_waits_for_the_promotion(ahead):
+    ahead.start()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    assert ahead.promotions == ["starts a subprocess"]
+
+
+def test_output_is_held_until_the_promotion(ahead, capsys):
+    ahead.start()
+    print("set-up: 6.6 M parameters")
+    print("a warning", file=sys.stderr)
+    assert capsys.readouterr() == ("", "")
+    ahead.reach("reached leto.Run")
+    out, err = capsys.readouterr()
+    assert out == "set-up: 6.6 M parameters\n" and err == "a warning\n"
+    assert sys.stdout is not ahead._held[0]
+
+
+def test_a_failed_set_up_turns_it_off_for_the_job(ahead, capsys):
+    ahead.start()
+    try:
+        raise ValueError("no such dataset")
+    except ValueError:
+        sys.excepthook(*sys.exc_info())
+    off = ahead.store.get(keys.RUN_AHEAD_OFF).decode()
+    assert "rank 5" in off and "ValueError: no such dataset" in off, off
+    err = capsys.readouterr().err
+    assert "running the script's set-up ahead failed" in err and "no such dataset" in err
+
+
+def _gate(store, rank=0, world=2, room_bytes=0):
+    return run_ahead.Gate(store, 3, "0.0", rank, world, torch.device("cpu"), lambda: room_bytes)
+
+
+def test_it_runs_ahead_only_after_its_trainer_began_and_every_rank_agreed():
+    store = dist.HashStore()
+    a, b = _gate(store, 0), _gate(store, 1)
+    assert not a.open(), "its trainer has not begun an iteration: the pool may be empty"
+    store.set(keys.pace(2, 0), '{"iteration": 4}')
+    assert not a.open(), "its trainer's memory is at its peak only once an iteration is over"
+    store.set(keys.pace(2, 0), '{"iteration": 5}')
+    assert not a.open(), "rank 1's shadow has not agreed"
+    store.set(keys.pace(2, 1), '{"iteration": 4}')
+    assert not b.open()
+    store.set(keys.pace(2, 1), '{"iteration": 5}')
+    assert b.open() and a.open()
+    assert int(store.add(keys.run_ahead(3, "0.0"), 0)) == 2, "each rank counted once"
+
+
+def test_no_room_or_a_failure_anywhere_keeps_every_shadow_parked(capsys):
+    store = dist.HashStore()
+    a, b = _gate(store, 0), _gate(store, 1, room_bytes=1 << 60)
+    for it in (4, 5):
+        store.set(keys.pace(2, 0), f'{{"iteration": {it}}}')
+        store.set(keys.pace(2, 1), f'{{"iteration": {it}}}')
+        b.open()
+    assert "below" in b.said  # an exabyte of state: no room
+    assert not a.open() and "turned off for this job" in a.said and "rank 1" in a.said
+    assert "parks at leto.init()" in capsys.readouterr().err
+
+
+def test_it_is_l3_only_and_can_be_turned_off(monkeypatch):
+    assert run_ahead.wanted("L3") and not run_ahead.wanted("L2")
+    monkeypatch.setenv(run_ahead.ENV_RUN_AHEAD, "0")
+    assert not run_ahead.wanted("L3")
