@@ -327,8 +327,14 @@ class _Pipe:
         ends it by closing the pipe.)"""
         import select
 
-        while tick is not None and not select.select([self.f], [], [], every_s)[0]:
-            tick()
+        # ``until`` is polled more often than the tick (a few store reads, where the tick
+        # premaps): a short job's iterations may all end between two ticks.
+        poll_s = every_s if until is None else min(every_s, 0.05)
+        last = time.monotonic()
+        while tick is not None and not select.select([self.f], [], [], poll_s)[0]:
+            if time.monotonic() - last >= every_s:
+                tick()
+                last = time.monotonic()
             if until is not None and until():
                 return None
         line = self.f.readline()

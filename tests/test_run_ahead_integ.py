@@ -1,0 +1,45 @@
+"""A real job at leto run's default level (L3): the promoted trainers' set-up ran ahead
+of their promotion while parked, up to leto.Run, and the run is bit-identical to a
+fault-free one (faultkit certify, a kill in the forward/backward and in the update with
+pages lost); what the set-up printed while running ahead is in each promoted trainer's
+log once, after its promotion."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "paced_job.py"
+
+
+@pytest.mark.integ
+@pytest.mark.timeout(300)
+def test_the_set_up_runs_ahead_and_the_recovery_is_exact(tmp_path):
+    work = tmp_path / "runs"
+    p = subprocess.run(
+        [sys.executable, "-m", "faultkit.cli", "certify", "--nproc-per-node", "2",
+         "--phases", "compute,update", "--json", "--workdir", str(work),
+         "--", str(SCRIPT), "--iterations", "12"],
+        capture_output=True, text=True, timeout=280, cwd=tmp_path,
+    )  # fmt: skip
+    assert p.stdout, p.stderr[-3000:]
+    v = json.loads(p.stdout.strip().splitlines()[-1])
+    assert v["verdict"] == "EXACT", v
+    promoted = [
+        f for f in sorted(work.glob("faulted*/logs/rank*.gen*.shadow.log"))
+        if "promoted" in f.read_text()
+    ]  # fmt: skip
+    ran = [f for f in promoted if "to where it reached leto.Run; promoted" in f.read_text()]
+    assert ran, "no promoted trainer had run its set-up ahead: " + "\n".join(
+        f"{f.name}: {f.read_text()[-800:]}" for f in promoted
+    )
+    for f in ran:
+        text = f.read_text()
+        gen = int(f.name.split(".gen")[1].split(".")[0])
+        # Held while running ahead, written once at the promotion.
+        assert text.count("set-up done") == 1 and f"generation {gen}" in text, text[-2000:]
+        assert "script set-up 0.00" in text, text[-2000:]  # the stage is off the path
