@@ -48,6 +48,7 @@ from rich.console import Console
 from rich.table import Table
 
 from faultkit.job import REPO, JobFault, run_job
+from leto.job.config import DEFAULT_SHADOW_LEVEL
 from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
 
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", choices=sorted(PRESETS), help="device, ranks and shape at once")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the preset's, else cpu)")
     ap.add_argument("--nproc-per-node", type=int, default=None, help="ranks (the last is killed)")
-    ap.add_argument("--shadow-level", default="L2", help="L1, L2 or L3; several: L2,L3")
+    ap.add_argument(
+        "--shadow-level", default=DEFAULT_SHADOW_LEVEL, help="L1, L2 or L3; several: L2,L3"
+    )
     ap.add_argument(
         "--at", default="compute.forward@4#1", help="the kill's fault point; several: comma"
     )

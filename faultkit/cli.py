@@ -29,6 +29,7 @@ from rich.table import Table
 from faultkit.certify_cli import register as register_certify
 from faultkit.cli_common import keep_if_not_exact, progress, refuse, workdir, workdir_flags
 from faultkit.schedule_cli import register as register_plan
+from leto.job.config import DEFAULT_SHADOW_LEVEL
 from leto.memory.mechanisms import probe
 
 
@@ -397,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="ranks sharing each GPU over gloo (leto run --ranks-per-gpu; testing)",
     )
-    p.add_argument("--shadow-level", default="L2", help="leto run's shadows: L1, L2, L3, off")
+    p.add_argument("--shadow-level", default=DEFAULT_SHADOW_LEVEL, help="leto run's shadows: L1, L2, L3, off")
     p.add_argument("--parallel", default="dp", help=PARALLEL_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     workdir_flags(p)
@@ -414,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
             default=1,
             help="ranks sharing each GPU over gloo (leto run --ranks-per-gpu; testing)",
         )
-        p.add_argument("--shadow-level", default="L2", help="leto run's shadows: L1, L2, L3, off")
+        p.add_argument(
+            "--shadow-level", default=DEFAULT_SHADOW_LEVEL, help="leto run's shadows: L1, L2, L3, off"
+        )
         p.add_argument("--parallel", default="dp", help=PARALLEL_HELP)
         p.add_argument("--json", action="store_true", help="print one JSON object")
         workdir_flags(p)

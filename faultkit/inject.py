@@ -55,7 +55,7 @@ from pathlib import Path
 from faultkit.job import JobFault, run_job
 from leto import plugins
 from leto.integrity.recheck import ENV_UPDATE_RECHECK
-from leto.job.config import LEVELS
+from leto.job.config import DEFAULT_SHADOW_LEVEL, LEVELS
 from leto.memory.config import PoolConfig
 from leto.sim.schedule import Schedule
 from leto.trainer import shared_gpu
@@ -124,7 +124,7 @@ class InjectConfig:
     data_pages: int = 64  # D of the job's pools (small pages keep the CPU build quick)
     page_bytes: int = 16384
     every: int = 0  # 0: one fault in the middle iteration; K: one every K iterations
-    shadow_level: str = "L2"  # leto run's shadows (off: cold restarts in place)
+    shadow_level: str = DEFAULT_SHADOW_LEVEL  # leto run's shadows (off: cold restarts in place)
     abort_after_blocks: int = 3  # kernel-abort: blocks of the kernel that run
     parallel: str = "dp"  # the job's parallelism: one of PARALLEL
     replica_check: bool = True  # False: the job runs with leto run --no-replica-check

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from leto.job.config import ENV_TRAIN_DIR
+from leto.job.config import DEFAULT_SHADOW_LEVEL, ENV_TRAIN_DIR
 from leto.job.store import free_port
 from leto.memory.config import PoolConfig
 from leto.plugins import ENV_PLUGINS
@@ -123,7 +123,7 @@ def start_job(
     plan: list[dict] = (),
     pool: PoolConfig = POOL,
     device: str = "cpu",
-    shadow_level: str = "L2",
+    shadow_level: str = DEFAULT_SHADOW_LEVEL,
     extra: tuple[str, ...] = (),
     env: dict | None = None,
     nnodes: int = 1,
@@ -291,7 +291,7 @@ def run_job(
     faults: list[JobFault] | tuple = (),
     pool: PoolConfig = POOL,
     device: str = "cpu",
-    shadow_level: str = "L2",
+    shadow_level: str = DEFAULT_SHADOW_LEVEL,
     allow_failure: bool = False,
     timeout_s: float = 600,
     extra: tuple[str, ...] = (),

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leto.errors import InvalidInput
+from leto.job.config import DEFAULT_SHADOW_LEVEL
 from leto.job.config import REPLAY_EVERY_DEFAULT as DEFAULT_REPLAY_EVERY
 
 ENV_OMP = "OMP_NUM_THREADS"
@@ -356,8 +357,9 @@ def register(sub) -> None:
     g = p.add_argument_group("shadows and recovery")
     g.add_argument(
         "--shadow-level",
-        default="L2",
-        help="auto, L1, L2, L3, or off (a failed rank restarts cold, as with torchrun)",
+        default=DEFAULT_SHADOW_LEVEL,
+        help=f"auto, L1, L2, L3, or off (a failed rank restarts cold, as with torchrun); "
+        f"default {DEFAULT_SHADOW_LEVEL}",
     )
     g.add_argument(
         "--recovery",

@@ -49,6 +49,13 @@ LEVELS = ("off", "L1", "L2", "L3")
 REPLAY_EVERY_DEFAULT = 200
 
 
+# leto run's shadows unless told otherwise: L3 — parked with the process group too, so a
+# promotion defers nothing, and the script's set-up runs ahead while parked
+# (leto.trainer.run_ahead). On the H200 at 1.1 B it recovered 0.29 s sooner than L2
+# (docs/benchmarks.md, "Recovery as the user lives it"); L2 spares the shadows'
+# communicator memory.
+DEFAULT_SHADOW_LEVEL = "L3"
+
 @dataclass(frozen=True)
 class TrainerEnv:
     """Everything ``leto run`` tells a trainer (or shadow) through its environment, read
@@ -144,7 +151,7 @@ class RunConfig:
     # its own pool, parity and shadow; the process group is gloo (NCCL refuses two ranks
     # on one GPU). 1: one GPU a rank, NCCL.
     ranks_per_gpu: int = 1
-    shadow_level: str = "L2"  # off: a failed rank restarts cold, like torchrun
+    shadow_level: str = DEFAULT_SHADOW_LEVEL  # off: a failed rank restarts cold, like torchrun
     page_bytes: int = 0  # 0: the pool's default for the device
     data_pages: int = 1024
     # H1: `leto sim h1` on the measured H200 overheads picks 4 (ETTR 82.3 % vs 79.6 % at
