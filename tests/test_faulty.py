@@ -121,6 +121,20 @@ def test_a_fault_plan_entry_that_never_fired_is_reported(tmp_path, monkeypatch, 
     assert err.count("never fired") == 1, err  # the entry that struck is not listed
 
 
+def test_an_entry_past_the_loops_end_is_named_with_the_loops_end():
+    from leto.job.fault_plan import past_the_end
+
+    plan = [{"generation": 0, "rank": 0, "at": "update.optimizer@2#1"},
+            {"generation": 1, "rank": 1, "at": "sync@40#1"},
+            {"generation": 2, "rank": 0, "at": "compute.forward@12"}]  # fmt: skip
+    said = past_the_end(plan, 12)
+    assert len(said) == 2, said
+    assert "generation 1 (rank 1 at sync@40#1) cannot fire" in said[0]
+    assert "before iteration 40 (it runs iterations below 12)" in said[0]
+    assert "compute.forward@12" in said[1]  # the loop's end is exclusive
+    assert past_the_end(plan, 41) == []
+
+
 def test_the_pages_a_fault_plan_took_are_said_in_words():
     from leto.launch.recovery import said_lost
 

@@ -94,12 +94,12 @@ def test_a_bad_local_ranks_filter_is_refused_before_anything_starts(tmp_path):
 @pytest.mark.integ
 @pytest.mark.timeout(240)
 def test_a_killed_trainer_loses_no_line_it_printed(tmp_path):
-    got = run_job(
-        2, TrainConfig(), tmp_path, [JobFault(rank=1, at="compute.backward@2#1")],
-        script=SCRIPT, script_args=[], timeout_s=200,
-    )  # fmt: skip
+    # (and a second entry past the loop's end, said when the loop starts)
+    faults = [JobFault(rank=1, at="compute.backward@2#1"), JobFault(rank=0, at="sync@40#1")]
+    got = run_job(2, TrainConfig(), tmp_path, faults, script=SCRIPT, script_args=[], timeout_s=200)
     assert got["code"] == 0 and got["injections"] == 1
     console = (tmp_path / "leto-run.log").read_text()  # leto run --json: on stderr
+    assert "(rank 0 at sync@40#1) cannot fire: the loop ends before iteration 40" in console
     lines = console.splitlines()
     # The killed trainer printed "it 2" (before its backward) and died; the promoted one
     # started over and printed it again: both on the console, nothing buffered away.

@@ -103,3 +103,19 @@ def parse(text: str, world_size: int, allow_fault_injection: bool) -> list[dict]
                 "--allow-fault-injection to leto run (nothing was started)"
             )
     return plan
+
+
+def past_the_end(plan: list[dict], end: int) -> list[str]:
+    """A line for each entry whose iteration the loop never reaches (``end``: the loop's
+    end, exclusive, known once the script's loop starts): said then, not only at the
+    job's end as an entry that never fired."""
+    said = []
+    for f in plan:
+        iteration = int(f["at"].split("@")[1].split("#")[0])
+        if iteration >= end:
+            said.append(
+                f"fault-plan entry for generation {f['generation']} (rank {f['rank']} at "
+                f"{f['at']}) cannot fire: the loop ends before iteration {iteration} "
+                f"(it runs iterations below {end})"
+            )
+    return said

@@ -53,7 +53,9 @@ gradient in an iteration (torch skips them; Leto updates them with a zero gradie
 from __future__ import annotations
 
 import atexit
+import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,7 +67,8 @@ from leto import plugins, rank_log
 from leto.errors import InvalidInput
 from leto.integrity import replay
 from leto.integrity.scrub import REQUEST_FILE as SCRUB_REQUEST
-from leto.job import keys
+from leto.job import fault_plan, keys
+from leto.job.config import ENV_FAULT_PLAN
 from leto.plugins import point
 from leto.ranges import leto_range
 from leto.trainer import checks_line, data_state, shared_gpu
@@ -317,6 +320,10 @@ class Run:
             # Where every check stands on this job, once on the console (here, not in
             # leto.Run: a script may turn deterministic algorithms on after it).
             _notice(store, checks_line.describe(self.job, replay.every()))
+            # The loop's end is known here first: a fault-plan entry past it is said now.
+            plan = os.environ.get(ENV_FAULT_PLAN)
+            for line in fault_plan.past_the_end(json.loads(plan), total) if plan else []:
+                _notice(store, line)
         t = self.next_iteration
         t_first, t_loop = t, time.time()
         while t < total:
