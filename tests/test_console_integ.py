@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from leto.cli import main as leto_main
+from leto.job.config import DEFAULT_SHADOW_LEVEL
 from leto.job.store import free_port
 from leto.proc import alive
 
@@ -188,7 +189,7 @@ def test_faultkit_inject_prints_its_stages_and_removes_its_work_directory(inject
         "reference run finished in",
         "faulted run started: kill rank 0 at update.optimizer@1#1, 2 page(s) lost per group",
         "generation 0: rank 0 exited with -9",
-        "generation 1: L2 shadows promoted",
+        f"generation 1: {DEFAULT_SHADOW_LEVEL} shadows promoted",
         "verdict: EXACT",
         f"removed {tmp}/faultkit-",
     ]

@@ -28,7 +28,7 @@ ZERO1 = TrainConfig(iterations=4, zero1=True)
 # Gradient accumulation: two micro-batches per iteration under bf16 autocast, gradients
 # reduced in several small buckets while the last backward runs.
 ACCUM = TrainConfig(iterations=4, micro_batches=2, autocast="bf16", bucket_mib=0.05)
-# The points the CI's faultkit matrix (world 2, L2 shadows, each phase x lost pages x a
+# The points the CI's faultkit matrix (world 2, L3 shadows, each phase x lost pages x a
 # host parity page) does not already kill at; gather is ZeRO-1 only (its own test).
 MATRIX_POINTS = set(PHASES.values())
 POINTS = [p for p in hooks.POINTS if p != "gather" and p not in MATRIX_POINTS]
