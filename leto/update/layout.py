@@ -211,6 +211,12 @@ class RetainedModel:
                 continue
             view = self.param_full[slot.offset : slot.offset + slot.numel].view(slot.shape)
             param = torch.nn.Parameter(view, requires_grad=slot.trainable)
+            module_name, _, attr = slot.name.rpartition(".")
+            old = getattr(model.get_submodule(module_name), attr, None)
+            if isinstance(old, torch.nn.Parameter):
+                # What libraries note on a parameter (Megatron's tensor_model_parallel,
+                # partition_dim, shared...: its gradient norm counts a shard by them).
+                param.__dict__.update(old.__dict__)
             if slot.trainable:
                 param.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
             for name in (slot.name, *slot.aliases):
