@@ -168,11 +168,15 @@ class GradReplay:
         log: Path | None = None,
         timeout_s: float = 600.0,
         group=None,
+        generators=None,
     ):
         """Collective (makes a gloo group, unless ``group`` is given). ``params``: the retained parameters; ``grad``
         the flat retained gradient buffer they point into (zeroed at each iteration's
-        start); ``k``: replay every k-th iteration."""
+        start); ``k``: replay every k-th iteration. ``generators``: ``(get, set)`` of
+        more generator states a forward draws from (Megatron's RNG tracker), captured
+        and replayed with torch's."""
         self.model, self.grad = model, grad
+        self.generators = generators
         seen, self.params = set(), []
         for p in params.values():
             if p.requires_grad and id(p) not in seen:  # tied parameters: one slot
@@ -221,6 +225,7 @@ class GradReplay:
             "args": _to(args, self.device), "kwargs": _to(kwargs, self.device),
             "cpu_rng": torch.get_rng_state(),
             "dev_rng": torch.cuda.get_rng_state(self.device) if dev == "cuda" else None,
+            "more_rng": self.generators[0]() if self.generators else None,
             "autocast": (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)),
             "training": module.training,
         }  # fmt: skip
@@ -312,6 +317,7 @@ class GradReplay:
         dev = self.device.type
         cpu_rng = torch.get_rng_state()
         dev_rng = torch.cuda.get_rng_state(self.device) if dev == "cuda" else None
+        more_rng = self.generators[0]() if self.generators else None
         buffers = [(b, b.clone()) for b in self.model.buffers()]
         training = self.model.training
         self.replaying = True
@@ -319,6 +325,8 @@ class GradReplay:
             torch.set_rng_state(cap["cpu_rng"])
             if dev == "cuda":
                 torch.cuda.set_rng_state(cap["dev_rng"], self.device)
+            if self.generators and cap.get("more_rng") is not None:
+                self.generators[1](cap["more_rng"])
             self.model.train(cap["training"])
             enabled, dtype = cap["autocast"]
             with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
@@ -338,6 +346,8 @@ class GradReplay:
             torch.set_rng_state(cpu_rng)
             if dev == "cuda":
                 torch.cuda.set_rng_state(dev_rng, self.device)
+            if more_rng is not None:
+                self.generators[1](more_rng)
 
     def _exchange(self, obj, dst: int | None, src: int | None):
         """Send ``obj`` (pickled) to ``dst`` and receive one from ``src`` (either None)."""
