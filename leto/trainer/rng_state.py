@@ -10,8 +10,9 @@ sets ``n - 1``'s when ``run.iterations()`` starts — after whatever seeding the
 start-up does again — so the draws of ``n`` onwards are the failed trainer's.
 
 What is retained: torch's CPU generator, the trainer's CUDA device's generator (when on
-a GPU), Python's ``random`` and NumPy's legacy global generator (when the script
-imported NumPy). Nothing is reseeded on a fresh start: the script's own seeding stands.
+a GPU), Python's ``random``, NumPy's legacy global generator (when the script imported
+NumPy) and Megatron-Core's RNG tracker's named states (when the script set one up:
+``leto.trainer.megatron``). Nothing is reseeded on a fresh start: the script's own seeding stands.
 
 Not covered: draws made after ``optimizer.step()`` within an iteration (they happen
 after the record: a recovery does not replay them), generators the script made itself
@@ -25,6 +26,8 @@ import random
 import sys
 
 import torch
+
+from leto.trainer import megatron
 
 
 class GlobalRNG:
@@ -43,6 +46,8 @@ class GlobalRNG:
         np = sys.modules.get("numpy")
         if np is not None:
             out["numpy"] = np.random.get_state()
+        if megatron.imported() and (states := megatron.tracker_states()) is not None:
+            out["megatron"] = states
         return out
 
     def load_state_dict(self, sd: dict) -> None:
@@ -68,6 +73,8 @@ class GlobalRNG:
             import numpy as np
 
             np.random.set_state(sd["numpy"])
+        if "megatron" in sd:
+            megatron.set_tracker_states(sd["megatron"])
 
 
 def _raw(state: torch.Tensor) -> bytes:

@@ -71,7 +71,7 @@ from leto.job import fault_plan, keys
 from leto.job.config import ENV_FAULT_PLAN
 from leto.plugins import point
 from leto.ranges import leto_range
-from leto.trainer import checks_line, data_state, shared_gpu
+from leto.trainer import checks_line, data_state, megatron, shared_gpu
 from leto.trainer.batch_fn import BatchFunctions
 from leto.trainer.buffer_state import RetainedBuffers
 from leto.trainer.ddp_shape import DDPShaped
@@ -126,6 +126,9 @@ class Run:
             ctx.end_skip_init(observed_too=False)  # before anything here reads the model
         self._clock = getattr(ctx, "clock", None)  # stage times to the first iteration's end
         self._mark("script set-up")
+        opts = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+        # Megatron-Core's parallel state: replicas or shards; what is not supported yet.
+        data_parallel = megatron.check(model, opts, data_parallel)
         backend = dist.get_backend() if dist.is_initialized() else None
         if (
             not data_parallel
@@ -260,6 +263,7 @@ class Run:
             self.job.replay = replay.GradReplay(
                 model, self.job.params, self.job.up.state.grad, ctx.rank, ctx.world_size, k,
                 log=self.out / f"rank{ctx.rank}.replay.jsonl",
+                generators=megatron.generators(),  # Megatron's dropout draws from its tracker
             )  # fmt: skip
             self.job.replay.buckets = self.job.buckets
         self._t: int | None = None  # the iteration in progress

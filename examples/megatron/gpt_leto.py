@@ -1,0 +1,142 @@
+"""``gpt_torchrun.py`` ported to Leto as docs/porting.md says ("Megatron-Core"):
+``leto.init()`` where the script made its process group, ``leto.Run`` where it wrapped
+the model in DDP (over Megatron's data-parallel group: Leto reads Megatron's parallel
+state), ``run.iterations`` and ``run.record_loss``. Megatron's parallel state, model,
+RNG tracker (retained by Leto), schedule, gradient norm and clipping are as they were.
+
+    leto run --nproc-per-node 2 examples/megatron/gpt_leto.py --tp 2 --out out
+
+The same ``iterations.jsonl`` and ``rank{r}.params.pt`` as the torchrun script.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import cpu  # noqa: F401 - Megatron-Core on the CPU (an emulation)
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.optimizer.clip_grads import (  # noqa: E402
+    clip_grad_by_total_norm_fp32,
+    get_grad_norm_fp32,
+)
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # noqa: E402
+from megatron.core.transformer.module import param_is_not_shared  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+import leto  # noqa: E402
+
+
+def tokens(dp_rank: int, it: int, micro: int, batch: int, seq: int, vocab: int):
+    g = torch.Generator().manual_seed(1_000_003 * it + 1_009 * dp_rank + micro)
+    return torch.randint(0, vocab, (batch, seq + 1), generator=g)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the rest: data)")
+    ap.add_argument("--layers", type=int, default=2, help="transformer layers")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads")
+    ap.add_argument("--vocab", type=int, default=256, help="vocabulary size")
+    ap.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+    ap.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches per iteration")
+    ap.add_argument("--iterations", type=int, default=8, help="optimizer steps")
+    ap.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
+    ap.add_argument("--seed", type=int, default=1234, help="Megatron's seed")
+    ap.add_argument("--out", default="out", help="iterations.jsonl and parameters")
+    args = ap.parse_args()
+    ctx = leto.init()
+    rank, device = dist.get_rank(), torch.device("cuda" if CUDA else "cpu")
+    if CUDA:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.use_deterministic_algorithms(True)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)  # the RNG tracker
+    torch.manual_seed(args.seed)
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        hidden_dropout=0.1, attention_dropout=0.1, use_cpu_initialization=True,
+    )  # fmt: skip
+    model = GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.vocab, max_sequence_length=args.seq,
+    ).to(device)  # fmt: skip
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=3e-3, betas=(0.9, 0.95),
+    )  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
+    run = leto.Run(ctx, model, optimizer, scheduler)
+    model = run.model
+    config.no_sync_func = model.no_sync if hasattr(model, "no_sync") else None
+    dp_rank = parallel_state.get_data_parallel_rank()
+    position_ids = torch.arange(args.seq, device=device).unsqueeze(0)
+    forward_backward = get_forward_backward_func()
+    os.makedirs(args.out, exist_ok=True)
+
+    def forward_step(batches, model):
+        batch = next(batches).to(device)
+        out = model(batch[:, :-1], position_ids, None, labels=batch[:, 1:])
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    for it in run.iterations(args.iterations):
+        batches = iter([
+            tokens(dp_rank, it, m, args.micro_batch, args.seq, args.vocab)
+            for m in range(args.micro_batches)
+        ])  # fmt: skip
+        got = forward_backward(
+            forward_step_func=forward_step, data_iterator=batches, model=[model],
+            num_microbatches=args.micro_batches, seq_length=args.seq,
+            micro_batch_size=args.micro_batch, forward_only=False,
+        )  # fmt: skip
+        loss = torch.stack([g["loss"] for g in got]).mean()
+        # Megatron's norm: every gradient once across the model-parallel group.
+        params = list(model.parameters())
+        grads = [
+            p.grad for p in params
+            if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+        ]  # fmt: skip
+        norm = get_grad_norm_fp32(
+            grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group()
+        )
+        clip_grad_by_total_norm_fp32(params, args.clip, norm)
+        run.record_loss(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            with open(os.path.join(args.out, "iterations.jsonl"), "a") as f:
+                f.write(
+                    json.dumps({"iteration": it, "loss": loss.item(), "grad_norm": norm}) + "\n"
+                )
+    unwrapped = getattr(model, "module", model)
+    torch.save(
+        {k: v.detach().cpu() for k, v in unwrapped.state_dict().items() if v is not None and torch.is_tensor(v)},
+        os.path.join(args.out, f"rank{rank}.params.pt"),
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

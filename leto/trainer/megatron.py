@@ -1,0 +1,176 @@
+"""Megatron-Core under ``leto.Run``: what Leto takes from Megatron's parallel state and
+what it refuses (issue 58, stage 1).
+
+Runs in a trainer, in ``leto.Run``, only where the script imported Megatron-Core (Leto
+never imports it otherwise). A Megatron job under Leto is Megatron's ``GPTModel`` (or any
+of its modules) driven by Megatron's schedule, with torch's optimizer, scheduler and
+Leto's gradient reduction where the script had torch's DDP:
+
+* Megatron's parallel state says whether the ranks hold replicas: tensor parallel over
+  the whole world (every rank its own shards: nothing reduced, as a pipeline stage is),
+  or data parallel over the whole world (gradients reduced as DDP would);
+* Megatron's RNG tracker (the named generator states its dropout forks) is retained with
+  torch's global generators (``leto.trainer.rng_state``), without the script's help.
+
+Refused when ``leto.Run`` is made, by name, with nothing retained — what is not built
+yet, rather than a run that is silently wrong: Megatron's own ``DistributedDataParallel``
+(its gradients live in ``main_grad``: a torch optimizer would update nothing) and
+``MegatronOptimizer``/``DistributedOptimizer`` (stage 3); ``Float16Module``; apex's and
+TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
+fp8/fp4; pipeline, context and expert parallelism; data-parallel groups smaller than the
+world (tensor × data parallel, stage 2); RNG trackers other than Megatron's own
+``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from leto.errors import InvalidInput
+
+_NOTHING = "; nothing was retained (docs/porting.md, Megatron-Core)"
+
+
+def imported() -> bool:
+    return "megatron.core.parallel_state" in sys.modules
+
+
+def check(model: torch.nn.Module, optimizers: list, data_parallel: bool) -> bool:
+    """``data_parallel`` as Megatron's parallel state has it (the script's own value where
+    Megatron is not imported or not initialized); raises ``InvalidInput`` for what is not
+    supported."""
+    if not imported():
+        return data_parallel
+    _refuse_wrappers(model, optimizers)
+    _refuse_layers_and_configs(model)
+    _tracker()  # refuses a tracker Leto cannot retain
+    ps = sys.modules["megatron.core.parallel_state"]
+    if not ps.model_parallel_is_initialized():
+        return data_parallel
+    sizes = {
+        "pipeline": ps.get_pipeline_model_parallel_world_size(),
+        "context": ps.get_context_parallel_world_size(),
+        "expert": ps.get_expert_model_parallel_world_size(),
+    }
+    for what, n in sizes.items():
+        if n > 1:
+            raise InvalidInput(
+                f"leto.Run: Megatron's {what} parallelism ({what} parallel size {n}) is not "
+                f"supported under Leto yet" + _NOTHING
+            )
+    tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
+    if tp > 1 and dp > 1:
+        raise InvalidInput(
+            f"leto.Run: Megatron's tensor parallel size {tp} with data parallel size {dp}: "
+            "data-parallel groups smaller than the world are not supported under Leto yet "
+            "(tensor parallel over every rank, or data parallel over every rank, are)" + _NOTHING
+        )
+    if dp > 1 and not data_parallel:
+        raise InvalidInput(
+            f"leto.Run(data_parallel=False): Megatron's parallel state has {dp} data-parallel "
+            "replicas, whose gradients must be reduced" + _NOTHING
+        )
+    return dp > 1
+
+
+def _refuse_wrappers(model: torch.nn.Module, optimizers: list) -> None:
+    ddp = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
+    if ddp is not None and any(isinstance(m, ddp.DistributedDataParallel) for m in model.modules()):
+        raise InvalidInput(
+            "leto.Run: the model is wrapped in Megatron's DistributedDataParallel, whose "
+            "gradients live in main_grad (a torch optimizer would update nothing): not "
+            "supported under Leto yet — give leto.Run the unwrapped model, which reduces "
+            "the gradients itself" + _NOTHING
+        )
+    fp16 = sys.modules.get("megatron.core.transformer.module")
+    if fp16 is not None and any(isinstance(m, fp16.Float16Module) for m in model.modules()):
+        raise InvalidInput(
+            "leto.Run: Megatron's Float16Module (fp16/bf16 parameters with fp32 main "
+            "parameters) is not supported under Leto yet — keep float32 parameters and use "
+            "torch.autocast" + _NOTHING
+        )
+    for opt in optimizers:
+        kind = type(opt)
+        where = kind.__module__
+        if where.startswith("megatron."):
+            raise InvalidInput(
+                f"leto.Run: Megatron's optimizer {kind.__name__} ({where}) is not supported "
+                "under Leto yet — give leto.Run a torch optimizer (torch.optim.AdamW)" + _NOTHING
+            )
+        if where.split(".")[0] in ("apex", "transformer_engine"):
+            raise InvalidInput(
+                f"leto.Run: the fused optimizer {kind.__name__} ({where}) is not supported — "
+                "Leto's update reproduces torch's optimizers (torch.optim.AdamW(fused=True) "
+                "is supported)" + _NOTHING
+            )
+
+
+def _refuse_layers_and_configs(model: torch.nn.Module) -> None:
+    seen = set()
+    for name, m in model.named_modules():
+        where = type(m).__module__
+        if where.split(".")[0] == "transformer_engine" or where.startswith(
+            "megatron.core.extensions.transformer_engine"
+        ):
+            raise InvalidInput(
+                f"leto.Run: {name or 'the model'} is a TransformerEngine layer "
+                f"({type(m).__name__}): not supported under Leto yet — build the model with "
+                "Megatron's local layer spec (get_gpt_layer_local_spec)" + _NOTHING
+            )
+        config = getattr(m, "config", None)
+        if config is None or id(config) in seen or not hasattr(config, "sequence_parallel"):
+            continue
+        seen.add(id(config))
+        for flag in ("sequence_parallel", "fp8", "fp4"):
+            if getattr(config, flag, None):
+                raise InvalidInput(
+                    f"leto.Run: Megatron's {flag} ({name or 'the model'}'s config) is not "
+                    "supported under Leto yet" + _NOTHING
+                )
+
+
+def _tracker():
+    """Megatron's RNG tracker, where it holds states Leto retains (None: no tracker)."""
+    mod = sys.modules.get("megatron.core.tensor_parallel.random")
+    if mod is None or not getattr(mod, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
+        return None
+    tracker = mod._CUDA_RNG_STATE_TRACKER
+    if type(tracker) is not mod.CudaRNGStatesTracker or tracker.use_cudagraphable_rng:
+        raise InvalidInput(
+            f"leto.Run: Megatron's RNG tracker is a {type(tracker).__name__}"
+            f"{' (CUDA-graph safe)' if getattr(tracker, 'use_cudagraphable_rng', False) else ''}"
+            ", whose states Leto cannot retain yet — use Megatron's own CudaRNGStatesTracker "
+            "(model_parallel_cuda_manual_seed without te_rng_tracker or "
+            "use_cudagraphable_rng)" + _NOTHING
+        )
+    return tracker if tracker.is_initialized() else None
+
+
+def tracker_states() -> dict[str, bytes] | None:
+    """The tracker's named generator states, as bytes (None: no tracker)."""
+    tracker = _tracker()
+    if tracker is None:
+        return None
+    return {name: s.cpu().numpy().tobytes() for name, s in tracker.get_states().items()}
+
+
+def generators():
+    """``(get, set)`` of the tracker's states, for what replays a forward (gradient
+    replay); None where the script set up no tracker."""
+    if not imported() or tracker_states() is None:
+        return None
+    return tracker_states, set_tracker_states
+
+
+def set_tracker_states(states: dict[str, bytes]) -> None:
+    tracker = _tracker()
+    if tracker is None:
+        raise InvalidInput(
+            "a recovery has Megatron RNG tracker states, and this trainer's script set up "
+            "no tracker before its loop (model_parallel_cuda_manual_seed)"
+        )
+    tracker.set_states(
+        {name: torch.frombuffer(bytearray(raw), dtype=torch.uint8) for name, raw in states.items()}
+    )
