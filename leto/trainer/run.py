@@ -56,7 +56,6 @@ import atexit
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -231,9 +230,6 @@ class Run:
         )
         if ctx.store is not None:
             self.job.on_no_loss = lambda: ctx.store.add(keys.NO_LOSS, 1)
-            said = compiled_dp_notice(model, ctx.world_size, self.job.replicated)
-            if said and ctx.rank == 0 and ctx.generation == 0:
-                _notice(ctx.store, said)
             if self.job.up.recheck is not None:
                 self.job.up.recheck.on_notice = lambda text: _notice(ctx.store, text)
         self.loop = self.job.loop = self.job.up.loop
@@ -247,7 +243,11 @@ class Run:
             )
         self._data.bind(self.job.up.views if early else None)
         self.job.data = self._data
-        self.model = DDPShaped(model, self, self._buffers)  # what the script uses where it had DDP(model)
+        # What the script uses where it had DDP(model) (a compiled model inside it is split
+        # at the gradient buckets as under DDP: data parallel only).
+        self.model = DDPShaped(
+            model, self, self._buffers, bucket_mib=bucket_mib if self.job.replicated else None
+        )
         self.user.adopt(self.job.params)  # the optimizers now hold the retained parameters
         for oi, opt in enumerate(self.optimizers):
             self._patch(oi, opt)
@@ -712,25 +712,6 @@ class Run:
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def compiled_dp_notice(model, world_size: int, replicated: bool) -> str | None:
-    """What a data-parallel job with a compiled model should know at its start (None
-    when it need not): torchrun + DDP compiles such a model in pieces split at DDP's
-    gradient buckets (``torch._dynamo.config.optimize_ddp``); ``leto.Run`` reduces its own
-    buckets and Dynamo compiles whole graphs, so the two may round differently."""
-    # (a compiled model has imported Dynamo: nothing is imported here for the others)
-    frame = sys.modules.get("torch._dynamo.eval_frame")
-    compiled = getattr(frame, "OptimizedModule", ())
-    if not (compiled and isinstance(model, compiled) and world_size > 1 and replicated):
-        return None
-    return (
-        f"the model is compiled (torch.compile) and data parallel over {world_size} ranks: "
-        "torchrun + DDP compiles it in pieces split at DDP's gradient buckets, leto.Run in "
-        "whole graphs, so the two may differ in the last bits — for bit-identical "
-        "comparisons run the torchrun script with torch._dynamo.config.optimize_ddp = "
-        "False (docs/porting.md)"
-    )
 
 
 def _notice(store, text: str) -> None:
