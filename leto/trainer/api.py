@@ -445,6 +445,10 @@ def init(prepare=None, warmup=None) -> Context:
         nonlocal watch
         if msg is not None:
             timings["promoted_at"] = time.time()
+            if device.type == "cuda":
+                # (a shadow running the set-up ahead may be promoted on a thread of the
+                # script's, where another device is current)
+                torch.cuda.set_device(device)
             profile_recovery()
             if timings["imports_learned"] < 0:
                 # Promoted before it saw what its trainer published: imported now, on the
