@@ -19,6 +19,7 @@ from leto.job.store import free_port
 SCRIPT = Path(__file__).parent / "scripts" / "compiled_split.py"
 
 
+@pytest.mark.integ  # a process with Dynamo in it
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("bucket_mib", [2.0, 25.0])
 def test_dynamo_splits_a_compiled_model_at_ddps_buckets(bucket_mib):
