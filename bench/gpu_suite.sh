@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|user-recovery|pin-stall|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|user-recovery|pin-stall|megatron|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -491,6 +491,15 @@ if [[ $what == user-recovery ]]; then
     --json-out "$OUT/user_recovery.json" > "$OUT/user_recovery.txt" 2>&1 || rc=1
   tail -c 5000 "$OUT/user_recovery.txt"
   grep -H "leto: rank\|Error\|error" /tmp/leto-plain-recovery-*/*/logs/*.log > "$OUT/user_recovery_ranklogs.txt" 2>/dev/null
+fi
+if [[ $what == megatron ]]; then
+  # Issue 58 stage 4 (world 1): examples/megatron on the H200 — bit-identical to torchrun
+  # after a kill with pages lost (tests/test_megatron.py's cuda case), then certified at
+  # every phase. megatron-core 0.19.2 is not installed there: carry its wheel (.whl, the
+  # device README) and install it with PYTHONPATH before this target.
+  python3 -m pytest -p no:cacheprovider -q tests/test_megatron.py -k cuda 2>&1 | tee "$OUT/megatron_tests.txt" || rc=1
+  timeout 500 python3 -m faultkit.cli certify --device cuda --nproc-per-node 1 \
+    -- examples/megatron/gpt_leto.py --iterations 9 2>&1 | tail -30 | tee "$OUT/megatron_certify.txt" || rc=1
 fi
 if [[ $what == pin-stall ]]; then
   # Issue 57: what making a checkpoint's pinned staging buffers (13 GB at 1.1 B) in the

@@ -63,6 +63,7 @@ def main() -> None:
     rank, device = dist.get_rank(), torch.device("cuda" if CUDA else "cpu")
     if CUDA:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     torch.use_deterministic_algorithms(True)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)  # the RNG tracker
