@@ -67,7 +67,7 @@ def test_rank_local_parameters_are_in_no_bucket_and_are_not_divided(monkeypatch)
     assert covered == set(spans) - local, b.ranges
     # finish() divides the buckets only (no process group: the sums are skipped).
     state.grad.fill_(6.0)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: SimpleNamespace(wait=lambda: None))
     b.finish()
     for name, (lo, hi) in spans.items():

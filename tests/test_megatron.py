@@ -1,8 +1,9 @@
-"""Megatron-Core under Leto (issue 58, stage 1): ``examples/megatron/gpt_leto.py`` —
-Megatron's parallel state, GPTModel (dropout on), RNG tracker, schedule, gradient norm and
-clipping, under ``leto run`` — ends bit-identical to ``gpt_torchrun.py`` (the same script
-under torchrun with torch's DDP) at tensor parallel 2 and at data parallel 2, with a rank
-killed in the update and pages lost; what is not supported yet is refused by name when
+"""Megatron-Core under Leto (issue 58, stages 1 and 2): ``examples/megatron/gpt_leto.py``
+— Megatron's parallel state, GPTModel (dropout on), RNG tracker, schedule, gradient norm
+and clipping, under ``leto run`` — ends bit-identical to ``gpt_torchrun.py`` (the same
+script under torchrun with torch's DDP over Megatron's data-parallel group) at tensor
+parallel 2, at data parallel 2 and at tensor 2 × data 2, with a rank killed in the update
+and pages lost; what is not supported yet is refused by name when
 ``leto.Run`` is made; Megatron's RNG tracker is retained without the script's help."""
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ CUDA_POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_inje
     [
         (2, 2, "cpu"),
         (1, 2, "cpu"),
+        (2, 4, "cpu"),  # tensor x data parallel: replicas are Megatron's data-parallel groups
         pytest.param(
             1, 1, "cuda",
             marks=[
@@ -150,7 +152,7 @@ def test_transformer_engine_layers_fused_optimizers_and_flags_are_refused_by_nam
             _check(m)
 
 
-def test_the_parallel_state_decides_what_is_reduced_and_refuses_mixed_groups(monkeypatch):
+def test_the_parallel_state_decides_what_is_reduced_and_over_which_ranks(monkeypatch):
     from megatron.core import parallel_state as ps
 
     sizes = {"tp": 2, "dp": 1, "pp": 1}
@@ -160,14 +162,16 @@ def test_the_parallel_state_decides_what_is_reduced_and_refuses_mixed_groups(mon
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: sizes["pp"])
     monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: 1)
     monkeypatch.setattr(ps, "get_expert_model_parallel_world_size", lambda: 1)
-    assert _check(_Module()) is False  # tensor parallel over the world: shards, no replica
+    monkeypatch.setattr(ps, "get_data_parallel_group", lambda: "dp-group")
+    monkeypatch.setattr(megatron.DPGroup, "of", classmethod(lambda cls, g: cls(g, (1, 3))))
+    # tensor parallel over the world: shards, no replica
+    assert _check(_Module()) == (False, None)
     sizes.update(tp=1, dp=2)
-    assert _check(_Module()) is True
+    assert _check(_Module()) == (True, None)  # data parallel over the world
     with pytest.raises(InvalidInput, match="2 data-parallel replicas"):
         _check(_Module(), dp=False)
-    sizes.update(tp=2, dp=2)
-    with pytest.raises(InvalidInput, match="tensor parallel size 2 with data parallel size 2"):
-        _check(_Module())
+    sizes.update(tp=2, dp=2)  # tensor x data: the replicas are Megatron's data-parallel group
+    assert _check(_Module()) == (True, megatron.DPGroup("dp-group", (1, 3)))
     sizes.update(tp=1, dp=2, pp=2)
     with pytest.raises(InvalidInput, match="pipeline parallelism"):
         _check(_Module())

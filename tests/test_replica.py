@@ -114,6 +114,22 @@ def test_a_minority_rank_is_named_and_the_iteration_is_fatal(monkeypatch, tmp_pa
     assert rec["groups"] == [11], rec
 
 
+def test_a_data_parallel_group_names_its_ranks_by_their_global_numbers(monkeypatch, tmp_path):
+    # Tensor x data parallel (Megatron): the replicas of tensor-parallel position 1 are
+    # global ranks 1, 3 and 5 of a world of 6; the gather runs over their group only.
+    _check(monkeypatch, tmp_path, 0, [[5, -7], [5, -7], [5, 8]])
+    rc = replica.ReplicaCheck(
+        3, 6, log=tmp_path / "g.jsonl", pg="their gloo group", members=(1, 3, 5)
+    )
+    assert rc.world == 3 and rc.pg == "their gloo group"
+    with pytest.raises(
+        ReplicaDisagreement, match=r"rank\(s\) \[5\] disagree with the majority of the 3"
+    ):
+        rc.check(3, torch.tensor([5, -7]), gids=[10, 11])
+    (rec,) = [json.loads(x) for x in (tmp_path / "g.jsonl").read_text().splitlines()]
+    assert rec["named"] == [5], rec
+
+
 def test_at_world_2_both_ranks_are_named_and_the_message_says_why(monkeypatch, tmp_path):
     rc, log = _check(monkeypatch, tmp_path, 1, [[1], [2]])
     with pytest.raises(ReplicaDisagreement, match="no majority names one") as e:
@@ -223,8 +239,10 @@ def test_an_updates_digests_are_compared_before_the_next_update_changes_them(dev
         digest_complete=True,
         groups=[SimpleNamespace(gid=0), SimpleNamespace(gid=1)],
     )
+    from leto.trainer.dp_group import DPGroup
+
     job = SimpleNamespace(up=up, device=torch.device(device), replica=_Replica(), guard=None,
-                          _unchecked=None, _recheck=None)  # fmt: skip
+                          _unchecked=None, _recheck=None, dp=DPGroup.world(2))  # fmt: skip
     if device == "cuda":
         torch.cuda._sleep(50_000_000)  # the copy is queued behind work still running
     job._unchecked = (4, R._digests_copy(job), 0, 1.5)

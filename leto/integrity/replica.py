@@ -105,11 +105,22 @@ def _differing(rows: list[tuple[int, ...]]) -> list[int]:
 
 
 class ReplicaCheck:
-    def __init__(self, rank: int, world: int, log: Path | None = None, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        log: Path | None = None,
+        timeout_s: float = 600.0,
+        pg=None,
+        members: tuple[int, ...] | None = None,
+    ):
         """Collective (makes a gloo group): every rank of the job, data parallel over all
-        of them. ``log``: a file each disagreement is appended to (one JSON line)."""
-        self.rank, self.world, self.log = rank, world, log
-        self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        of them — or, given ``pg`` (a gloo group) and its ``members`` (global ranks), the
+        replicas of one data-parallel group smaller than the world (tensor × data
+        parallel). ``log``: a file each disagreement is appended to (one JSON line)."""
+        self.members = tuple(members) if members is not None else tuple(range(world))
+        self.rank, self.world, self.log = rank, len(self.members), log
+        self.pg = pg or dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.checks = 0
         self.check_s = 0.0  # time spent in check(), this process
         # Disagreements no majority named (world 2), by iteration: every rank's digests,
@@ -160,13 +171,14 @@ class ReplicaCheck:
         self.checks += 1
         self.check_s += time.perf_counter() - t0
         if any(flags):
-            return [r for r, f in enumerate(flags) if f]
+            return [self.members[r] for r, f in enumerate(flags) if f]
         if not all(valid):
             return []
         named, majority = suspects(rows)
         if named and recheck is not None:
             rows, _, _ = self._gather(recheck(_differing(rows)), len(gids))
             named, majority = suspects(rows)
+        named = [self.members[i] for i in named]  # global ranks
         if not named:
             if t in self._pending:
                 self._resolve(t, rows[0])
@@ -204,7 +216,7 @@ class ReplicaCheck:
         ranks whose digests then differed from the agreed ones are named (logged, and
         said on stderr)."""
         before = self._pending.pop(t)
-        named = [r for r, row in enumerate(before) if list(row) != list(agreed)]
+        named = [self.members[r] for r, row in enumerate(before) if list(row) != list(agreed)]
         rec = {"iteration": t, "resolved": True, "named": named, "by": "redo", "time": time.time()}
         if self.log is not None:
             with open(self.log, "a") as f:

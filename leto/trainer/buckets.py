@@ -47,11 +47,14 @@ class GradBuckets:
         bucket_mib: float,
         at_backward_end: bool = False,
         rank_local: frozenset[str] = frozenset(),
+        group=None,
     ):
         """``params``: the retained parameters by name (``RetainedModel.bind``).
         ``rank_local``: parameters whose gradients are this rank's own (a mixture of
         experts' experts under expert parallelism): never reduced nor divided, and no
-        bucket spans one."""
+        bucket spans one. ``group``: the data-parallel group reduced over (None: the
+        world)."""
+        self.group = group
         grad = state.grad
         esize = grad.element_size()
         limit = max(1, int(bucket_mib * 2**20) // esize)
@@ -121,7 +124,7 @@ class GradBuckets:
         a, e = self.ranges[b]
         if self.before_launch is not None:
             self.before_launch(self.grad[a:e])
-        self._works.append(dist.all_reduce(self.grad[a:e], async_op=True))
+        self._works.append(dist.all_reduce(self.grad[a:e], group=self.group, async_op=True))
         self._next = b + 1
 
     @contextlib.contextmanager
@@ -146,7 +149,7 @@ class GradBuckets:
             self._ready = [0] * len(self.ranges)
             self._next = 0
             self._queued = False
-        world = dist.get_world_size()
+        world = dist.get_world_size(self.group)
         if self._whole:
             self.grad.div_(world)
         else:

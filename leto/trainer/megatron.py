@@ -6,9 +6,11 @@ never imports it otherwise). A Megatron job under Leto is Megatron's ``GPTModel`
 of its modules) driven by Megatron's schedule, with torch's optimizer, scheduler and
 Leto's gradient reduction where the script had torch's DDP:
 
-* Megatron's parallel state says whether the ranks hold replicas: tensor parallel over
-  the whole world (every rank its own shards: nothing reduced, as a pipeline stage is),
-  or data parallel over the whole world (gradients reduced as DDP would);
+* Megatron's parallel state says which ranks hold replicas: tensor parallel over the
+  whole world (every rank its own shards: nothing reduced, as a pipeline stage is), data
+  parallel over the whole world (gradients reduced as DDP would), or tensor × data
+  parallel (gradients reduced, ranks compared, over Megatron's data-parallel group: the
+  ranks of one tensor-parallel position);
 * Megatron's RNG tracker (the named generator states its dropout forks) is retained with
   torch's global generators (``leto.trainer.rng_state``), without the script's help.
 
@@ -17,8 +19,7 @@ yet, rather than a run that is silently wrong: Megatron's own ``DistributedDataP
 (its gradients live in ``main_grad``: a torch optimizer would update nothing) and
 ``MegatronOptimizer``/``DistributedOptimizer`` (stage 3); ``Float16Module``; apex's and
 TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
-fp8/fp4; pipeline, context and expert parallelism; data-parallel groups smaller than the
-world (tensor × data parallel, stage 2); RNG trackers other than Megatron's own
+fp8/fp4; pipeline, context and expert parallelism; RNG trackers other than Megatron's own
 ``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
 """
 
@@ -29,6 +30,7 @@ import sys
 import torch
 
 from leto.errors import InvalidInput
+from leto.trainer.dp_group import DPGroup
 
 _NOTHING = "; nothing was retained (docs/porting.md, Megatron-Core)"
 
@@ -37,18 +39,21 @@ def imported() -> bool:
     return "megatron.core.parallel_state" in sys.modules
 
 
-def check(model: torch.nn.Module, optimizers: list, data_parallel: bool) -> bool:
+def check(
+    model: torch.nn.Module, optimizers: list, data_parallel: bool
+) -> tuple[bool, DPGroup | None]:
     """``data_parallel`` as Megatron's parallel state has it (the script's own value where
-    Megatron is not imported or not initialized); raises ``InvalidInput`` for what is not
+    Megatron is not imported or not initialized), and the data-parallel group where it is
+    smaller than the world (None: the world); raises ``InvalidInput`` for what is not
     supported."""
     if not imported():
-        return data_parallel
+        return data_parallel, None
     _refuse_wrappers(model, optimizers)
     _refuse_layers_and_configs(model)
     _tracker()  # refuses a tracker Leto cannot retain
     ps = sys.modules["megatron.core.parallel_state"]
     if not ps.model_parallel_is_initialized():
-        return data_parallel
+        return data_parallel, None
     sizes = {
         "pipeline": ps.get_pipeline_model_parallel_world_size(),
         "context": ps.get_context_parallel_world_size(),
@@ -61,18 +66,14 @@ def check(model: torch.nn.Module, optimizers: list, data_parallel: bool) -> bool
                 f"supported under Leto yet" + _NOTHING
             )
     tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
-    if tp > 1 and dp > 1:
-        raise InvalidInput(
-            f"leto.Run: Megatron's tensor parallel size {tp} with data parallel size {dp}: "
-            "data-parallel groups smaller than the world are not supported under Leto yet "
-            "(tensor parallel over every rank, or data parallel over every rank, are)" + _NOTHING
-        )
     if dp > 1 and not data_parallel:
         raise InvalidInput(
             f"leto.Run(data_parallel=False): Megatron's parallel state has {dp} data-parallel "
             "replicas, whose gradients must be reduced" + _NOTHING
         )
-    return dp > 1
+    if tp > 1 and dp > 1:  # the replicas: the ranks of this tensor-parallel position
+        return True, DPGroup.of(ps.get_data_parallel_group())
+    return dp > 1, None
 
 
 def _refuse_wrappers(model: torch.nn.Module, optimizers: list) -> None:

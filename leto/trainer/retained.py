@@ -48,6 +48,7 @@ from leto.memory.client import PoolClient
 from leto.plugins import SDC_GRAD_POINT, point
 from leto.ranges import leto_range
 from leto.trainer.buckets import GradBuckets
+from leto.trainer.dp_group import DPGroup
 from leto.update.marker import MarkerState, Phase
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
@@ -72,6 +73,7 @@ class RetainedTraining:
         scrub_requests: Path | None = None,
         data_parallel: bool = True,
         guard_loss: bool = True,
+        dp=None,
     ):
         """``model`` may live on the meta device: its parameters become views of pool
         memory. ``init_fn()`` initializes them on a fresh pool (first start only).
@@ -80,8 +82,15 @@ class RetainedTraining:
         the file ``leto pool scrub`` writes to ask for a full scrub now.
         ``data_parallel``: every rank holds the same parameters and Leto averages the
         gradients over all of them; False: each rank's parameters are its own (a
-        pipeline stage) and nothing is reduced across ranks."""
+        pipeline stage) and nothing is reduced across ranks. ``dp``: the ranks holding
+        this rank's replicas (``leto.trainer.dp_group.DPGroup``; None: the world)."""
         self.rank, self.world, self.out = rank, world, Path(out)
+        self.dp = dp if dp is not None else DPGroup.world(world)
+        if zero1 and not self.dp.whole_world:
+            raise InvalidInput(
+                "ZeRO-1 with data-parallel groups smaller than the world is not supported; "
+                "nothing was retained"
+            )
         self.model = model
         self.init_fn = init_fn
         shard = (rank, world) if zero1 else None
@@ -130,11 +139,14 @@ class RetainedTraining:
         # The last update's digests and loss flag, not yet compared (_check_replicas).
         self._unchecked: tuple | None = None
         if (
-            world > 1 and self.replicated and self.up.state.shard is None
+            self.dp.size > 1 and self.replicated and self.up.state.shard is None
             and not self.rank_local and replica.enabled()
         ):  # fmt: skip
             log = self.out / f"rank{rank}.replica.jsonl"
-            self.replica = replica.ReplicaCheck(rank, world, log=log)
+            self.replica = replica.ReplicaCheck(
+                rank, world, log=log,
+                **({} if self.dp.whole_world else {"pg": self.dp.gloo(600.0), "members": self.dp.ranks}),
+            )  # fmt: skip
             self.up.digest_on = True
         # Where no replica checks this rank's update (one rank, shards, rank-local
         # experts), a sampled chunk of it is recomputed (leto.integrity.recheck); off with
@@ -168,9 +180,9 @@ class RetainedTraining:
         self.buckets = (
             GradBuckets(
                 self.params, self.up.state, bucket_mib, at_backward_end=user is not None,
-                rank_local=self.rank_local,
+                rank_local=self.rank_local, group=self.dp.group,
             )
-            if world > 1 and bucket_mib > 0 and self.replicated
+            if self.dp.size > 1 and bucket_mib > 0 and self.replicated
             else None
         )  # fmt: skip
         if self.buckets is not None:
@@ -184,7 +196,7 @@ class RetainedTraining:
         (data parallel, nothing sharded or rank-local): gradient replay's premise."""
         return (
             self.world > 1 and self.replicated and self.up.state.shards is None
-            and not self.rank_local
+            and not self.rank_local and self.dp.whole_world
         )  # fmt: skip
 
     def _local_grad(self, view: torch.Tensor) -> None:
@@ -353,9 +365,9 @@ class RetainedTraining:
                 self.buckets.finish()  # the buckets backward launched, then any it did not
         else:
             self._local_grad(self.up.state.grad)
-            if self.world > 1 and self.replicated:
-                dist.all_reduce(self.up.state.grad)
-                self.up.state.grad.div_(self.world)
+            if self.dp.size > 1 and self.replicated:
+                dist.all_reduce(self.up.state.grad, group=self.dp.group)
+                self.up.state.grad.div_(self.dp.size)
         if self.replay is not None:  # before the update reads the gradients
             self.replay.verify(t)
 
@@ -460,7 +472,13 @@ class RetainedTraining:
             if ev is not None:
                 ev.synchronize()  # long past, as a rule: the device is in the next backward
         gids = [g.gid for g in self.up.groups]
-        flagged = self.replica.check(t, digests, gids, recheck=self._recheck, flag=bad)
+        if self.dp.whole_world:
+            flagged = self.replica.check(t, digests, gids, recheck=self._recheck, flag=bad)
+        else:
+            # Replicas are a data-parallel group's; a non-finite loss fails the iteration
+            # on every rank of the job, so its flag is agreed over the world.
+            self.replica.check(t, digests, gids, recheck=self._recheck)
+            flagged = self.guard.agree(bad) if self.guard is not None else []
         if flagged:
             self.guard.fail(t, flagged, value)
 

@@ -127,7 +127,7 @@ class Run:
         self._mark("script set-up")
         opts = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
         # Megatron-Core's parallel state: replicas or shards; what is not supported yet.
-        data_parallel = megatron.check(model, opts, data_parallel)
+        data_parallel, dp = megatron.check(model, opts, data_parallel)
         backend = dist.get_backend() if dist.is_initialized() else None
         if (
             not data_parallel
@@ -227,6 +227,7 @@ class Run:
             scrub_requests=Path(ctx.env.log_dir) / SCRUB_REQUEST if ctx.env else None,
             data_parallel=data_parallel,
             guard_loss=self.scaler is None,  # (fp16: the scaler skips non-finite steps)
+            dp=dp,
         )
         if ctx.store is not None:
             self.job.on_no_loss = lambda: ctx.store.add(keys.NO_LOSS, 1)
@@ -235,11 +236,13 @@ class Run:
         self.loop = self.job.loop = self.job.up.loop
         early = self._data is not None
         self._data = self._data or data_state.DataState(ctx.pool, data, extra)
-        if self._buffers.stats and not (self.job.replicated or ctx.world_size == 1):
+        if self._buffers.stats and not (
+            (self.job.replicated and self.job.dp.whole_world) or ctx.world_size == 1
+        ):
             raise InvalidInput(
                 f"buffer {self._buffers.stats[0]} holds running statistics in a model that is "
-                f"not data parallel (sharded, tensor or pipeline parallel): Leto retains "
-                f"them in data-parallel models only; nothing was retained"
+                f"not data parallel over every rank (sharded, tensor or pipeline parallel): "
+                f"Leto retains them in data-parallel models only; nothing was retained"
             )
         self._data.bind(self.job.up.views if early else None)
         self.job.data = self._data
@@ -681,14 +684,15 @@ class Run:
                 for s in slots
             ]
         )
-        every = [torch.empty_like(sums) for _ in range(self.ctx.world_size)]
-        dist.all_gather(every, sums)
-        for r, other in enumerate(every):
+        dp = self.job.dp  # the ranks holding replicas of this rank's parameters
+        every = [torch.empty_like(sums) for _ in range(dp.size)]
+        dist.all_gather(every, sums, group=dp.group)
+        for r, other in zip(dp.ranks, every, strict=True):
             differ = (other != every[0]).nonzero()
             if differ.numel():
                 name = slots[int(differ[0])].name
                 raise InvalidInput(
-                    f"parameter {name} differs between rank 0 and rank {r} at the start: "
+                    f"parameter {name} differs between rank {dp.ranks[0]} and rank {r} at the start: "
                     f"initialize the model identically on every data-parallel rank (same "
                     f"seed); nothing was trained"
                 )
