@@ -146,6 +146,8 @@ def test_no_room_or_a_failure_anywhere_keeps_every_shadow_parked(capsys):
         store.set(keys.pace(2, 0), f'{{"iteration": {it}}}')
         store.set(keys.pace(2, 1), f'{{"iteration": {it}}}')
         b.open()
+    a.open()  # (it saw its trainer's pace once: not moved yet, nothing else read)
+    store.set(keys.pace(2, 0), '{"iteration": 6}')
     assert "below" in b.said  # an exabyte of state: no room
     assert not a.open() and "turned off for this job" in a.said and "rank 1" in a.said
     assert "parks at leto.init()" in capsys.readouterr().err

@@ -2,7 +2,10 @@
 of their promotion while parked, up to leto.Run, and the run is bit-identical to a
 fault-free one (faultkit certify, a kill in the forward/backward and in the update with
 pages lost); what the set-up printed while running ahead is in each promoted trainer's
-log once, after its promotion."""
+log once, after its promotion. The job's iterations take a second (a sleep), so the
+second fault's shadows have parked and seen their trainers' pace move before it strikes
+(faultkit places it at iteration 8 of 16; they start after iteration 2) also on a busy
+machine."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ def test_the_set_up_runs_ahead_and_the_recovery_is_exact(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "faultkit.cli", "certify", "--nproc-per-node", "2",
          "--phases", "compute,update", "--json", "--workdir", str(work),
-         "--", str(SCRIPT), "--iterations", "12"],
+         "--", str(SCRIPT), "--iterations", "16", "--seconds", "1.0"],
         capture_output=True, text=True, timeout=280, cwd=tmp_path,
     )  # fmt: skip
     assert p.stdout, p.stderr[-3000:]

@@ -329,7 +329,7 @@ class _Pipe:
 
         # ``until`` is polled more often than the tick (a few store reads, where the tick
         # premaps): a short job's iterations may all end between two ticks.
-        poll_s = every_s if until is None else min(every_s, 0.05)
+        poll_s = every_s if until is None else min(every_s, 0.2)
         last = time.monotonic()
         while tick is not None and not select.select([self.f], [], [], poll_s)[0]:
             if time.monotonic() - last >= every_s:

@@ -148,24 +148,29 @@ class Gate:
         self.said: str | None = None  # why it does not run ahead (said once)
         self.offered = False
         self.first_pace: bytes | None = None  # the trainer's pace when first seen
+        self.paced = False  # it has moved since
 
     def open(self) -> bool:
+        """Two store reads a call until the trainer's pace moved, then two or three (every
+        parked shadow of the job polls: few reads, and none once decided)."""
         if self.said is not None:
             return False
         s = self.store
+        if not self.paced:
+            # Its trainer began an iteration (the pool holds the state), and began another
+            # since: one iteration is over, so the device memory the trainer holds is its
+            # peak (its allocator keeps it), and what is free now is free for the set-up.
+            pace = keys.pace(self.generation - 1, self.rank)
+            if not s.check([pace]):
+                return False
+            now = s.get(pace)
+            if self.first_pace is None:
+                self.first_pace = now
+            if now == self.first_pace:
+                return False
+            self.paced = True
         if s.check([keys.RUN_AHEAD_OFF]):
             self._no(f"turned off for this job: {s.get(keys.RUN_AHEAD_OFF).decode()}")
-            return False
-        # Its trainer began an iteration (the pool holds the state), and began another
-        # since: one iteration is over, so the device memory the trainer holds is its
-        # peak (its allocator keeps it), and what is free now is free for the set-up.
-        pace = keys.pace(self.generation - 1, self.rank)
-        if not s.check([pace]):
-            return False
-        now = s.get(pace)
-        if self.first_pace is None:
-            self.first_pace = now
-        if now == self.first_pace:
             return False
         if not self.offered:
             ok, why = room(self.device, self.retained_bytes())
