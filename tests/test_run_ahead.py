@@ -102,6 +102,7 @@ def test_output_is_held_until_the_promotion(ahead, capsys):
     print("set-up: 6.6 M parameters")
     print("a warning", file=sys.stderr)
     assert capsys.readouterr() == ("", "")
+    assert sys.stdout.isatty() is False and sys.stdout.encoding  # what libraries ask of it
     ahead.reach("reached leto.Run")
     out, err = capsys.readouterr()
     assert out == "set-up: 6.6 M parameters\n" and err == "a warning\n"

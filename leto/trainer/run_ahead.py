@@ -304,6 +304,11 @@ class _Held(io.TextIOBase):
     def encoding(self):
         return getattr(self._stream, "encoding", "utf-8")
 
+    @property
+    def buffer(self):
+        # Bytes written past the text layer (rare in a set-up) are not held.
+        return self._stream.buffer
+
     def release(self, stream) -> None:
         parts, self._parts = self._parts, []
         if parts:
