@@ -166,6 +166,18 @@ def test_peers_broken_collectives_wait_for_the_rank_that_broke_them(tmp_path, mo
     assert not agent._hold([broken], store, 1)  # never seen: on without it, bounded
     store.add(keys.failures(2), 1)  # another node reported this generation's failure
     assert not agent._hold([broken], store, 2)
+    # A promoted trainer's fatal exit (pages beyond parity) before training began, and its
+    # peer's collective broken by it: the checkpoint fallback, not a script error (seen in
+    # CI: the peer's RuntimeError stopped the job).
+    from leto.errors import EXIT_FATAL
+
+    fatal = {"exception": "TooManyErasures", "message": "protection group 0: 5 pages lost"}
+    agent.store = store
+    dead = [Failure(0, FailureKind.EXIT, EXIT_FATAL, fatal), Failure(1, FailureKind.EXIT, 1, gloo)]
+    assert agent._script_error(3, dead) is None
+    assert "before it began training" in agent._script_error(
+        3, [Failure(1, FailureKind.EXIT, 1, other)]
+    )
 
 
 def test_the_iteration_count_is_the_trainers_not_the_beats_the_monitor_saw():

@@ -482,7 +482,9 @@ class Agent:
                         f"of the job.\n{f.traceback_tail()}\n(logs in {self.cfg.log_dir})"
                     )
                 continue
-            if not f.script_error:
+            if not f.script_error or f.collateral:
+                # (a collective a peer's failure broke is that failure's, never the
+                # script's: seen in CI beside a peer's fatal exit before training began)
                 continue
             # The first line says it all (rank, exit code, what the error said); the
             # traceback's tail follows, from the error file or the end of the rank's log.
