@@ -136,7 +136,7 @@ def _mem_available() -> int:
 class Gate:
     """When a parked shadow may run ahead: its trainer has finished an iteration since
     the shadow parked, the job has not turned running ahead off, it has room, and every
-    rank's shadow agreed. Checked at each tick of the park (cheap store reads), never
+    rank's shadow agreed. Checked every 0.2 s of the park (a few store reads), never
     blocking it."""
 
     def __init__(
