@@ -19,18 +19,36 @@ import pytest
 SCRIPT = Path(__file__).parent / "scripts" / "paced_job.py"
 
 
-@pytest.mark.integ
-@pytest.mark.timeout(300)
-def test_the_set_up_runs_ahead_and_the_recovery_is_exact(tmp_path):
+def _certify(tmp_path, *script_args: str) -> tuple[dict, Path]:
     work = tmp_path / "runs"
     p = subprocess.run(
         [sys.executable, "-m", "faultkit.cli", "certify", "--nproc-per-node", "2",
          "--phases", "compute,update", "--json", "--workdir", str(work),
-         "--", str(SCRIPT), "--iterations", "16", "--seconds", "1.0"],
+         "--", str(SCRIPT), "--iterations", "16", "--seconds", "1.0", *script_args],
         capture_output=True, text=True, timeout=280, cwd=tmp_path,
     )  # fmt: skip
     assert p.stdout, p.stderr[-3000:]
-    v = json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1]), work
+
+
+@pytest.mark.integ
+@pytest.mark.timeout(300)
+def test_a_set_up_that_fails_ahead_turns_it_off_and_the_run_stays_exact(tmp_path):
+    # The set-up raises only where it runs ahead (a stand-in for one that needs what only
+    # a promoted trainer has): that shadow ends as a recoverable failure — never a script
+    # error that stops the job, also when it was promoted meanwhile — and every later
+    # shadow parks in leto.init().
+    v, work = _certify(tmp_path, "--fails-ahead")
+    assert v["verdict"] == "EXACT", v
+    logs = "".join(f.read_text() for f in work.glob("faulted*/logs/rank*.log"))
+    assert "running the script's set-up ahead failed (the set-up raised RuntimeError" in logs
+    assert "parks at leto.init() (turned off for this job: rank" in logs
+
+
+@pytest.mark.integ
+@pytest.mark.timeout(300)
+def test_the_set_up_runs_ahead_and_the_recovery_is_exact(tmp_path):
+    v, work = _certify(tmp_path)
     assert v["verdict"] == "EXACT", v
     promoted = [
         f for f in sorted(work.glob("faulted*/logs/rank*.gen*.shadow.log"))

@@ -28,8 +28,10 @@ the pool's retained bytes by ``MARGIN_BYTES``, and every rank's shadow runs ahea
 does (they agree in the store), so a collective the check cannot see meets its peers.
 
 A script whose set-up raises while running ahead ends the shadow: its log has the
-error, the job's later shadows park at ``leto.init()`` (``keys.RUN_AHEAD_OFF``), and the
-agent replaces it as any dead parked shadow. ``LETO_RUN_AHEAD=0`` turns it off.
+error, the job's later shadows park at ``leto.init()`` (``keys.RUN_AHEAD_OFF``), and it
+exits as a recoverable failure (``EXIT_RECOVERABLE``), never a script error: parked, the
+agent replaces it as any dead parked shadow; promoted meanwhile (a failure came while
+it ran ahead), its rank is recovered again. ``LETO_RUN_AHEAD=0`` turns it off.
 
 Not covered: C code's side effects (a library writing a file from C, CUDA IPC), output
 written to the file descriptors directly, a script that ends without ``leto.Run`` or a
@@ -50,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from leto import rank_log
+from leto.errors import EXIT_RECOVERABLE
 from leto.job import keys
 
 ENV_RUN_AHEAD = "LETO_RUN_AHEAD"
@@ -218,9 +221,16 @@ class Ahead:
         previous = sys.excepthook
 
         def hook(kind, value, tb):  # the set-up failed while running ahead
-            if _state["ahead"] is self:
-                self.failed(f"the set-up raised {kind.__name__}: {value}")
-            previous(kind, value, tb)
+            if _state["ahead"] is not self:
+                previous(kind, value, tb)
+                return
+            self.failed(f"the set-up raised {kind.__name__}: {value}")
+            previous(kind, value, tb)  # its traceback in the log, its error file
+            # Not the script's error as its trainers run it (running ahead raised it): a
+            # failure to recover from, never a script error that stops the job — this
+            # shadow may have been promoted meanwhile (the promotion waits in its pipe).
+            sys.stderr.flush()
+            os._exit(EXIT_RECOVERABLE)
 
         self._excepthook = previous
         sys.excepthook = hook

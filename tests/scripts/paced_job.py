@@ -17,8 +17,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=12)
     ap.add_argument("--seconds", type=float, default=0.25, help="each iteration's sleep")
+    ap.add_argument(
+        "--fails-ahead",
+        action="store_true",
+        help="the set-up raises where it runs ahead of a promotion (a stand-in for a set-up "
+        "that needs what only a promoted trainer has)",
+    )
     args = ap.parse_args()
     ctx = leto.init()
+    if args.fails_ahead and ctx.pool is None:  # (running ahead: no pool attached yet)
+        raise RuntimeError("the tokenizer's cache is not readable here")
     torch.manual_seed(0)
     shuffle = torch.randperm(64)  # a draw before the model: skipping its init stays safe
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
