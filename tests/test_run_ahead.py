@@ -109,12 +109,18 @@ def test_output_is_held_until_the_promotion(ahead, capsys):
     assert sys.stdout is not ahead._held[0]
 
 
-def test_a_failed_set_up_turns_it_off_for_the_job(ahead, capsys):
+def test_a_failed_set_up_turns_it_off_for_the_job(ahead, capsys, monkeypatch):
+    from leto.errors import EXIT_RECOVERABLE
+
+    exits = []
+    monkeypatch.setattr(run_ahead.os, "_exit", exits.append)  # (it would end pytest)
     ahead.start()
     try:
         raise ValueError("no such dataset")
     except ValueError:
         sys.excepthook(*sys.exc_info())
+    # A recoverable failure, not the script's error: the agent recovers the rank.
+    assert exits == [EXIT_RECOVERABLE]
     off = ahead.store.get(keys.RUN_AHEAD_OFF).decode()
     assert "rank 5" in off and "ValueError: no such dataset" in off, off
     err = capsys.readouterr().err
