@@ -306,6 +306,13 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
                 f"failure {n}, promotion to the end of the first iteration: {stages}"
                 + (f" (a steady iteration: {steady:.2f} s)" if steady else "")
             )
+        ahead = [x for x in tr if x.get("ran_ahead_to")]
+        if ahead:  # (leto.trainer.run_ahead: the set-up stage above then reads ~0)
+            where = " / ".join(sorted({x["ran_ahead_to"] for x in ahead}))
+            notes.append(
+                f"failure {n}: {len(ahead)} of {len(tr)} promoted trainer(s) had run the "
+                f"script's set-up ahead while parked, to where it {where}"
+            )
     Console().print(t)
     legend = (
         "kind: in place (recovered from memory and parity) or checkpoint (a fatal "

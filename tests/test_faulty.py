@@ -135,6 +135,28 @@ def test_an_entry_past_the_loops_end_is_named_with_the_loops_end():
     assert past_the_end(plan, 41) == []
 
 
+def test_a_set_up_run_ahead_is_said_below_the_recovery_table(tmp_path, capsys):
+    from leto.run_cli import _print_summary
+
+    cfg = RunConfig(nproc_per_node=2, log_dir=str(tmp_path))
+    trainers = {
+        "0": {"resume_s": 0.2, "ran_ahead_to": "reached leto.Run", "ran_ahead_s": 0.4},
+        "1": {"resume_s": 0.1, "ran_ahead_to": "opens /x/train.log for writing"},
+    }
+    summary = {
+        "failures": 1, "measured": {"ettr": None, "why": "test"},
+        "recoveries": [{"class": "HOF", "failed_ranks": [1], "level": "L3", "recovery_s": 0.3,
+                        "fencing_s": 0.01, "promotion_s": 0.02, "trainers": trainers}],
+    }  # fmt: skip
+    _print_summary(summary, cfg, 0)
+    out = " ".join(capsys.readouterr().out.split())  # (the notes are wrapped at 78)
+    assert "2 of 2 promoted trainer(s) had run the script's set-up ahead while parked" in out
+    assert "to where it opens /x/train.log for writing / reached leto.Run" in out
+    summary["recoveries"][0]["trainers"] = {"0": {"resume_s": 0.2}}
+    _print_summary(summary, cfg, 0)
+    assert "set-up ahead" not in capsys.readouterr().out
+
+
 def test_the_pages_a_fault_plan_took_are_said_in_words():
     from leto.launch.recovery import said_lost
 
@@ -147,7 +169,9 @@ def test_the_pages_a_fault_plan_took_are_said_in_words():
 def test_more_ranks_than_the_gpus_take_are_refused_before_anything_starts(tmp_path):
     faulty.enough_gpus(["0", "1"], 2)
     faulty.enough_gpus(["0"], 2, ranks_per_gpu=2)
-    with pytest.raises(InvalidInput, match=r"--nproc-per-node 3 needs 3 GPU\(s\), and this node has 2"):
+    with pytest.raises(
+        InvalidInput, match=r"--nproc-per-node 3 needs 3 GPU\(s\), and this node has 2"
+    ):
         faulty.enough_gpus(["0", "1"], 3)
     # What `leto run` says, on the CPU: one GPU visible, three ranks two a GPU.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
