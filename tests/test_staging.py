@@ -71,7 +71,7 @@ class _Store:
 @pytest.fixture
 def fresh_ahead(monkeypatch):
     monkeypatch.setattr(staging, "_ahead", {"thread": None, "buffers": None, "said": None})
-    monkeypatch.setattr(staging, "_available_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(staging, "available_bytes", lambda: 64 << 30)
 
 
 def test_a_shadow_makes_the_published_buffers_and_the_promoted_stager_takes_them(fresh_ahead):
@@ -109,7 +109,7 @@ def test_no_buffers_ahead_when_the_host_lacks_room_for_both(fresh_ahead, monkeyp
     state = {"rank0.param": torch.zeros(1 << 20)}  # 4 MiB
     store = _Store()
     staging.publish_layout(store, 0, staging.shapes_of(state))
-    monkeypatch.setattr(staging, "_available_bytes", lambda: (8 << 30) + (2 << 20))
+    monkeypatch.setattr(staging, "available_bytes", lambda: (8 << 30) + (2 << 20))
     said = staging.make_ahead(store, 0, torch.device("cpu"))
     assert said and "not made ahead" in said and "available" in said, said
     assert staging._ahead["thread"] is None

@@ -125,9 +125,9 @@ class Run:
             ctx.end_skip_init(observed_too=False)  # before anything here reads the model
         self._clock = getattr(ctx, "clock", None)  # stage times to the first iteration's end
         self._mark("script set-up")
-        opts = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         # Megatron-Core's parallel state: replicas or shards; what is not supported yet.
-        data_parallel, dp = megatron.check(model, opts, data_parallel)
+        data_parallel, dp = megatron.check(model, self.optimizers, data_parallel)
         backend = dist.get_backend() if dist.is_initialized() else None
         if (
             not data_parallel
@@ -149,7 +149,6 @@ class Run:
             self._rng, self._batches, self._buffers,
         ]  # fmt: skip
         extra = self._buffers.record_bytes()
-        self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         self.schedulers = (
             [] if scheduler is None
             else list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]

@@ -131,7 +131,8 @@ def publish_layout(store, rank: int, shapes: Shapes) -> None:
     store.set(keys.staging(rank), text)
 
 
-def _available_bytes() -> int | None:
+def available_bytes() -> int | None:
+    """The host's MemAvailable (None where /proc/meminfo cannot tell)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -156,7 +157,7 @@ def make_ahead(store, rank: int, device: torch.device) -> str | None:
         k: (torch.Size(s), getattr(torch, d), bool(p)) for k, (s, d, p) in raw.items()
     }
     need = sum(torch.Size(s).numel() * getattr(torch, d).itemsize for s, d, _ in raw.values())
-    free = _available_bytes()
+    free = available_bytes()
     if free is not None and free - need < max(need, 8 << 30):
         _ahead["said"] = (
             f"checkpoint staging buffers not made ahead: {need / 2**30:.1f} GiB wanted, "
