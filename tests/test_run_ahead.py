@@ -160,6 +160,12 @@ def test_no_room_or_a_failure_anywhere_keeps_every_shadow_parked(capsys):
     assert "parks at leto.init()" in capsys.readouterr().err
 
 
+def test_without_the_pools_size_there_is_no_room():
+    ok, why = run_ahead.room(torch.device("cpu"), None)
+    assert not ok and "not premapped" in why
+    assert run_ahead.room(torch.device("cpu"), 0)[0]  # (this machine has 2 GiB free)
+
+
 def test_it_is_l3_only_and_can_be_turned_off(monkeypatch):
     assert run_ahead.wanted("L3") and not run_ahead.wanted("L2")
     monkeypatch.setenv(run_ahead.ENV_RUN_AHEAD, "0")

@@ -524,7 +524,7 @@ def init(prepare=None, warmup=None) -> Context:
         if run_ahead.wanted(level):
             gate = run_ahead.Gate(
                 store, generation, env.pg_attempt, rank, world, device,
-                lambda: premap.client.mapped_bytes() if premap and premap.client else 0,
+                lambda: premap.client.mapped_bytes() if premap and premap.client else None,
             )  # fmt: skip
         msg = pipe.park(tick, until=gate.open if gate is not None else None)
         if msg is None:

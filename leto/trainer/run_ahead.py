@@ -54,6 +54,7 @@ import torch.distributed as dist
 from leto import rank_log
 from leto.errors import EXIT_RECOVERABLE
 from leto.job import keys
+from leto.trainer import staging
 
 ENV_RUN_AHEAD = "LETO_RUN_AHEAD"
 GiB = 1 << 30
@@ -108,14 +109,20 @@ def wanted(level: str) -> bool:
     return level == "L3" and os.environ.get(ENV_RUN_AHEAD, "1") != "0"
 
 
-def room(device: torch.device, retained_bytes: int) -> tuple[bool, str]:
-    """Whether this rank can hold the set-up's model beside the live trainer, and why."""
+def room(device: torch.device, retained_bytes: int | None) -> tuple[bool, str]:
+    """Whether this rank can hold the set-up's model beside the live trainer, and why
+    (``retained_bytes`` None: the pool was not premapped, its size is not known here)."""
+    if retained_bytes is None:
+        return (
+            False,
+            "the pool was not premapped (LETO_PREMAP=0): the room the set-up needs is not known",
+        )
     need = retained_bytes + MARGIN_BYTES
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         where = "device"
     else:
-        free = _mem_available()
+        free = staging.available_bytes() or 0  # (unknown: no room)
         where = "host"
     if free < need:
         return False, (
@@ -123,17 +130,6 @@ def room(device: torch.device, retained_bytes: int) -> tuple[bool, str]:
             f"set-up's model and a margin need"
         )
     return True, f"{where} free memory {free / GiB:.1f} GiB"
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class Gate:
