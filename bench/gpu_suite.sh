@@ -484,13 +484,18 @@ if [[ $what == user-recovery ]]; then
   # interrupted iteration has completed again), on the 1.1 B plain port (no prepare=, no
   # warmup=) under leto run's defaults: killed in the update with 4 pages a group lost,
   # and in the backward; the promoted trainer's stages to the end of its first iteration.
+  # The kill at iteration 10: the shadows park after the first iteration, then run the
+  # script's set-up and its model's warm-up ahead (leto.trainer.run_ahead, shape_warmup);
+  # LETO_UR_TAG names the outputs (a second run with other settings beside the first).
+  ur=user_recovery${LETO_UR_TAG:+_$LETO_UR_TAG}
+  rm -rf /tmp/leto-plain-recovery-*  # (the rank logs below are this run's)
   timeout ${LETO_UR_TIMEOUT:-560} python3 -m bench.plain_recovery --preset h200-1b \
-    --shadow-level ${LETO_UR_LEVELS:-L2,L3} --trials ${LETO_UR_TRIALS:-1} --iterations 9 \
-    --at ${LETO_UR_AT:-update.optimizer@6#1,compute.backward@6#1} --lose-pages 4 --timeout-s 240 \
+    --shadow-level ${LETO_UR_LEVELS:-L3} --trials ${LETO_UR_TRIALS:-1} --iterations ${LETO_UR_ITERS:-13} \
+    --at ${LETO_UR_AT:-update.optimizer@10#1,compute.backward@10#1} --lose-pages 4 --timeout-s 240 \
     ${LETO_UR_VARIANT:+--variant="$LETO_UR_VARIANT"} \
-    --json-out "$OUT/user_recovery.json" > "$OUT/user_recovery.txt" 2>&1 || rc=1
-  tail -c 5000 "$OUT/user_recovery.txt"
-  grep -H "leto: rank\|Error\|error" /tmp/leto-plain-recovery-*/*/logs/*.log > "$OUT/user_recovery_ranklogs.txt" 2>/dev/null
+    --json-out "$OUT/$ur.json" > "$OUT/$ur.txt" 2>&1 || rc=1
+  tail -c 5000 "$OUT/$ur.txt"
+  grep -H "leto: rank\|Error\|error\|shadow" /tmp/leto-plain-recovery-*/*/logs/*.log > "$OUT/${ur}_ranklogs.txt" 2>/dev/null
 fi
 if [[ $what == megatron ]]; then
   # Issue 58 stage 4 (world 1): examples/megatron on the H200 — bit-identical to torchrun

@@ -76,6 +76,13 @@ def staging(rank: int) -> str:
     return f"leto/rank{rank}/staging"
 
 
+def shape_warmup(rank: int) -> str:
+    """JSON: a trainer's first forward call (its arguments' shapes, the autocast state)
+    and its first iteration's peak, or why not — for its rank's run-ahead shadows to warm
+    up at those shapes (``leto.trainer.shape_warmup``)."""
+    return f"leto/rank{rank}/shape_warmup"
+
+
 def skip_init(rank: int) -> str:
     """"safe", or why not: whether a promoted trainer of ``rank`` may skip the model's
     initialization (``leto.trainer.skip_init``; written by the active trainer)."""

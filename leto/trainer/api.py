@@ -318,6 +318,12 @@ class _Pipe:
     def __init__(self, fd: int):
         self.f = os.fdopen(fd, "r")
 
+    def waiting(self) -> bool:
+        """Whether the agent's line is there to read (a promotion), without blocking."""
+        import select
+
+        return self.f is None or bool(select.select([self.f], [], [], 0)[0])
+
     def park(self, tick=None, every_s: float = 0.5, until=None) -> dict | None:
         """Block until the agent writes one JSON line, calling ``tick()`` every
         ``every_s`` meanwhile (the premapping); None as soon as ``until()`` holds (the
@@ -339,6 +345,7 @@ class _Pipe:
                 return None
         line = self.f.readline()
         self.f.close()
+        self.f = None
         if not line:
             os._exit(0) if run_ahead.running() else sys.exit(0)
         return json.loads(line)
@@ -540,7 +547,9 @@ def init(prepare=None, warmup=None) -> Context:
             def promote() -> None:
                 got = promoted(pipe.park(tick))
                 ctx.pool, ctx.localization, ctx.imports, ctx.clock = got
-                ctx.timings.update(ran_ahead_to=runner.stopped_at, ran_ahead_s=runner.ran_s)
+                ctx.timings.update(
+                    ran_ahead_to=runner.stopped_at, ran_ahead_s=runner.ran_s, **runner.warmup
+                )
                 rank_log.say(
                     rank,
                     f"shadow: ran the script's set-up ahead in {runner.ran_s:.2f} s, to where "
@@ -548,7 +557,7 @@ def init(prepare=None, warmup=None) -> Context:
                 )
                 ctx.clock.mark("init")
 
-            runner = run_ahead.Ahead(rank, promote, store)
+            runner = run_ahead.Ahead(rank, promote, store, device, pipe.waiting)
             ctx.ahead = runner
             ctx.skip_init = skip_init.start(store, generation, rank)
             rank_log.say(rank, "shadow: running the script's set-up ahead of a promotion")

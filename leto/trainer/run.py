@@ -70,7 +70,7 @@ from leto.job import fault_plan, keys
 from leto.job.config import ENV_FAULT_PLAN
 from leto.plugins import point
 from leto.ranges import leto_range
-from leto.trainer import checks_line, data_state, megatron, shared_gpu
+from leto.trainer import checks_line, data_state, megatron, shape_warmup, shared_gpu
 from leto.trainer.batch_fn import BatchFunctions
 from leto.trainer.buffer_state import RetainedBuffers
 from leto.trainer.ddp_shape import DDPShaped
@@ -257,6 +257,13 @@ class Run:
         self._watch_grads()
         model.register_forward_pre_hook(lambda *_: self._point("compute.forward"))
         model.register_forward_hook(lambda *_: self._point("compute.backward"))
+        # The first forward's shapes, for this rank's shadows to warm up at: only where
+        # the forward talks to no other rank (a replica over the whole world).
+        self._shapes = shape_warmup.Recorder(
+            model, ctx.store, ctx.rank, ctx.device,
+            why_not=None if self.job.replicated and (ctx.world_size == 1 or self.job.dp.whole_world)
+            else "the model is sharded or split across ranks: its forward talks to them",
+        )  # fmt: skip
         plugins.expose_model(lambda: model)
         # Gradient replay (leto.integrity.replay): every K-th iteration each rank's first
         # micro-batch recomputed by the next rank (collective: every rank decides alike).
@@ -374,6 +381,9 @@ class Run:
                     self.checkpointer.after_iteration(t, self.job)
             self._mark("after step")
             self._clock = None  # the first iteration is over: no more marks, no syncs
+            if self._shapes is not None:
+                self._shapes.done()
+                self._shapes = None
             t += 1
             self.next_iteration = t
         self._end_of_training(t_first, t_loop, t)

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from leto import rank_log
 from leto.errors import EXIT_RECOVERABLE
 from leto.job import keys
-from leto.trainer import staging
+from leto.trainer import shape_warmup, staging
 
 ENV_RUN_AHEAD = "LETO_RUN_AHEAD"
 GiB = 1 << 30
@@ -189,9 +189,14 @@ class Gate:
 class Ahead:
     """The script's set-up running ahead; ``reach(what)`` awaits the promotion."""
 
-    def __init__(self, rank: int, promote: Callable[[], None], store=None):
+    def __init__(
+        self, rank: int, promote: Callable[[], None], store=None, device=None, promoting=None
+    ):
         self.rank = rank
+        self.promoting = promoting or (lambda: False)  # the promotion came: no warm-up
         self.store = store  # where a failure turns running ahead off for the job
+        self.device = device  # where the script's model is warmed up (None: not)
+        self.warmup: dict = {}  # leto.trainer.shape_warmup's timings
         self._promote = promote
         self._lock = threading.Lock()
         self.t0 = time.time()
@@ -239,6 +244,12 @@ class Ahead:
                 return
             self.stopped_at = what
             self.ran_s = time.time() - self.t0
+            if self.device is not None:
+                # The script's model, once at its trainer's shapes, before waiting (the
+                # audit and the collectives stop it where it would act outside).
+                self.warmup = shape_warmup.warm(
+                    self.store, self.rank, self.device, sys._getframe(1), self.promoting
+                )
             self._unhook()
             try:
                 self._promote()  # parks, then promotes (leto.trainer.api)
@@ -279,6 +290,7 @@ class Ahead:
 
 def _waits_for_promotion(ahead: Ahead, name: str, fn):
     def call(*args, **kwargs):
+        shape_warmup.refuse(f"calls torch.distributed.{name}")  # (inside the warm-up)
         ahead.reach(f"calls torch.distributed.{name}")
         return fn(*args, **kwargs)
 
@@ -327,7 +339,10 @@ def _hook(event: str, args: tuple) -> None:
     if ahead is None:
         return
     what = _side_effect(event, args)
-    if what is None or _ours():
+    if what is None:
+        return
+    shape_warmup.refuse(what)  # inside the warm-up (Leto's frames on the stack): stop there
+    if _ours():
         return
     ahead.reach(what)
 

@@ -1,8 +1,9 @@
 """A small script whose iterations take a user-like time (a sleep stands in for the
 compute), so a parked L3 shadow sees its trainer go from one iteration to the next and
 runs the set-up ahead (leto.trainer.run_ahead) before the next fault: a global draw
-before the model, a print in the set-up (held until the promotion), and a log opened
-with "a" only after ``leto.Run`` — run by tests/test_run_ahead_integ.py under faultkit
+before the model, a print in the set-up (held until the promotion), a log opened with
+"a" only after ``leto.Run``, and dropout (a warm-up at the script's shapes must leave the
+generators as they were) — run by tests/test_run_ahead_integ.py under faultkit
 certify."""
 
 import argparse
@@ -29,7 +30,9 @@ def main() -> None:
         raise RuntimeError("the tokenizer's cache is not readable here")
     torch.manual_seed(0)
     shuffle = torch.randperm(64)  # a draw before the model: skipping its init stays safe
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 8)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 4))
     print(f"rank {ctx.rank}: set-up done, generation {ctx.generation}", flush=True)
