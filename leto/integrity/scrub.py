@@ -150,9 +150,12 @@ class Scrubber:
                 e.apply(t1[page])  # host memory, in place
             found.append(Finding(g.gid, "tier1", page, None, None, len(errs),
                                  lo + 2 * errs[0].symbol, True))  # fmt: skip
-        # Tier 2 over (now verified) tier 1, on the host: with H2 = 1 it only detects,
-        # and the fix is to encode it again from tier 1.
-        pos, _ = syndromes(code.tier2, t1, t2, group=g.gid)
+        # Tier 2 over (now verified) tier 1: with H2 = 1 it only detects, and the fix is
+        # to encode it again from tier 1. Computed on the copy of tier 1 staged above
+        # where it matches the host's (no tier-1 page repaired): on a GPU by the device's
+        # codec, not the host's (a recovery verifies its rebuilt groups here, on its
+        # critical path).
+        pos, _ = syndromes(code.tier2, t1 if bad_t1 else t1_dev, t2, group=g.gid)
         if len(pos):
             code.tier2.encode(t1, out=t2, group=g.gid)
             found.append(Finding(g.gid, "tier2", -1, None, None, len(pos),
