@@ -472,8 +472,9 @@ class PoolClient:
         for gid_text, lost in marked.items():
             g = views[int(gid_text)]
             device = g.data[0].device
-            t1 = torch.stack(g.tier1).to(device)  # host parity staged where the data lives
-            t2 = torch.stack(g.tier2).to(device)
+            # Host parity staged where the data lives, page by page (not stacked on the
+            # host first: a host copy of every parity page before the transfer).
+            t1, t2 = _staged(g.tier1, device), _staged(g.tier2, device)
             self._code(g).reconstruct(
                 g.data_pages if g.data_pages is not None else g.data,  # checked once
                 t1,
@@ -549,3 +550,11 @@ class PoolClient:
         self._maps.clear()
         self._parity = []
         self.sock.close()
+
+
+def _staged(pages: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``torch.stack(pages)`` made on ``device``: each host page copied into its row."""
+    out = torch.empty((len(pages), *pages[0].shape), dtype=pages[0].dtype, device=device)
+    for row, page in zip(out, pages, strict=True):
+        row.copy_(page, non_blocking=True)
+    return out
