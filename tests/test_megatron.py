@@ -1,9 +1,10 @@
-"""Megatron-Core under Leto (issue 58, stages 1 and 2): ``examples/megatron/gpt_leto.py``
-— Megatron's parallel state, GPTModel (dropout on), RNG tracker, schedule, gradient norm
-and clipping, under ``leto run`` — ends bit-identical to ``gpt_torchrun.py`` (the same
-script under torchrun with torch's DDP over Megatron's data-parallel group) at tensor
-parallel 2, at data parallel 2 and at tensor 2 × data 2, with a rank killed in the update
-and pages lost; what is not supported yet is refused by name when
+"""Megatron-Core under Leto (issue 58): ``examples/megatron/gpt_leto.py`` — Megatron's
+parallel state, GPTModel (dropout on), RNG tracker, schedule, gradient norm and clipping,
+under ``leto run`` — ends bit-identical to ``gpt_torchrun.py`` (the same script under
+torchrun with torch's DDP over Megatron's data-parallel group, or with ``--megatron-ddp``
+Megatron's own DDP and optimizer) at tensor parallel 2, at data parallel 2 and at tensor
+2 × data 2, with a rank killed in the update and pages lost; what is not supported yet is
+refused by name when
 ``leto.Run`` is made; Megatron's RNG tracker is retained without the script's help."""
 
 from __future__ import annotations
@@ -62,13 +63,23 @@ CUDA_POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_inje
 @pytest.mark.integ
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
-    "tp, world, device",
+    "tp, world, device, ddp",
     [
-        (2, 2, "cpu"),
-        (1, 2, "cpu"),
-        (2, 4, "cpu"),  # tensor x data parallel: replicas are Megatron's data-parallel groups
+        (2, 2, "cpu", "torch"),
+        (1, 2, "cpu", "torch"),
+        (2, 4, "cpu", "torch"),  # tensor x data: replicas are Megatron's data-parallel groups
+        # Megatron's own DDP and optimizer (its norm and clipping inside step()).
+        (1, 2, "cpu", "megatron"),
+        (2, 4, "cpu", "megatron"),
         pytest.param(
-            1, 1, "cuda",
+            1, 1, "cuda", "torch",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+        pytest.param(
+            1, 1, "cuda", "megatron",
             marks=[
                 pytest.mark.gpu,
                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -76,9 +87,13 @@ CUDA_POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_inje
         ),
     ],
 )  # fmt: skip
-def test_the_megatron_port_is_bit_identical_to_torchrun_after_a_kill(tmp_path, tp, world, device):
+def test_the_megatron_port_is_bit_identical_to_torchrun_after_a_kill(
+    tmp_path, tp, world, device, ddp
+):
     ref = tmp_path / "torchrun"
     args = ["--tp", str(tp), "--iterations", str(ITERS)]
+    if ddp == "megatron":
+        args.append("--megatron-ddp")
     subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          str(world), str(TORCHRUN), *args, "--out", str(ref)],
@@ -117,16 +132,36 @@ def _check(model, opt=None, dp=True):
     return megatron.check(model, [opt or torch.optim.AdamW(model.parameters())], dp)
 
 
-def test_megatrons_ddp_and_optimizer_and_float16_module_are_refused_by_name():
+def test_megatrons_ddp_takes_its_fp32_optimizer_and_refuses_the_rest_by_name():
     from megatron.core.distributed import DistributedDataParallel as MegatronDDP
-    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer
     from megatron.core.transformer.module import Float16Module
 
     wrapped = MegatronDDP.__new__(MegatronDDP)
     torch.nn.Module.__init__(wrapped)
     wrapped.module = _Module()
+    wrapped.ddp_config = DistributedDataParallelConfig()
+    # With a torch optimizer its gradients (main_grad) would never be read.
+    with pytest.raises(InvalidInput, match="main_grad: AdamW would update nothing"):
+        megatron.adopt(wrapped, [torch.optim.AdamW(wrapped.parameters())])
     with pytest.raises(InvalidInput, match="Megatron's DistributedDataParallel.*main_grad"):
-        _check(wrapped)
+        _check(wrapped)  # (check alone, without adopt's say)
+    # Its optimizer over fp32 parameters is taken (the torch one inside); the others not.
+    inner = torch.optim.AdamW(wrapped.parameters())
+    fp32 = FP32Optimizer.__new__(FP32Optimizer)
+    fp32.optimizer = inner
+    chained = ChainedOptimizer.__new__(ChainedOptimizer)
+    chained.chained_optimizers = [fp32]
+    assert megatron.adopt(wrapped, [chained]) == ([inner], wrapped)
+    from megatron.core.optimizer import Float16OptimizerWithFloat16Params as Half
+
+    chained.chained_optimizers = [object.__new__(Half)]  # (not built: only its kind counts)
+    with pytest.raises(InvalidInput, match="Float16OptimizerWithFloat16Params is not supported"):
+        megatron.adopt(wrapped, [chained])
+    wrapped.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    with pytest.raises(InvalidInput, match=r"DistributedOptimizer .*\(docs/megatron-distopt.md\)"):
+        megatron.adopt(wrapped, [chained])
     opt = ChainedOptimizer.__new__(ChainedOptimizer)  # (a MegatronOptimizer of them)
     with pytest.raises(InvalidInput, match="Megatron's optimizer ChainedOptimizer"):
         _check(_Module(), opt)

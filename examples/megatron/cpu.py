@@ -88,3 +88,7 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled
 
 
 clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+# (and where Megatron's optimizers bound it by name: their step() clips)
+from megatron.core.optimizer import optimizer as _optimizers  # noqa: E402
+
+_optimizers.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32

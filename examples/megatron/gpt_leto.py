@@ -24,8 +24,11 @@ if not CUDA:
     import cpu  # noqa: F401 - Megatron-Core on the CPU (an emulation)
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel as MegatronDDP  # noqa: E402
+from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer.clip_grads import (  # noqa: E402
     clip_grad_by_total_norm_fp32,
     get_grad_norm_fp32,
@@ -56,6 +59,12 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=8, help="optimizer steps")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
     ap.add_argument("--seed", type=int, default=1234, help="Megatron's seed")
+    ap.add_argument(
+        "--megatron-ddp",
+        action="store_true",
+        help="Megatron's own DistributedDataParallel (overlapped bucketed reduction) and "
+        "optimizer (get_megatron_optimizer: its norm and clipping inside step())",
+    )
     ap.add_argument("--out", default="out", help="iterations.jsonl and parameters")
     args = ap.parse_args()
     ctx = leto.init()
@@ -75,15 +84,28 @@ def main() -> None:
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=args.vocab, max_sequence_length=args.seq,
     ).to(device)  # fmt: skip
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ],
-        lr=3e-3, betas=(0.9, 0.95),
-    )  # fmt: skip
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
+    if args.megatron_ddp:  # Megatron's way: its DDP's buffers, its optimizer over them
+        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=20_000)
+        model = MegatronDDP(config, ddp_config, model)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+                clip_grad=args.clip,
+            ),
+            [model],
+        )  # fmt: skip
+        inner = optimizer.chained_optimizers[0].optimizer  # (torch's AdamW: the LR schedule's)
+    else:
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            ],
+            lr=3e-3, betas=(0.9, 0.95),
+        )  # fmt: skip
+        inner = optimizer
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda t: min(1.0, (t + 1) / 3))
     run = leto.Run(ctx, model, optimizer, scheduler)
     model = run.model
     config.no_sync_func = model.no_sync if hasattr(model, "no_sync") else None
@@ -103,6 +125,8 @@ def main() -> None:
         return out, loss_func
 
     for it in run.iterations(args.iterations):
+        if args.megatron_ddp:
+            model.zero_grad_buffer()  # Megatron's gradient buffers, zeroed as Megatron-LM does
         batches = iter([
             tokens(dp_rank, it, m, args.micro_batch, args.seq, args.vocab)
             for m in range(args.micro_batches)
@@ -113,18 +137,24 @@ def main() -> None:
             micro_batch_size=args.micro_batch, forward_only=False,
         )  # fmt: skip
         loss = torch.stack([g["loss"] for g in got]).mean()
-        # Megatron's norm: every gradient once across the model-parallel group.
-        params = list(model.parameters())
-        grads = [
-            p.grad for p in params
-            if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
-        ]  # fmt: skip
-        norm = get_grad_norm_fp32(
-            grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group()
-        )
-        clip_grad_by_total_norm_fp32(params, args.clip, norm)
+        if args.megatron_ddp:
+            model.finish_grad_sync()  # (Megatron-LM's finalize_model_grads)
+        else:
+            # Megatron's norm: every gradient once across the model-parallel group.
+            params = list(model.parameters())
+            grads = [
+                p.grad for p in params
+                if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+            ]  # fmt: skip
+            norm = get_grad_norm_fp32(
+                grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group()
+            )
+            clip_grad_by_total_norm_fp32(params, args.clip, norm)
         run.record_loss(loss)
-        optimizer.step()
+        if args.megatron_ddp:
+            _, norm, _ = optimizer.step()  # Megatron's norm and clipping, then the update
+        else:
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:

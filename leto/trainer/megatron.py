@@ -14,10 +14,19 @@ Leto's gradient reduction where the script had torch's DDP:
 * Megatron's RNG tracker (the named generator states its dropout forks) is retained with
   torch's global generators (``leto.trainer.rng_state``), without the script's help.
 
+Megatron's own ``DistributedDataParallel`` with its optimizer (``get_megatron_optimizer``)
+over fp32 parameters (``FP32Optimizer``): ``adopt`` hands Leto the torch optimizers inside
+Megatron's; Megatron keeps its gradient buffers, its bucketed reduction, its norm and its
+clipping, and Leto runs the inner optimizer's ``step()`` — called by Megatron's after it
+clipped — as its update, the reduced and clipped gradients (``main_grad``) copied into
+retained memory first (``leto.trainer.retained``, ``external_grads``); the parameters keep
+their objects (Megatron's hooks and buckets hold them), their storage swapped into the pool.
+
 Refused when ``leto.Run`` is made, by name, with nothing retained — what is not built
-yet, rather than a run that is silently wrong: Megatron's own ``DistributedDataParallel``
-(its gradients live in ``main_grad``: a torch optimizer would update nothing) and
-``MegatronOptimizer``/``DistributedOptimizer`` (stage 3); ``Float16Module``; apex's and
+yet, rather than a run that is silently wrong: Megatron's ``DistributedDataParallel``
+with a torch optimizer (its gradients live in ``main_grad``: the optimizer would update
+nothing), with the ``DistributedOptimizer`` or Megatron FSDP, its Float16 optimizers
+(docs/megatron-distopt.md says how they come next); ``Float16Module``; apex's and
 TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
 fp8/fp4; pipeline, context and expert parallelism; RNG trackers other than Megatron's own
 ``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
@@ -39,16 +48,71 @@ def imported() -> bool:
     return "megatron.core.parallel_state" in sys.modules
 
 
+def adopt(model: torch.nn.Module, optimizers: list) -> tuple[list, torch.nn.Module | None]:
+    """The optimizers Leto runs, and Megatron's ``DistributedDataParallel`` where the
+    script gave ``leto.Run`` Megatron's own DDP and optimizer (the torch optimizers inside
+    Megatron's, then); ``(optimizers, None)`` otherwise. Refuses what is not supported."""
+    mod = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
+    if not imported() or mod is None:
+        return optimizers, None
+    ddp = next((m for m in model.modules() if isinstance(m, mod.DistributedDataParallel)), None)
+    if ddp is None:
+        return optimizers, None
+    if ddp is not model:
+        raise InvalidInput(
+            "leto.Run: Megatron's DistributedDataParallel is inside another module: give "
+            "leto.Run the DistributedDataParallel itself" + _NOTHING
+        )
+    cfg = ddp.ddp_config
+    if cfg.use_distributed_optimizer:
+        raise InvalidInput(
+            "leto.Run: Megatron's DistributedOptimizer (use_distributed_optimizer=True) is not "
+            "supported under Leto yet (docs/megatron-distopt.md) — Megatron's "
+            "DistributedDataParallel with its optimizer over fp32 parameters is" + _NOTHING
+        )
+    for flag in ("use_megatron_fsdp", "use_custom_fsdp", "nccl_ub"):
+        if getattr(cfg, flag, False):
+            raise InvalidInput(
+                f"leto.Run: Megatron's DistributedDataParallel with {flag}=True is not "
+                "supported under Leto yet" + _NOTHING
+            )
+    if getattr(ddp, "expert_parallel_buffers", None):
+        raise InvalidInput(
+            "leto.Run: Megatron's DistributedDataParallel holds expert-parallel buffers: "
+            "expert parallelism is not supported under Leto yet" + _NOTHING
+        )
+    inner = []
+    for opt in optimizers:
+        if not type(opt).__module__.startswith("megatron."):
+            raise InvalidInput(
+                f"leto.Run: the model is wrapped in Megatron's DistributedDataParallel, whose "
+                f"gradients live in main_grad: {type(opt).__name__} would update nothing. "
+                "Give leto.Run Megatron's optimizer (get_megatron_optimizer), or the "
+                "unwrapped model with a torch optimizer (Leto then reduces the gradients)"
+                + _NOTHING
+            )
+        for part in getattr(opt, "chained_optimizers", [opt]):
+            if type(part).__name__ != "FP32Optimizer":
+                raise InvalidInput(
+                    f"leto.Run: Megatron's {type(part).__name__} is not supported under Leto "
+                    "yet (docs/megatron-distopt.md) — Megatron's optimizer over fp32 "
+                    "parameters (FP32Optimizer) is" + _NOTHING
+                )
+            inner.append(part.optimizer)
+    return inner, ddp
+
+
 def check(
-    model: torch.nn.Module, optimizers: list, data_parallel: bool
+    model: torch.nn.Module, optimizers: list, data_parallel: bool, ddp=None
 ) -> tuple[bool, DPGroup | None]:
     """``data_parallel`` as Megatron's parallel state has it (the script's own value where
     Megatron is not imported or not initialized), and the data-parallel group where it is
     smaller than the world (None: the world); raises ``InvalidInput`` for what is not
-    supported."""
+    supported. ``ddp``: Megatron's DDP that ``adopt`` accepted (with ``optimizers`` the
+    torch ones inside Megatron's)."""
     if not imported():
         return data_parallel, None
-    _refuse_wrappers(model, optimizers)
+    _refuse_wrappers(model, optimizers, ddp)
     _refuse_layers_and_configs(model)
     _tracker()  # refuses a tracker Leto cannot retain
     ps = sys.modules["megatron.core.parallel_state"]
@@ -76,9 +140,13 @@ def check(
     return dp > 1, None
 
 
-def _refuse_wrappers(model: torch.nn.Module, optimizers: list) -> None:
+def _refuse_wrappers(model: torch.nn.Module, optimizers: list, adopted=None) -> None:
     ddp = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
-    if ddp is not None and any(isinstance(m, ddp.DistributedDataParallel) for m in model.modules()):
+    if (
+        adopted is None
+        and ddp is not None
+        and any(isinstance(m, ddp.DistributedDataParallel) for m in model.modules())
+    ):
         raise InvalidInput(
             "leto.Run: the model is wrapped in Megatron's DistributedDataParallel, whose "
             "gradients live in main_grad (a torch optimizer would update nothing): not "

@@ -74,6 +74,7 @@ class RetainedTraining:
         data_parallel: bool = True,
         guard_loss: bool = True,
         dp=None,
+        external_grads: bool = False,
     ):
         """``model`` may live on the meta device: its parameters become views of pool
         memory. ``init_fn()`` initializes them on a fresh pool (first start only).
@@ -83,7 +84,11 @@ class RetainedTraining:
         ``data_parallel``: every rank holds the same parameters and Leto averages the
         gradients over all of them; False: each rank's parameters are its own (a
         pipeline stage) and nothing is reduced across ranks. ``dp``: the ranks holding
-        this rank's replicas (``leto.trainer.dp_group.DPGroup``; None: the world)."""
+        this rank's replicas (``leto.trainer.dp_group.DPGroup``; None: the world).
+        ``external_grads``: a library reduces the gradients in its own buffers (Megatron's
+        DDP): the parameters keep their objects, Leto reduces nothing and copies the
+        gradients in at the update."""
+        self.external_grads = external_grads
         self.rank, self.world, self.out = rank, world, Path(out)
         self.dp = dp if dp is not None else DPGroup.world(world)
         if zero1 and not self.dp.whole_world:
@@ -107,8 +112,9 @@ class RetainedTraining:
             )
         t0 = time.time()
         self.up = Updater(
-            client, model, schedule, updater or UpdaterConfig(), shard=shard, user=user
-        )
+            client, model, schedule, updater or UpdaterConfig(), shard=shard, user=user,
+            swap_data=external_grads,
+        )  # fmt: skip
         self.params = self.up.params
         # Leto averages gradients over the ranks only when every rank holds the same
         # parameters: a parallelized model reduces its own (FSDP2's reduce-scatter, TP's
@@ -182,7 +188,7 @@ class RetainedTraining:
                 self.params, self.up.state, bucket_mib, at_backward_end=user is not None,
                 rank_local=self.rank_local, group=self.dp.group,
             )
-            if self.dp.size > 1 and bucket_mib > 0 and self.replicated
+            if self.dp.size > 1 and bucket_mib > 0 and self.replicated and not external_grads
             else None
         )  # fmt: skip
         if self.buckets is not None:
@@ -196,7 +202,7 @@ class RetainedTraining:
         (data parallel, nothing sharded or rank-local): gradient replay's premise."""
         return (
             self.world > 1 and self.replicated and self.up.state.shards is None
-            and not self.rank_local and self.dp.whole_world
+            and not self.rank_local and self.dp.whole_world and not self.external_grads
         )  # fmt: skip
 
     def _local_grad(self, view: torch.Tensor) -> None:
@@ -293,7 +299,8 @@ class RetainedTraining:
         point("gather", t)
         with leto_range("begin"):
             self.up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
-            self.up.state.attach_grads(self.params)
+            if not self.external_grads:
+                self.up.state.attach_grads(self.params)
             if self.buckets is not None:
                 self.buckets.begin()
             self.up.begin(t)
@@ -357,7 +364,11 @@ class RetainedTraining:
 
     def reduce(self, t: int) -> None:
         """Finish the reduction of the retained gradients (sum, then divide by the world
-        size). Under the script's optimizer the buckets do it when backward ends."""
+        size). Under the script's optimizer the buckets do it when backward ends; with
+        ``external_grads`` the library did (its reduced, clipped gradients are copied in)."""
+        if self.external_grads:
+            self.up.state.stage_grads(self.params)
+            return
         self.up.state.check_grads(self.params)
         point("allreduce", t)
         if self.buckets is not None:

@@ -126,8 +126,13 @@ class Run:
         self._clock = getattr(ctx, "clock", None)  # stage times to the first iteration's end
         self._mark("script set-up")
         self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        # Megatron's own DDP and optimizer: Leto runs the torch optimizers inside Megatron's
+        # (Megatron reduces, takes the norm and clips; Leto's update is their step()).
+        self.optimizers, self._megatron_ddp = megatron.adopt(model, self.optimizers)
         # Megatron-Core's parallel state: replicas or shards; what is not supported yet.
-        data_parallel, dp = megatron.check(model, self.optimizers, data_parallel)
+        data_parallel, dp = megatron.check(
+            model, self.optimizers, data_parallel, self._megatron_ddp
+        )
         backend = dist.get_backend() if dist.is_initialized() else None
         if (
             not data_parallel
@@ -227,6 +232,7 @@ class Run:
             data_parallel=data_parallel,
             guard_loss=self.scaler is None,  # (fp16: the scaler skips non-finite steps)
             dp=dp,
+            external_grads=self._megatron_ddp is not None,
         )
         if ctx.store is not None:
             self.job.on_no_loss = lambda: ctx.store.add(keys.NO_LOSS, 1)
@@ -247,13 +253,18 @@ class Run:
         self.job.data = self._data
         # What the script uses where it had DDP(model) (a compiled model inside it is split
         # at the gradient buckets as under DDP: data parallel only).
-        self.model = DDPShaped(
-            model, self, self._buffers, bucket_mib=bucket_mib if self.job.replicated else None
+        self.model = (
+            model  # (Megatron's own DDP: what the script drives, its no_sync included)
+            if self._megatron_ddp is not None
+            else DDPShaped(
+                model, self, self._buffers, bucket_mib=bucket_mib if self.job.replicated else None
+            )
         )
         self.user.adopt(self.job.params)  # the optimizers now hold the retained parameters
         for oi, opt in enumerate(self.optimizers):
             self._patch(oi, opt)
-        model.zero_grad = self._zero_grad
+        if self._megatron_ddp is None:  # (Megatron's zeroes its own gradient buffers)
+            model.zero_grad = self._zero_grad
         self._watch_grads()
         model.register_forward_pre_hook(lambda *_: self._point("compute.forward"))
         model.register_forward_hook(lambda *_: self._point("compute.backward"))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from leto.errors import InvalidInput
 from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.update.optim import CUT_ELEMS
@@ -195,11 +196,23 @@ class RetainedModel:
 
     # -- model binding --------------------------------------------------------------
 
-    def bind(self, model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    def bind(self, model: torch.nn.Module, swap_data: bool = False) -> dict[str, torch.nn.Parameter]:
         """Make every parameter (and, if it trains, its .grad) a view of retained
-        memory, under each of its names; returns the new parameters by name."""
+        memory, under each of its names; returns the new parameters by name.
+        ``swap_data``: each parameter keeps its object, its storage swapped (``.data``) and
+        its ``.grad`` left alone — where a library holds the parameter objects and keeps
+        their gradients itself (Megatron's DDP: its hooks, buckets and ``main_grad``);
+        ``stage_grads`` then copies those gradients in before an update."""
         out = {}
         for slot in self.slots:
+            if swap_data:
+                module_name, _, attr = slot.name.rpartition(".")
+                param = getattr(model.get_submodule(module_name), attr)
+                param.data = self.param_full[slot.offset : slot.offset + slot.numel].view(
+                    slot.shape
+                )
+                out[slot.name] = param
+                continue
             sh = self.shards.get(slot.name) if self.shards is not None else None
             if sh is not None:  # a DTensor parameter stays; its local shard moves here
                 bind_shard(
@@ -236,6 +249,21 @@ class RetainedModel:
                 view = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 sh = self.shards.get(slot.name) if self.shards is not None else None
                 p.grad = sh.grad_of(view) if sh is not None else view
+
+    def stage_grads(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Copy every trainable parameter's gradient (a library's own buffer: ``bind``'s
+        ``swap_data``) into retained memory, for the update to read and protect."""
+        for slot in self.slots:
+            if not slot.trainable:
+                continue
+            g = params[slot.name].grad
+            if g is None:
+                raise InvalidInput(
+                    f"parameter {slot.name} has no gradient at the optimizer's step: its "
+                    "optimizer would skip it, and Leto updates every trainable parameter — "
+                    "freeze it (requires_grad=False) before leto.Run"
+                )
+            self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape).copy_(g)
 
     def check_grads(self, params: dict[str, torch.nn.Parameter]) -> None:
         """Every trainable parameter's gradient is still its retained view."""

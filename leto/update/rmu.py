@@ -124,8 +124,10 @@ class Updater:
         cfg: UpdaterConfig = UpdaterConfig(),
         shard: tuple[int, int] | None = None,
         user=None,
+        swap_data: bool = False,
     ):
-        """``user``: the script's own optimizer (``leto.update.user_optim.UserOptimizer``)
+        """``swap_data``: the parameters keep their objects (``RetainedModel.bind``).
+        ``user``: the script's own optimizer (``leto.update.user_optim.UserOptimizer``)
         in place of ``cfg.adamw`` and ``schedule``; its per-group hyperparameters for the
         iteration being updated are ``self.hparams`` (set before ``update``/``finish``),
         and clipping is the script's own (done in place before its ``step()``)."""
@@ -150,7 +152,7 @@ class Updater:
             layerwise = lambda name, p: user.layerwise(name)  # noqa: E731 - the script's Muon
         chunk_units = cfg.chunk_units or default_chunk_units(client.config.page_bytes)
         self.state = RetainedModel(client, model, chunk_units, shard, layerwise)
-        self.params = self.state.bind(model)  # by name: the retained parameters
+        self.params = self.state.bind(model, swap_data)  # by name: the retained parameters
         self.device = self.state.grad.device
         pb = self.state.page_bytes
         h1, h2 = client.config.tier1_pages, client.config.tier2_pages
