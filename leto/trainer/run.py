@@ -272,7 +272,9 @@ class Run:
         # the forward talks to no other rank (a replica over the whole world).
         self._shapes = shape_warmup.Recorder(
             model, ctx.store, ctx.rank, ctx.device,
-            why_not=None if self.job.replicated and (ctx.world_size == 1 or self.job.dp.whole_world)
+            why_not="Megatron's DDP reduces gradients in its backward"
+            if self._megatron_ddp is not None
+            else None if self.job.replicated and (ctx.world_size == 1 or self.job.dp.whole_world)
             else "the model is sharded or split across ranks: its forward talks to them",
         )  # fmt: skip
         plugins.expose_model(lambda: model)
