@@ -367,6 +367,7 @@ class RetainedTraining:
         size). Under the script's optimizer the buckets do it when backward ends; with
         ``external_grads`` the library did (its reduced, clipped gradients are copied in)."""
         if self.external_grads:
+            point("allreduce", t)  # (the library's reduction is over: before the copy)
             self.up.state.stage_grads(self.params)
             return
         self.up.state.check_grads(self.params)
