@@ -68,9 +68,13 @@ CUDA_POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_inje
         (2, 2, "cpu", "torch"),
         (1, 2, "cpu", "torch"),
         (2, 4, "cpu", "torch"),  # tensor x data: replicas are Megatron's data-parallel groups
-        # Megatron's own DDP and optimizer (its norm and clipping inside step()).
+        # Megatron's own DDP and optimizer (its norm and clipping inside step()); with its
+        # DistributedOptimizer (fp32 main shards retained), fp32 and bf16 (Float16Module).
         (1, 2, "cpu", "megatron"),
         (2, 4, "cpu", "megatron"),
+        (1, 2, "cpu", "megatron-distopt"),
+        (1, 2, "cpu", "megatron-distopt-bf16"),
+        (2, 4, "cpu", "megatron-distopt-bf16"),
         pytest.param(
             1, 1, "cuda", "torch",
             marks=[
@@ -78,12 +82,17 @@ CUDA_POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_inje
                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
             ],
         ),
-        pytest.param(
-            1, 1, "cuda", "megatron",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-            ],
+        *(
+            pytest.param(
+                1, 1, "cuda", ddp,
+                marks=[
+                    pytest.mark.gpu,
+                    pytest.mark.skipif(
+                        not torch.cuda.is_available(), reason="needs a CUDA device"
+                    ),
+                ],
+            )
+            for ddp in ("megatron", "megatron-distopt-bf16")
         ),
     ],
 )  # fmt: skip
@@ -92,8 +101,12 @@ def test_the_megatron_port_is_bit_identical_to_torchrun_after_a_kill(
 ):
     ref = tmp_path / "torchrun"
     args = ["--tp", str(tp), "--iterations", str(ITERS)]
-    if ddp == "megatron":
-        args.append("--megatron-ddp")
+    args += {
+        "torch": [],
+        "megatron": ["--megatron-ddp"],
+        "megatron-distopt": ["--megatron-ddp", "--distributed-optimizer"],
+        "megatron-distopt-bf16": ["--megatron-ddp", "--distributed-optimizer", "--bf16"],
+    }[ddp]
     subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          str(world), str(TORCHRUN), *args, "--out", str(ref)],
@@ -159,8 +172,13 @@ def test_megatrons_ddp_takes_its_fp32_optimizer_and_refuses_the_rest_by_name():
     chained.chained_optimizers = [object.__new__(Half)]  # (not built: only its kind counts)
     with pytest.raises(InvalidInput, match="Float16OptimizerWithFloat16Params is not supported"):
         megatron.adopt(wrapped, [chained])
+    # Its DistributedOptimizer goes with its DDP's use_distributed_optimizer only.
     wrapped.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
-    with pytest.raises(InvalidInput, match=r"DistributedOptimizer .*\(docs/megatron-distopt.md\)"):
+    chained.chained_optimizers = [fp32]
+    with pytest.raises(InvalidInput, match="FP32Optimizer is not supported"):
+        megatron.adopt(wrapped, [chained])
+    wrapped.ddp_config = DistributedDataParallelConfig(num_distributed_optimizer_instances=2)
+    with pytest.raises(InvalidInput, match="several DistributedOptimizer instances"):
         megatron.adopt(wrapped, [chained])
     opt = ChainedOptimizer.__new__(ChainedOptimizer)  # (a MegatronOptimizer of them)
     with pytest.raises(InvalidInput, match="Megatron's optimizer ChainedOptimizer"):

@@ -11,7 +11,8 @@ without a GPU:
   what dropout draws from here (``torch.cuda.manual_seed``/``get_rng_state``/
   ``set_rng_state`` and the tracker's own state helpers);
 * ``clip_grad_by_total_norm_fp32`` is Megatron's own, less its CUDA type assertion (the
-  same arithmetic: ``local_multi_tensor_scale``);
+  same arithmetic: ``local_multi_tensor_scale``), and a tensor's ``type()`` names the CUDA
+  type (what Megatron's DistributedOptimizer sorts tensors by);
 * streams are no-ops.
 
 An emulation for a CPU machine: the arithmetic is the CPU's, and on a GPU nothing of this
@@ -92,3 +93,18 @@ clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 from megatron.core.optimizer import optimizer as _optimizers  # noqa: E402
 
 _optimizers.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+# Megatron's DistributedOptimizer and Float16 optimizers sort tensors by their type's name
+# ('torch.cuda.FloatTensor', 'torch.cuda.BFloat16Tensor'): here a tensor answers with the
+# CUDA name of its type.
+_type = torch.Tensor.type
+
+
+def _cuda_type(self, *args, **kwargs):
+    if args or kwargs:
+        return _type(self, *args, **kwargs)
+    name = _type(self)
+    return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+
+torch.Tensor.type = _cuda_type

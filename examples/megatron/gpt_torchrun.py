@@ -38,7 +38,7 @@ from megatron.core.optimizer.clip_grads import (  # noqa: E402
 )
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # noqa: E402
-from megatron.core.transformer.module import param_is_not_shared  # noqa: E402
+from megatron.core.transformer.module import Float16Module, param_is_not_shared  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 
@@ -66,6 +66,17 @@ def main() -> None:
         help="Megatron's own DistributedDataParallel (overlapped bucketed reduction) and "
         "optimizer (get_megatron_optimizer: its norm and clipping inside step())",
     )
+    ap.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="with --megatron-ddp: Megatron's DistributedOptimizer (fp32 main shards, the "
+        "parameters all-gathered after each step)",
+    )
+    ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="with --distributed-optimizer: bf16 parameters (Megatron's Float16Module)",
+    )
     ap.add_argument("--out", default="out", help="iterations.jsonl and parameters")
     args = ap.parse_args()
     dist.init_process_group("nccl" if CUDA else "gloo")
@@ -80,18 +91,25 @@ def main() -> None:
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         hidden_dropout=0.1, attention_dropout=0.1, use_cpu_initialization=True,
+        bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
     )  # fmt: skip
     model = GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=args.vocab, max_sequence_length=args.seq,
     ).to(device)  # fmt: skip
     if args.megatron_ddp:  # Megatron's way: its DDP's buffers, its optimizer over them
-        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=20_000)
+        sharded = args.distributed_optimizer
+        if args.bf16:
+            model = Float16Module(config, model)
+        ddp_config = DistributedDataParallelConfig(
+            overlap_grad_reduce=True, bucket_size=20_000, use_distributed_optimizer=sharded,
+            grad_reduce_in_fp32=args.bf16,
+        )  # fmt: skip
         model = MegatronDDP(config, ddp_config, model)
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-                clip_grad=args.clip,
+                clip_grad=args.clip, use_distributed_optimizer=sharded, bf16=args.bf16,
             ),
             [model],
         )  # fmt: skip

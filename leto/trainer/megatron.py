@@ -1,5 +1,5 @@
 """Megatron-Core under ``leto.Run``: what Leto takes from Megatron's parallel state and
-what it refuses (issue 58, stage 1).
+what it refuses.
 
 Runs in a trainer, in ``leto.Run``, only where the script imported Megatron-Core (Leto
 never imports it otherwise). A Megatron job under Leto is Megatron's ``GPTModel`` (or any
@@ -15,19 +15,23 @@ Leto's gradient reduction where the script had torch's DDP:
   torch's global generators (``leto.trainer.rng_state``), without the script's help.
 
 Megatron's own ``DistributedDataParallel`` with its optimizer (``get_megatron_optimizer``)
-over fp32 parameters (``FP32Optimizer``): ``adopt`` hands Leto the torch optimizers inside
+over fp32 parameters (``FP32Optimizer``), or with its ``DistributedOptimizer`` (fp32 or
+bf16 parameters, ``Float16Module``): ``adopt`` hands Leto the torch optimizers inside
 Megatron's; Megatron keeps its gradient buffers, its bucketed reduction, its norm and its
 clipping, and Leto runs the inner optimizer's ``step()`` — called by Megatron's after it
 clipped — as its update, the reduced and clipped gradients (``main_grad``) copied into
 retained memory first (``leto.trainer.retained``, ``external_grads``); the parameters keep
 their objects (Megatron's hooks and buckets hold them), their storage swapped into the pool.
+Under the ``DistributedOptimizer`` what is retained is this rank's fp32 main shards
+(``MainShards``: each rank its own), and after a resume every rank casts them into
+Megatron's parameter buffer, all-gathered (``rebuild``).
 
 Refused when ``leto.Run`` is made, by name, with nothing retained — what is not built
 yet, rather than a run that is silently wrong: Megatron's ``DistributedDataParallel``
 with a torch optimizer (its gradients live in ``main_grad``: the optimizer would update
-nothing), with the ``DistributedOptimizer`` or Megatron FSDP, its Float16 optimizers
-(docs/megatron-distopt.md says how they come next); ``Float16Module``; apex's and
-TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
+nothing), Megatron FSDP, several optimizer instances, its Float16 optimizers without
+the ``DistributedOptimizer`` (docs/megatron-distopt.md); ``Float16Module`` without it;
+apex's and TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
 fp8/fp4; pipeline, context and expert parallelism; RNG trackers other than Megatron's own
 ``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
 """
@@ -64,11 +68,12 @@ def adopt(model: torch.nn.Module, optimizers: list) -> tuple[list, torch.nn.Modu
             "leto.Run the DistributedDataParallel itself" + _NOTHING
         )
     cfg = ddp.ddp_config
-    if cfg.use_distributed_optimizer:
+    want = "DistributedOptimizer" if cfg.use_distributed_optimizer else "FP32Optimizer"
+    if getattr(cfg, "num_distributed_optimizer_instances", 1) > 1:
         raise InvalidInput(
-            "leto.Run: Megatron's DistributedOptimizer (use_distributed_optimizer=True) is not "
-            "supported under Leto yet (docs/megatron-distopt.md) — Megatron's "
-            "DistributedDataParallel with its optimizer over fp32 parameters is" + _NOTHING
+            "leto.Run: several DistributedOptimizer instances "
+            "(num_distributed_optimizer_instances > 1) are not supported under Leto yet"
+            + _NOTHING
         )
     for flag in ("use_megatron_fsdp", "use_custom_fsdp", "nccl_ub"):
         if getattr(cfg, flag, False):
@@ -92,14 +97,56 @@ def adopt(model: torch.nn.Module, optimizers: list) -> tuple[list, torch.nn.Modu
                 + _NOTHING
             )
         for part in getattr(opt, "chained_optimizers", [opt]):
-            if type(part).__name__ != "FP32Optimizer":
+            if type(part).__name__ != want:
                 raise InvalidInput(
                     f"leto.Run: Megatron's {type(part).__name__} is not supported under Leto "
-                    "yet (docs/megatron-distopt.md) — Megatron's optimizer over fp32 "
-                    "parameters (FP32Optimizer) is" + _NOTHING
+                    "yet (docs/megatron-distopt.md) — its FP32Optimizer (fp32 parameters) and "
+                    "DistributedOptimizer (with its DistributedDataParallel's "
+                    "use_distributed_optimizer=True) are" + _NOTHING
+                )
+            config = getattr(part, "config", None)
+            if getattr(config, "overlap_param_gather_with_optimizer_step", False):
+                raise InvalidInput(
+                    "leto.Run: overlap_param_gather_with_optimizer_step is not supported "
+                    "under Leto yet" + _NOTHING
                 )
             inner.append(part.optimizer)
     return inner, ddp
+
+
+def distributed(ddp) -> bool:
+    """Whether Megatron's DDP shards the optimizer (its DistributedOptimizer)."""
+    return ddp is not None and bool(ddp.ddp_config.use_distributed_optimizer)
+
+
+class MainShards(torch.nn.Module):
+    """What Leto retains under Megatron's DistributedOptimizer: this rank's fp32 main
+    shards (its inner optimizer's parameters), as one module's parameters — the same
+    tensor objects (Megatron's groups, ``main_param`` and the inner optimizer hold them),
+    so binding swaps their storage. Each gets ``requires_grad`` (what Leto updates); no
+    autograd runs through them (Megatron sets their ``.grad`` from its buffers). The
+    module's own bf16/fp32 parameters are a cast of them, all-gathered (``rebuild``)."""
+
+    def __init__(self, inner_optimizers: list):
+        super().__init__()
+        for oi, opt in enumerate(inner_optimizers):
+            for gi, group in enumerate(opt.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    if p.is_leaf and not p.requires_grad:
+                        p.requires_grad_(True)
+                    # (not nn.Parameter objects: registered as they are, by identity)
+                    self._parameters[f"o{oi}_g{gi}_p{pi}"] = p
+
+
+def rebuild(megatron_optimizers: list, ddp) -> None:
+    """The model's parameters from the retained main shards: each rank casts its own
+    shards into Megatron's parameter buffer, then the buffer is all-gathered (collective:
+    every rank, after a resume) — what Megatron's step does after each update."""
+    with torch.no_grad():
+        for opt in megatron_optimizers:
+            for part in getattr(opt, "chained_optimizers", [opt]):
+                part._copy_main_params_to_model_params()
+        ddp.start_param_sync(force_sync=True)
 
 
 def check(
@@ -154,11 +201,16 @@ def _refuse_wrappers(model: torch.nn.Module, optimizers: list, adopted=None) -> 
             "the gradients itself" + _NOTHING
         )
     fp16 = sys.modules.get("megatron.core.transformer.module")
-    if fp16 is not None and any(isinstance(m, fp16.Float16Module) for m in model.modules()):
+    if (
+        not distributed(adopted)  # (its fp32 main shards are what is retained)
+        and fp16 is not None
+        and any(isinstance(m, fp16.Float16Module) for m in model.modules())
+    ):
         raise InvalidInput(
             "leto.Run: Megatron's Float16Module (fp16/bf16 parameters with fp32 main "
-            "parameters) is not supported under Leto yet — keep float32 parameters and use "
-            "torch.autocast" + _NOTHING
+            "parameters) is supported under Leto with Megatron's DistributedDataParallel and "
+            "DistributedOptimizer (its fp32 main shards are retained) — otherwise keep "
+            "float32 parameters and use torch.autocast" + _NOTHING
         )
     for opt in optimizers:
         kind = type(opt)

@@ -128,11 +128,21 @@ class Run:
         self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         # Megatron's own DDP and optimizer: Leto runs the torch optimizers inside Megatron's
         # (Megatron reduces, takes the norm and clips; Leto's update is their step()).
+        megatron_optimizers = self.optimizers
         self.optimizers, self._megatron_ddp = megatron.adopt(model, self.optimizers)
         # Megatron-Core's parallel state: replicas or shards; what is not supported yet.
         data_parallel, dp = megatron.check(
             model, self.optimizers, data_parallel, self._megatron_ddp
         )
+        # What Leto retains: the model's parameters, or under Megatron's
+        # DistributedOptimizer this rank's fp32 main shards (each rank its own: nothing
+        # replicated to reduce or compare; the model's parameters are their cast).
+        self._sharded_by_megatron = megatron.distributed(self._megatron_ddp)
+        retained = model
+        if self._sharded_by_megatron:
+            retained = megatron.MainShards(self.optimizers)
+            data_parallel, dp = False, None
+            self._megatron_optimizers = megatron_optimizers
         backend = dist.get_backend() if dist.is_initialized() else None
         if (
             not data_parallel
@@ -166,22 +176,22 @@ class Run:
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         if self.scaler is not None:
             self._watch_scaler(self.scaler)
-        names = {id(p): n for n, p in model.named_parameters()}
+        names = {id(p): n for n, p in retained.named_parameters()}
         self.user = UserOptimizer(self.optimizers, names)  # refuses what it cannot run, first
-        other = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype != torch.float32]
+        other = [(n, p.dtype) for n, p in retained.named_parameters() if p.dtype != torch.float32]
         if other:
             raise InvalidInput(
                 f"parameter {other[0][0]} is {other[0][1]}: under leto.Run parameters are "
                 f"float32 (train in bf16 with torch.autocast); nothing was retained"
             )
-        on_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+        on_meta = [n for n, p in retained.named_parameters() if p.device.type == "meta"]
         if on_meta and init is None:
             raise InvalidInput(
                 f"parameter {on_meta[0]} is on the meta device and no init= was given: "
                 f"Leto cannot know its initial value"
             )
         originals = (
-            None if init is not None else {n: p.detach() for n, p in model.named_parameters()}
+            None if init is not None else {n: p.detach() for n, p in retained.named_parameters()}
         )
         env = ctx.env
         self.out = Path(out or env.train_dir or Path(env.log_dir) / "train")
@@ -216,7 +226,7 @@ class Run:
             self._data = data_state.DataState(ctx.pool, data, extra)
         self.job = RetainedTraining(
             ctx.pool,
-            model,
+            retained,
             first_values,
             None,
             ctx.rank,
@@ -311,6 +321,8 @@ class Run:
             start_iteration=start_iteration,
         )
         self.job.init_fn = None  # the original parameters it holds are garbage now
+        if self._sharded_by_megatron:  # the model's parameters: a cast of the shards
+            megatron.rebuild(self._megatron_optimizers, self._megatron_ddp)
         self._loop.restore(self.next_iteration)
         self._epochs = [sc.last_epoch for sc in self.schedulers]  # at the start of an iteration
         if self.job.fresh and ctx.world_size > 1 and self.job.replicated:
@@ -574,12 +586,14 @@ class Run:
         refused instead (``_check_got_grads``)."""
         name_of = {id(p): n for n, p in self.job.params.items()}
         self._owner: dict[int, tuple[str, int]] = {}  # id(param) -> (name, optimizer)
+        self._got_grad: set[int] = set()
+        if self._sharded_by_megatron:
+            return  # (Megatron's main shards: no autograd; Megatron sets every .grad)
         for oi, opt in enumerate(self.optimizers):
             for g in opt.param_groups:
                 for p in g["params"]:
                     if p.requires_grad:  # frozen ones torch skips, and so does Leto
                         self._owner[id(p)] = (name_of.get(id(p), "?"), oi)
-        self._got_grad: set[int] = set()
         seen = set()
         for p in self.job.params.values():
             if id(p) in self._owner and id(p) not in seen:  # tied: one hook
