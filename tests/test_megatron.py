@@ -72,6 +72,7 @@ CUDA_POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_inje
         # DistributedOptimizer (fp32 main shards retained), fp32 and bf16 (Float16Module).
         (1, 2, "cpu", "megatron"),
         (2, 4, "cpu", "megatron"),
+        (1, 2, "cpu", "megatron-bf16"),  # its Float16 optimizer: fp32 copies retained
         (1, 2, "cpu", "megatron-distopt"),
         (1, 2, "cpu", "megatron-distopt-bf16"),
         (2, 4, "cpu", "megatron-distopt-bf16"),
@@ -104,6 +105,7 @@ def test_the_megatron_port_is_bit_identical_to_torchrun_after_a_kill(
     args += {
         "torch": [],
         "megatron": ["--megatron-ddp"],
+        "megatron-bf16": ["--megatron-ddp", "--bf16"],
         "megatron-distopt": ["--megatron-ddp", "--distributed-optimizer"],
         "megatron-distopt-bf16": ["--megatron-ddp", "--distributed-optimizer", "--bf16"],
     }[ddp]
@@ -167,15 +169,25 @@ def test_megatrons_ddp_takes_its_fp32_optimizer_and_refuses_the_rest_by_name():
     chained = ChainedOptimizer.__new__(ChainedOptimizer)
     chained.chained_optimizers = [fp32]
     assert megatron.adopt(wrapped, [chained]) == ([inner], wrapped)
+    from megatron.core.optimizer import DistributedOptimizer
     from megatron.core.optimizer import Float16OptimizerWithFloat16Params as Half
 
-    chained.chained_optimizers = [object.__new__(Half)]  # (not built: only its kind counts)
-    with pytest.raises(InvalidInput, match="Float16OptimizerWithFloat16Params is not supported"):
+    half = object.__new__(Half)  # (not built: its kind and what adopt reads)
+    half.optimizer, half.grad_scaler = inner, None
+    chained.chained_optimizers = [half]
+    assert megatron.adopt(wrapped, [chained]) == ([inner], wrapped)
+    half.grad_scaler = object()  # fp16's loss scaling
+    with pytest.raises(InvalidInput, match="with a loss scaler .* train in bf16"):
+        megatron.adopt(wrapped, [chained])
+    chained.chained_optimizers = [object.__new__(DistributedOptimizer)]
+    with pytest.raises(
+        InvalidInput, match="DistributedOptimizer with its .*use_distributed_optimizer=False"
+    ):
         megatron.adopt(wrapped, [chained])
     # Its DistributedOptimizer goes with its DDP's use_distributed_optimizer only.
     wrapped.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
     chained.chained_optimizers = [fp32]
-    with pytest.raises(InvalidInput, match="FP32Optimizer is not supported"):
+    with pytest.raises(InvalidInput, match="FP32Optimizer with its .*=True is not supported"):
         megatron.adopt(wrapped, [chained])
     wrapped.ddp_config = DistributedDataParallelConfig(num_distributed_optimizer_instances=2)
     with pytest.raises(InvalidInput, match="several DistributedOptimizer instances"):

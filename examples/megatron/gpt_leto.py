@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument(
         "--bf16",
         action="store_true",
-        help="with --distributed-optimizer: bf16 parameters (Megatron's Float16Module)",
+        help="with --megatron-ddp: bf16 parameters (Megatron's Float16Module; fp32 main copies)",
     )
     ap.add_argument("--out", default="out", help="iterations.jsonl and parameters")
     args = ap.parse_args()

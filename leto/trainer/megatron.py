@@ -15,23 +15,25 @@ Leto's gradient reduction where the script had torch's DDP:
   torch's global generators (``leto.trainer.rng_state``), without the script's help.
 
 Megatron's own ``DistributedDataParallel`` with its optimizer (``get_megatron_optimizer``)
-over fp32 parameters (``FP32Optimizer``), or with its ``DistributedOptimizer`` (fp32 or
-bf16 parameters, ``Float16Module``): ``adopt`` hands Leto the torch optimizers inside
+over fp32 parameters (``FP32Optimizer``) or bf16 ones (``Float16Module``, its Float16
+optimizer), or with its ``DistributedOptimizer`` (fp32 or bf16): ``adopt`` hands Leto the
+torch optimizers inside
 Megatron's; Megatron keeps its gradient buffers, its bucketed reduction, its norm and its
 clipping, and Leto runs the inner optimizer's ``step()`` — called by Megatron's after it
 clipped — as its update, the reduced and clipped gradients (``main_grad``) copied into
 retained memory first (``leto.trainer.retained``, ``external_grads``); the parameters keep
 their objects (Megatron's hooks and buckets hold them), their storage swapped into the pool.
-Under the ``DistributedOptimizer`` what is retained is this rank's fp32 main shards
-(``MainShards``: each rank its own), and after a resume every rank casts them into
-Megatron's parameter buffer, all-gathered (``rebuild``).
+Where Megatron's optimizer keeps fp32 main copies (the ``DistributedOptimizer``'s shards,
+each rank its own; the Float16 optimizer's copies) those are what is retained
+(``MainShards``), and after a resume every rank casts them into the parameters (under the
+``DistributedOptimizer`` into Megatron's parameter buffer, all-gathered: ``rebuild``).
 
 Refused when ``leto.Run`` is made, by name, with nothing retained — what is not built
 yet, rather than a run that is silently wrong: Megatron's ``DistributedDataParallel``
 with a torch optimizer (its gradients live in ``main_grad``: the optimizer would update
-nothing), Megatron FSDP, several optimizer instances, its Float16 optimizers without
-the ``DistributedOptimizer`` (docs/megatron-distopt.md); ``Float16Module`` without it;
-apex's and TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
+nothing), Megatron FSDP, several optimizer instances, loss scaling (fp16)
+(docs/megatron-distopt.md); ``Float16Module`` without Megatron's optimizer; apex's and
+TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
 fp8/fp4; pipeline, context and expert parallelism; RNG trackers other than Megatron's own
 ``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
 """
@@ -68,7 +70,11 @@ def adopt(model: torch.nn.Module, optimizers: list) -> tuple[list, torch.nn.Modu
             "leto.Run the DistributedDataParallel itself" + _NOTHING
         )
     cfg = ddp.ddp_config
-    want = "DistributedOptimizer" if cfg.use_distributed_optimizer else "FP32Optimizer"
+    want = (
+        ("DistributedOptimizer",)
+        if cfg.use_distributed_optimizer
+        else ("FP32Optimizer", "Float16OptimizerWithFloat16Params")
+    )
     if getattr(cfg, "num_distributed_optimizer_instances", 1) > 1:
         raise InvalidInput(
             "leto.Run: several DistributedOptimizer instances "
@@ -97,12 +103,19 @@ def adopt(model: torch.nn.Module, optimizers: list) -> tuple[list, torch.nn.Modu
                 + _NOTHING
             )
         for part in getattr(opt, "chained_optimizers", [opt]):
-            if type(part).__name__ != want:
+            if type(part).__name__ not in want:
                 raise InvalidInput(
-                    f"leto.Run: Megatron's {type(part).__name__} is not supported under Leto "
-                    "yet (docs/megatron-distopt.md) — its FP32Optimizer (fp32 parameters) and "
-                    "DistributedOptimizer (with its DistributedDataParallel's "
-                    "use_distributed_optimizer=True) are" + _NOTHING
+                    f"leto.Run: Megatron's {type(part).__name__} with its "
+                    f"DistributedDataParallel's use_distributed_optimizer="
+                    f"{cfg.use_distributed_optimizer} is not supported under Leto "
+                    "(docs/megatron-distopt.md) — its FP32Optimizer and Float16 optimizer "
+                    "(bf16 parameters) without it, its DistributedOptimizer with it, are"
+                    + _NOTHING
+                )
+            if getattr(part, "grad_scaler", None) is not None:
+                raise InvalidInput(
+                    f"leto.Run: Megatron's {type(part).__name__} with a loss scaler (fp16, or "
+                    "loss_scale set) is not supported under Leto yet — train in bf16" + _NOTHING
                 )
             config = getattr(part, "config", None)
             if getattr(config, "overlap_param_gather_with_optimizer_step", False):
@@ -119,13 +132,25 @@ def distributed(ddp) -> bool:
     return ddp is not None and bool(ddp.ddp_config.use_distributed_optimizer)
 
 
+def main_copies(megatron_optimizers: list) -> bool:
+    """Whether Megatron's optimizers keep fp32 main copies apart from the model's
+    parameters (its DistributedOptimizer's shards, its Float16 optimizer's copies): those,
+    not the parameters, are what Leto retains."""
+    return any(
+        type(part).__name__ in ("DistributedOptimizer", "Float16OptimizerWithFloat16Params")
+        for opt in megatron_optimizers
+        for part in getattr(opt, "chained_optimizers", [opt])
+    )
+
+
 class MainShards(torch.nn.Module):
-    """What Leto retains under Megatron's DistributedOptimizer: this rank's fp32 main
-    shards (its inner optimizer's parameters), as one module's parameters — the same
-    tensor objects (Megatron's groups, ``main_param`` and the inner optimizer hold them),
-    so binding swaps their storage. Each gets ``requires_grad`` (what Leto updates); no
-    autograd runs through them (Megatron sets their ``.grad`` from its buffers). The
-    module's own bf16/fp32 parameters are a cast of them, all-gathered (``rebuild``)."""
+    """What Leto retains under Megatron's DistributedOptimizer (this rank's fp32 main
+    shards) or Float16 optimizer (fp32 copies of the bf16 parameters): the inner
+    optimizer's parameters, as one module's parameters — the same tensor objects
+    (Megatron's groups, ``main_param`` and the inner optimizer hold them), so binding
+    swaps their storage. Each gets ``requires_grad`` (what Leto updates); no autograd
+    runs through them (Megatron sets their ``.grad`` from its buffers). The model's own
+    parameters are a cast of them (``rebuild``)."""
 
     def __init__(self, inner_optimizers: list):
         super().__init__()
@@ -139,14 +164,16 @@ class MainShards(torch.nn.Module):
 
 
 def rebuild(megatron_optimizers: list, ddp) -> None:
-    """The model's parameters from the retained main shards: each rank casts its own
-    shards into Megatron's parameter buffer, then the buffer is all-gathered (collective:
-    every rank, after a resume) — what Megatron's step does after each update."""
+    """The model's parameters from the retained main copies, as Megatron's step makes
+    them after each update: each rank casts its own into the parameters (under the
+    DistributedOptimizer: into Megatron's parameter buffer, then all-gathered —
+    collective: every rank, after a resume)."""
     with torch.no_grad():
         for opt in megatron_optimizers:
             for part in getattr(opt, "chained_optimizers", [opt]):
                 part._copy_main_params_to_model_params()
-        ddp.start_param_sync(force_sync=True)
+        if distributed(ddp):
+            ddp.start_param_sync(force_sync=True)
 
 
 def check(
@@ -202,15 +229,15 @@ def _refuse_wrappers(model: torch.nn.Module, optimizers: list, adopted=None) -> 
         )
     fp16 = sys.modules.get("megatron.core.transformer.module")
     if (
-        not distributed(adopted)  # (its fp32 main shards are what is retained)
+        adopted is None  # (Megatron's optimizer: its fp32 main copies are retained)
         and fp16 is not None
         and any(isinstance(m, fp16.Float16Module) for m in model.modules())
     ):
         raise InvalidInput(
             "leto.Run: Megatron's Float16Module (fp16/bf16 parameters with fp32 main "
             "parameters) is supported under Leto with Megatron's DistributedDataParallel and "
-            "DistributedOptimizer (its fp32 main shards are retained) — otherwise keep "
-            "float32 parameters and use torch.autocast" + _NOTHING
+            "optimizer (get_megatron_optimizer: its fp32 main copies are retained) — "
+            "otherwise keep float32 parameters and use torch.autocast" + _NOTHING
         )
     for opt in optimizers:
         kind = type(opt)

@@ -137,12 +137,15 @@ class Run:
         # What Leto retains: the model's parameters, or under Megatron's
         # DistributedOptimizer this rank's fp32 main shards (each rank its own: nothing
         # replicated to reduce or compare; the model's parameters are their cast).
-        self._sharded_by_megatron = megatron.distributed(self._megatron_ddp)
+        self._main_copies = self._megatron_ddp is not None and megatron.main_copies(
+            megatron_optimizers
+        )
         retained = model
-        if self._sharded_by_megatron:
+        if self._main_copies:
             retained = megatron.MainShards(self.optimizers)
-            data_parallel, dp = False, None
             self._megatron_optimizers = megatron_optimizers
+            if megatron.distributed(self._megatron_ddp):
+                data_parallel, dp = False, None
         backend = dist.get_backend() if dist.is_initialized() else None
         if (
             not data_parallel
@@ -321,7 +324,7 @@ class Run:
             start_iteration=start_iteration,
         )
         self.job.init_fn = None  # the original parameters it holds are garbage now
-        if self._sharded_by_megatron:  # the model's parameters: a cast of the shards
+        if self._main_copies:  # the model's parameters: a cast of the retained copies
             megatron.rebuild(self._megatron_optimizers, self._megatron_ddp)
         self._loop.restore(self.next_iteration)
         self._epochs = [sc.last_epoch for sc in self.schedulers]  # at the start of an iteration
@@ -587,8 +590,8 @@ class Run:
         name_of = {id(p): n for n, p in self.job.params.items()}
         self._owner: dict[int, tuple[str, int]] = {}  # id(param) -> (name, optimizer)
         self._got_grad: set[int] = set()
-        if self._sharded_by_megatron:
-            return  # (Megatron's main shards: no autograd; Megatron sets every .grad)
+        if self._main_copies:
+            return  # (Megatron's main copies: no autograd; Megatron sets every .grad)
         for oi, opt in enumerate(self.optimizers):
             for g in opt.param_groups:
                 for p in g["params"]:
