@@ -33,6 +33,7 @@ from megatron.core.optimizer.clip_grads import (  # noqa: E402
     clip_grad_by_total_norm_fp32,
     get_grad_norm_fp32,
 )
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # noqa: E402
 from megatron.core.transformer.module import Float16Module, param_is_not_shared  # noqa: E402
@@ -107,12 +108,19 @@ def main() -> None:
         model = MegatronDDP(config, ddp_config, model)
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-                clip_grad=args.clip, use_distributed_optimizer=sharded, bf16=args.bf16,
+                optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.1, adam_beta1=0.9,
+                adam_beta2=0.95, clip_grad=args.clip, use_distributed_optimizer=sharded,
+                bf16=args.bf16,
             ),
             [model],
         )  # fmt: skip
-        inner = optimizer.chained_optimizers[0].optimizer  # (torch's AdamW: the LR schedule's)
+        # Megatron-LM's schedule: its steps count samples.
+        samples = args.micro_batch * args.micro_batches * parallel_state.get_data_parallel_world_size()
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=3e-3, min_lr=3e-4, lr_warmup_steps=3 * samples,
+            lr_decay_steps=args.iterations * samples, lr_decay_style="cosine", start_wd=0.1,
+            end_wd=0.1, wd_incr_steps=args.iterations * samples, wd_incr_style="constant",
+        )  # fmt: skip
     else:
         params = list(model.parameters())
         optimizer = torch.optim.AdamW(
@@ -122,8 +130,7 @@ def main() -> None:
             ],
             lr=3e-3, betas=(0.9, 0.95),
         )  # fmt: skip
-        inner = optimizer
-    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda t: min(1.0, (t + 1) / 3))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
     run = leto.Run(ctx, model, optimizer, scheduler)
     model = run.model
     config.no_sync_func = model.no_sync if hasattr(model, "no_sync") else None
@@ -171,9 +178,10 @@ def main() -> None:
         run.record_loss(loss)
         if args.megatron_ddp:
             _, norm, _ = optimizer.step()  # Megatron's norm and clipping, then the update
+            scheduler.step(increment=samples)
         else:
             optimizer.step()
-        scheduler.step()
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:
             with open(os.path.join(args.out, "iterations.jsonl"), "a") as f:

@@ -322,3 +322,55 @@ def set_tracker_states(states: dict[str, bytes]) -> None:
     tracker.set_states(
         {name: torch.frombuffer(bytearray(raw), dtype=torch.uint8) for name, raw in states.items()}
     )
+
+
+class Scheduler:
+    """Megatron's ``OptimizerParamScheduler`` as ``leto.Run`` retains a torch LR
+    scheduler: its state per iteration (``state_dict``/``load_state_dict``), its steps
+    counted (``last_epoch``: one a iteration, checked) and one more replayed after a
+    recovery finished an interrupted update (``step()``, with the increment the script
+    last gave — Megatron-LM counts samples). The script keeps calling its own object's
+    ``step(increment=...)``."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.optimizer = scheduler.optimizer
+        self.last_epoch = 0
+        self.increment: int | None = None
+        self._loading = False
+        own = scheduler.step
+
+        def step(increment: int) -> None:
+            if not self._loading:
+                self.last_epoch += 1
+                self.increment = increment
+            own(increment)
+
+        scheduler.step = step
+
+    def state_dict(self) -> dict:
+        return {"megatron": self.scheduler.state_dict(), "increment": self.increment}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Megatron's adds the saved step count to its own (a fresh one's: 0).
+        self.scheduler.num_steps = 0
+        self._loading = True
+        try:
+            self.scheduler.load_state_dict(state["megatron"])
+        finally:
+            self._loading = False
+        self.increment = state["increment"]
+
+    def step(self) -> None:
+        self.scheduler.step(self.increment if self.increment is not None else 1)
+
+
+def schedulers(given: list) -> list:
+    """The schedulers ``leto.Run`` retains: Megatron's ``OptimizerParamScheduler`` wrapped
+    (``Scheduler``), torch's as they are."""
+    if not imported():
+        return given
+    return [
+        Scheduler(sc) if type(sc).__name__ == "OptimizerParamScheduler" else sc for sc in given
+    ]
+

@@ -171,8 +171,11 @@ class Run:
             [] if scheduler is None
             else list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
         )  # fmt: skip
+        self.schedulers = megatron.schedulers(self.schedulers)  # (Megatron's, retained alike)
         for sc in self.schedulers:
-            if not any(getattr(sc, "optimizer", None) is o for o in self.optimizers):
+            if not any(
+                getattr(sc, "optimizer", None) is o for o in [*self.optimizers, *megatron_optimizers]
+            ):
                 raise InvalidInput("an LR scheduler drives an optimizer that was not given")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise InvalidInput(f"scaler= takes a torch.amp.GradScaler, not {type(scaler).__name__}")
