@@ -265,3 +265,43 @@ def test_the_rng_tracker_is_retained_with_the_global_generators(monkeypatch):
     monkeypatch.setattr(tp_random, "_CUDA_RNG_STATE_TRACKER", graph_safe)
     with pytest.raises(InvalidInput, match="CUDA-graph safe"):
         _check(_Module())
+
+
+def test_megatrons_lr_scheduler_is_retained_and_replayed_with_the_scripts_increment():
+    import torch.distributed as dist
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from leto.errors import FatalFailure
+
+    def made():
+        opt = SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0}])
+        return OptimizerParamScheduler(
+            opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=32,
+            lr_decay_steps=160, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+            wd_incr_steps=160, wd_incr_style="constant",
+        )  # fmt: skip
+
+    store = dist.HashStore()
+    script = made()
+    (sc,) = megatron.schedulers([script], store, rank=3)
+    before = sc.state_dict()  # (a step record: made before the iteration's step)
+    script.step(increment=16)  # the script's own call
+    script.step(increment=16)
+    assert (sc.last_epoch, script.num_steps) == (2, 32)
+    with pytest.raises(InvalidInput, match="stepped by 8 after 16"):
+        script.step(increment=8)  # a batch-size ramp-up
+    # A promoted trainer's fresh scheduler: restored (not added to its own count), then
+    # the first step replayed with the increment published at the script's first step.
+    fresh = made()
+    (again,) = megatron.schedulers([fresh], store, rank=3)
+    again.load_state_dict(before)
+    assert fresh.num_steps == 0 and again.increment is None
+    again.step()
+    assert fresh.num_steps == 16 and again.last_epoch == 1
+    ref = made()
+    ref.step(16)  # (Megatron's own, never restored)
+    assert fresh.optimizer.param_groups[0]["lr"] == ref.optimizer.param_groups[0]["lr"] > 0
+    (unknown,) = megatron.schedulers([made()], dist.HashStore(), rank=3)
+    unknown.load_state_dict(before)
+    with pytest.raises(FatalFailure, match="increment the script gives it was never seen"):
+        unknown.step()

@@ -83,6 +83,13 @@ def shape_warmup(rank: int) -> str:
     return f"leto/rank{rank}/shape_warmup"
 
 
+def scheduler_increment(rank: int) -> str:
+    """The increment a script gives Megatron's LR scheduler each iteration (its samples),
+    published at its first step: what a recovery replays a step with, when the loop record
+    predates that first step (``leto.trainer.megatron.Scheduler``)."""
+    return f"leto/rank{rank}/scheduler_increment"
+
+
 def skip_init(rank: int) -> str:
     """"safe", or why not: whether a promoted trainer of ``rank`` may skip the model's
     initialization (``leto.trainer.skip_init``; written by the active trainer)."""

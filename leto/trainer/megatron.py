@@ -44,7 +44,8 @@ import sys
 
 import torch
 
-from leto.errors import InvalidInput
+from leto.errors import FatalFailure, InvalidInput
+from leto.job import keys
 from leto.trainer.dp_group import DPGroup
 
 _NOTHING = "; nothing was retained (docs/porting.md, Megatron-Core)"
@@ -328,20 +329,32 @@ class Scheduler:
     """Megatron's ``OptimizerParamScheduler`` as ``leto.Run`` retains a torch LR
     scheduler: its state per iteration (``state_dict``/``load_state_dict``), its steps
     counted (``last_epoch``: one a iteration, checked) and one more replayed after a
-    recovery finished an interrupted update (``step()``, with the increment the script
-    last gave — Megatron-LM counts samples). The script keeps calling its own object's
-    ``step(increment=...)``."""
+    recovery finished an interrupted update (``step()``). Megatron-LM's steps count
+    samples (``step(increment=global batch size)``): the replay takes the script's
+    increment — the same every iteration (a batch-size ramp-up is refused when the
+    increment changes), published in the store at its first step (``publish``) for a
+    record made before it. The script keeps calling its own object's ``step``."""
 
-    def __init__(self, scheduler):
+    def __init__(self, scheduler, publish=None, published=None):
         self.scheduler = scheduler
         self.optimizer = scheduler.optimizer
         self.last_epoch = 0
         self.increment: int | None = None
+        self._publish = publish or (lambda increment: None)
+        self._published = published or (lambda: None)
         self._loading = False
         own = scheduler.step
 
         def step(increment: int) -> None:
             if not self._loading:
+                if self.increment is None:
+                    self._publish(increment)
+                elif increment != self.increment:
+                    raise InvalidInput(
+                        f"Megatron's LR scheduler stepped by {increment} after {self.increment} "
+                        "(a batch-size ramp-up): not supported under Leto yet — its steps "
+                        "must be the same every iteration"
+                    )
                 self.last_epoch += 1
                 self.increment = increment
             own(increment)
@@ -362,15 +375,31 @@ class Scheduler:
         self.increment = state["increment"]
 
     def step(self) -> None:
-        self.scheduler.step(self.increment if self.increment is not None else 1)
+        increment = self.increment if self.increment is not None else self._published()
+        if increment is None:
+            raise FatalFailure(
+                "a recovery must replay Megatron's LR scheduler's first step, and the "
+                "increment the script gives it was never seen (the failure struck between "
+                "the first update and the scheduler's first step): it cannot resume exactly"
+            )
+        self.scheduler.step(increment)
 
 
-def schedulers(given: list) -> list:
+def schedulers(given: list, store=None, rank: int = 0) -> list:
     """The schedulers ``leto.Run`` retains: Megatron's ``OptimizerParamScheduler`` wrapped
-    (``Scheduler``), torch's as they are."""
+    (``Scheduler``, its increment published in ``store``), torch's as they are."""
     if not imported():
         return given
-    return [
-        Scheduler(sc) if type(sc).__name__ == "OptimizerParamScheduler" else sc for sc in given
-    ]
+    key = keys.scheduler_increment(rank)
 
+    def publish(increment: int) -> None:
+        if store is not None:
+            store.set(key, str(int(increment)))
+
+    def published() -> int | None:
+        return int(store.get(key)) if store is not None and store.check([key]) else None
+
+    return [
+        Scheduler(sc, publish, published) if type(sc).__name__ == "OptimizerParamScheduler" else sc
+        for sc in given
+    ]

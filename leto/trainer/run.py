@@ -171,7 +171,8 @@ class Run:
             [] if scheduler is None
             else list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
         )  # fmt: skip
-        self.schedulers = megatron.schedulers(self.schedulers)  # (Megatron's, retained alike)
+        # (Megatron's retained alike)
+        self.schedulers = megatron.schedulers(self.schedulers, ctx.store, ctx.rank)
         for sc in self.schedulers:
             if not any(
                 getattr(sc, "optimizer", None) is o for o in [*self.optimizers, *megatron_optimizers]
