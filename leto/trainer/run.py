@@ -291,7 +291,7 @@ class Run:
             model, ctx.store, ctx.rank, ctx.device,
             why_not="Megatron's DDP reduces gradients in its backward"
             if self._megatron_ddp is not None
-            else None if self.job.replicated and (ctx.world_size == 1 or self.job.dp.whole_world)
+            else None if ctx.world_size == 1 or (self.job.replicated and self.job.dp.whole_world)
             else "the model is sharded or split across ranks: its forward talks to them",
         )  # fmt: skip
         plugins.expose_model(lambda: model)
