@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +171,25 @@ def test_it_is_l3_only_and_can_be_turned_off(monkeypatch):
     assert run_ahead.wanted("L3") and not run_ahead.wanted("L2")
     monkeypatch.setenv(run_ahead.ENV_RUN_AHEAD, "0")
     assert not run_ahead.wanted("L3")
+
+
+def test_the_scripts_own_write_waits_also_when_leto_started_the_script(ahead, tmp_path):
+    # In a trainer Leto's launcher runs the script (runpy, from leto/launch/zygote.py), so
+    # Leto's frames are below every frame of the script's: the innermost frame that is
+    # not a library's decides whose step it is.
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import torch\n"
+        "def set_up(path):\n"
+        "    open(path, 'w').close()\n"  # the script's own log, emptied
+        "    torch.save({}, path + '.pt')\n"  # written by a library on its behalf
+    )
+    namespace: dict = {}
+    exec(compile(script.read_text(), str(script), "exec"), namespace)
+    launcher = str(Path(run_ahead.__file__).parent.parent / "launch" / "zygote.py")
+    runs = compile("def launch(f, path):\n    f(path)\n", launcher, "exec")  # "Leto's" frame
+    exec(runs, namespace)
+    target = tmp_path / "train.log"
+    ahead.start()
+    namespace["launch"](namespace["set_up"], str(target))
+    assert ahead.promotions == [f"opens {target} for writing"]

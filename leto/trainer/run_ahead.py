@@ -43,6 +43,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable
@@ -94,6 +95,15 @@ _PROCESSES = {
 }
 _OURS = tuple(
     str(Path(__file__).resolve().parents[2] / d) for d in ("leto", "faultkit", "verifiers")
+)
+# Where the standard library and installed packages live: their frames act for their caller.
+_LIBRARIES = tuple(
+    sorted(
+        {
+            os.path.realpath(sysconfig.get_paths()[k])
+            for k in ("stdlib", "platstdlib", "purelib", "platlib")
+        }
+    )
 )
 _state: dict = {"ahead": None, "hooked": False, "ran": False}
 
@@ -376,12 +386,20 @@ def _side_effect(event: str, args: tuple) -> str | None:
 
 
 def _ours() -> bool:
-    """Whether Leto's, faultkit's or the verifiers' code is on the stack: what they do
-    while the script runs ahead (a rank log line, the park's own requests) is theirs."""
+    """Whether the event is Leto's, faultkit's or the verifiers' doing (a rank log line,
+    the park's own requests), not the script's: the innermost frame that is neither the
+    standard library's nor an installed package's (torch's ``save``, say, works for
+    whoever called it) decides. Leto's own frames are below the script's in every
+    trainer (its launcher runs the script), so *any* of ours on the stack is not the
+    test."""
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if not name.startswith("<") and os.path.realpath(name).startswith(_OURS):
-            return True
+        if not name.startswith("<"):
+            path = os.path.realpath(name)
+            if path.startswith(_OURS):
+                return True
+            if not path.startswith(_LIBRARIES):
+                return False  # the script's own code (or a module beside it)
         f = f.f_back
     return False
