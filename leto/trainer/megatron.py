@@ -216,18 +216,7 @@ def check(
 
 
 def _refuse_wrappers(model: torch.nn.Module, optimizers: list, adopted=None) -> None:
-    ddp = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
-    if (
-        adopted is None
-        and ddp is not None
-        and any(isinstance(m, ddp.DistributedDataParallel) for m in model.modules())
-    ):
-        raise InvalidInput(
-            "leto.Run: the model is wrapped in Megatron's DistributedDataParallel, whose "
-            "gradients live in main_grad (a torch optimizer would update nothing): not "
-            "supported under Leto yet — give leto.Run the unwrapped model, which reduces "
-            "the gradients itself" + _NOTHING
-        )
+    # (Megatron's DDP: ``adopt`` took it with its optimizer, or refused it already.)
     fp16 = sys.modules.get("megatron.core.transformer.module")
     if (
         adopted is None  # (Megatron's optimizer: its fp32 main copies are retained)

@@ -134,9 +134,10 @@ class Run:
         data_parallel, dp = megatron.check(
             model, self.optimizers, data_parallel, self._megatron_ddp
         )
-        # What Leto retains: the model's parameters, or under Megatron's
-        # DistributedOptimizer this rank's fp32 main shards (each rank its own: nothing
-        # replicated to reduce or compare; the model's parameters are their cast).
+        # What Leto retains: the model's parameters, or the fp32 main copies Megatron's
+        # optimizer keeps apart from them (its Float16 optimizer's; its
+        # DistributedOptimizer's shards, each rank its own: nothing replicated to reduce
+        # or compare). The model's parameters are then their cast.
         self._main_copies = self._megatron_ddp is not None and megatron.main_copies(
             megatron_optimizers
         )

@@ -2,8 +2,8 @@
 
 A process's first forward and backward on a GPU loads the kernels those shapes pick
 (GEMM tiles, attention, reductions), asks cuBLAS(Lt) for its heuristics and grows the
-caching allocator: 0.40–0.43 s against ≈ 0.2 s steady for the 1.1 B plain port on the
-H200 (docs/benchmarks.md), on a promoted trainer's critical path. The parked shadow's
+caching allocator — on a promoted trainer's critical path (docs/benchmarks.md, "Recovery
+as the user lives it", has what it cost and what this saves). The parked shadow's
 generic warm-up (``leto.trainer.warmup.generic_step``) runs a stand-in; a shadow that ran
 the script's set-up ahead (``leto.trainer.run_ahead``) holds the script's model itself, so
 before it waits for its promotion it runs that model once on throwaway inputs shaped as
