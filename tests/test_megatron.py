@@ -2,8 +2,9 @@
 parallel state, GPTModel (dropout on), RNG tracker, schedule, gradient norm and clipping,
 under ``leto run`` — ends bit-identical to ``gpt_torchrun.py`` (the same script under
 torchrun with torch's DDP over Megatron's data-parallel group, or with ``--megatron-ddp``
-Megatron's own DDP and optimizer) at tensor parallel 2, at data parallel 2 and at tensor
-2 × data 2, with a rank killed in the update and pages lost; what is not supported yet is
+Megatron's own DDP and optimizer) at tensor parallel 2, at data parallel 2, at tensor
+2 × data 2, at pipeline 2 and pipeline 2 × data 2, with a rank killed in the update and
+pages lost; what is not supported yet is
 refused by name when
 ``leto.Run`` is made; Megatron's RNG tracker is retained without the script's help."""
 
@@ -100,8 +101,32 @@ CUDA_POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_inje
 def test_the_megatron_port_is_bit_identical_to_torchrun_after_a_kill(
     tmp_path, tp, world, device, ddp
 ):
+    _bit_identical_after_a_kill(tmp_path, ["--tp", str(tp)], world, device, ddp)
+
+
+@pytest.mark.integ
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(
+    "pp, world, ddp",
+    [
+        (2, 2, "torch"),  # two stages, the tied embedding summed over them by the script
+        # Pipeline x data, Megatron's DDP (replicas: the ranks of one stage), with its
+        # finalize_model_grads. (Not torch's DDP: it decides to reduce at forward time,
+        # and the schedule runs the last micro-batch's forward under no_sync, so under
+        # torchrun it never reduces.)
+        (2, 4, "megatron"),
+        (2, 4, "megatron-distopt-bf16"),
+    ],
+)  # fmt: skip
+def test_a_megatron_pipeline_is_bit_identical_to_torchrun_after_a_kill(tmp_path, pp, world, ddp):
+    # The last stage's last rank killed in its update: every stage recovers to the same
+    # iteration, the first stage's from its own pool.
+    _bit_identical_after_a_kill(tmp_path, ["--pp", str(pp)], world, "cpu", ddp)
+
+
+def _bit_identical_after_a_kill(tmp_path, layout: list[str], world: int, device: str, ddp: str):
     ref = tmp_path / "torchrun"
-    args = ["--tp", str(tp), "--iterations", str(ITERS)]
+    args = [*layout, "--iterations", str(ITERS)]
     args += {
         "torch": [],
         "megatron": ["--megatron-ddp"],
@@ -235,8 +260,13 @@ def test_the_parallel_state_decides_what_is_reduced_and_over_which_ranks(monkeyp
         _check(_Module(), dp=False)
     sizes.update(tp=2, dp=2)  # tensor x data: the replicas are Megatron's data-parallel group
     assert _check(_Module()) == (True, megatron.DPGroup("dp-group", (1, 3)))
-    sizes.update(tp=1, dp=2, pp=2)
-    with pytest.raises(InvalidInput, match="pipeline parallelism"):
+    sizes.update(tp=1, dp=1, pp=2)  # pipeline over the world: stages, no replica
+    assert _check(_Module()) == (False, None)
+    sizes.update(tp=1, dp=2, pp=2)  # pipeline x data: the replicas are one stage's ranks
+    assert _check(_Module()) == (True, megatron.DPGroup("dp-group", (1, 3)))
+    # Several model chunks a stage (the interleaved schedule): not yet.
+    monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
+    with pytest.raises(InvalidInput, match="interleaved pipeline schedule .2 model chunks"):
         _check(_Module())
 
 

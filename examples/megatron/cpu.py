@@ -13,7 +13,7 @@ without a GPU:
 * ``clip_grad_by_total_norm_fp32`` is Megatron's own, less its CUDA type assertion (the
   same arithmetic: ``local_multi_tensor_scale``), and a tensor's ``type()`` names the CUDA
   type (what Megatron's DistributedOptimizer sorts tensors by);
-* streams are no-ops.
+* streams, and waiting for the device (its pipeline's sends), are no-ops.
 
 An emulation for a CPU machine: the arithmetic is the CPU's, and on a GPU nothing of this
 is needed or done (``gpt_leto.py``/``gpt_torchrun.py`` import it only where torch sees no
@@ -58,6 +58,7 @@ class CudaIsCpu(TorchFunctionMode):
 
 torch.cuda.current_device = lambda: 0
 torch.cuda.current_stream = lambda *a, **k: contextlib.nullcontext()
+torch.cuda.synchronize = lambda *a, **k: None
 torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
 torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
 torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)

@@ -1,6 +1,7 @@
 """A Megatron-Core GPT job as its users write it, under torchrun: Megatron's parallel
-state (tensor parallel ``--tp``, data parallel over the other ranks with torch's DDP),
-its ``GPTModel`` (the local layer spec, dropout on), its RNG tracker, its schedule
+state (tensor parallel ``--tp``, pipeline stages ``--pp``, data parallel over the other
+ranks with torch's DDP), its ``GPTModel`` (the local layer spec, dropout on, the
+embedding tied to the output layer as in Megatron-LM), its RNG tracker, its schedule
 (micro-batches, ``no_sync``), its gradient norm and clipping over the model-parallel
 group; torch's AdamW with two parameter groups and a warm-up schedule. ``gpt_leto.py`` is
 the same script under Leto (``docs/porting.md``, "Megatron-Core").
@@ -8,7 +9,8 @@ the same script under Leto (``docs/porting.md``, "Megatron-Core").
     torchrun --nproc-per-node 2 examples/megatron/gpt_torchrun.py --tp 2 --out out
 
 On a machine without a GPU it runs on the CPU over gloo (``cpu.py``, an emulation).
-Writes ``iterations.jsonl`` (rank 0) and ``rank{r}.params.pt``.
+Writes ``iterations.jsonl`` (the last stage's first rank: rank 0 without pipelines) and
+``rank{r}.params.pt``.
 """
 
 import argparse
@@ -28,7 +30,10 @@ if not CUDA:
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel as MegatronDDP  # noqa: E402
-from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
@@ -51,6 +56,11 @@ def tokens(dp_rank: int, it: int, micro: int, batch: int, seq: int, vocab: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the rest: data)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
+    ap.add_argument(
+        "--untie-embeddings-and-output-weights", action="store_true",
+        help="an output layer of its own (Megatron-LM's flag; tied by default, as there)",
+    )
     ap.add_argument("--layers", type=int, default=2, help="transformer layers")
     ap.add_argument("--hidden", type=int, default=64, help="hidden size")
     ap.add_argument("--heads", type=int, default=4, help="attention heads")
@@ -86,17 +96,23 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     torch.use_deterministic_algorithms(True)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)  # the RNG tracker
     torch.manual_seed(args.seed)
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         hidden_dropout=0.1, attention_dropout=0.1, use_cpu_initialization=True,
         bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
     )  # fmt: skip
     model = GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=args.vocab, max_sequence_length=args.seq,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     ).to(device)  # fmt: skip
     if args.megatron_ddp:  # Megatron's way: its DDP's buffers, its optimizer over them
         sharded = args.distributed_optimizer
@@ -136,6 +152,10 @@ def main() -> None:
         model = DDP(model, process_group=parallel_state.get_data_parallel_group())
     config.no_sync_func = model.no_sync if hasattr(model, "no_sync") else None
     dp_rank = parallel_state.get_data_parallel_rank()
+    # The log's writer: the last stage's first rank (rank 0 without pipelines).
+    writer = parallel_state.is_pipeline_last_stage() and dp_rank == 0 and (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+    )
     position_ids = torch.arange(args.seq, device=device).unsqueeze(0)
     forward_backward = get_forward_backward_func()
     os.makedirs(args.out, exist_ok=True)
@@ -162,10 +182,19 @@ def main() -> None:
             num_microbatches=args.micro_batches, seq_length=args.seq,
             micro_batch_size=args.micro_batch, forward_only=False,
         )  # fmt: skip
-        loss = torch.stack([g["loss"] for g in got]).mean()
+        # (the last pipeline stage's: the others compute no loss)
+        loss = torch.stack([g["loss"] for g in got]).mean() if got else torch.zeros(())
         if args.megatron_ddp:
-            model.finish_grad_sync()  # (Megatron-LM's finalize_model_grads)
+            # Megatron-LM's: the data-parallel reduction, then the tied embedding's
+            # gradient summed over the first and last pipeline stages.
+            finalize_model_grads([model])
         else:
+            # The tied embedding's two copies (first and last stage): their gradients
+            # summed, as Megatron-LM's finalize_model_grads does.
+            gpt = getattr(model, "module", model)
+            tied = gpt.shared_embedding_or_output_weight()
+            if args.pp > 1 and gpt.share_embeddings_and_output_weights and tied is not None:
+                dist.all_reduce(tied.grad, group=parallel_state.get_embedding_group())
             # Megatron's norm: every gradient once across the model-parallel group.
             params = list(model.parameters())
             grads = [
@@ -183,7 +212,7 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if rank == 0:
+        if writer:
             with open(os.path.join(args.out, "iterations.jsonl"), "a") as f:
                 f.write(
                     json.dumps({"iteration": it, "loss": loss.item(), "grad_norm": norm}) + "\n"

@@ -6,11 +6,13 @@ never imports it otherwise). A Megatron job under Leto is Megatron's ``GPTModel`
 of its modules) driven by Megatron's schedule, with torch's optimizer, scheduler and
 Leto's gradient reduction where the script had torch's DDP:
 
-* Megatron's parallel state says which ranks hold replicas: tensor parallel over the
-  whole world (every rank its own shards: nothing reduced, as a pipeline stage is), data
-  parallel over the whole world (gradients reduced as DDP would), or tensor × data
-  parallel (gradients reduced, ranks compared, over Megatron's data-parallel group: the
-  ranks of one tensor-parallel position);
+* Megatron's parallel state says which ranks hold replicas: tensor or pipeline parallel
+  over the whole world (every rank its own shards or stage: nothing reduced), data
+  parallel over the whole world (gradients reduced as DDP would), or data parallel within
+  tensor × pipeline (gradients reduced, ranks compared, over Megatron's data-parallel
+  group: the ranks of one tensor-parallel position and pipeline stage); a pipeline is
+  Megatron's schedule of one model chunk a stage (the script sums the tied embedding's
+  gradient over the first and last stage, as Megatron-LM's ``finalize_model_grads``);
 * Megatron's RNG tracker (the named generator states its dropout forks) is retained with
   torch's global generators (``leto.trainer.rng_state``), without the script's help.
 
@@ -34,7 +36,8 @@ with a torch optimizer (its gradients live in ``main_grad``: the optimizer would
 nothing), Megatron FSDP, several optimizer instances, loss scaling (fp16)
 (docs/megatron-distopt.md); ``Float16Module`` without Megatron's optimizer; apex's and
 TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
-fp8/fp4; pipeline, context and expert parallelism; RNG trackers other than Megatron's own
+fp8/fp4; the interleaved pipeline schedule (several model chunks a stage); context and
+expert parallelism; RNG trackers other than Megatron's own
 ``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
 """
 
@@ -194,7 +197,6 @@ def check(
     if not ps.model_parallel_is_initialized():
         return data_parallel, None
     sizes = {
-        "pipeline": ps.get_pipeline_model_parallel_world_size(),
         "context": ps.get_context_parallel_world_size(),
         "expert": ps.get_expert_model_parallel_world_size(),
     }
@@ -204,13 +206,21 @@ def check(
                 f"leto.Run: Megatron's {what} parallelism ({what} parallel size {n}) is not "
                 f"supported under Leto yet" + _NOTHING
             )
+    virtual = ps.get_virtual_pipeline_model_parallel_world_size()
+    if virtual is not None and virtual > 1:
+        raise InvalidInput(
+            f"leto.Run: Megatron's interleaved pipeline schedule ({virtual} model chunks a "
+            "stage) is not supported under Leto yet — one chunk a stage is" + _NOTHING
+        )
     tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
     if dp > 1 and not data_parallel:
         raise InvalidInput(
             f"leto.Run(data_parallel=False): Megatron's parallel state has {dp} data-parallel "
             "replicas, whose gradients must be reduced" + _NOTHING
         )
-    if tp > 1 and dp > 1:  # the replicas: the ranks of this tensor-parallel position
+    if dp > 1 and tp * pp > 1:
+        # The replicas: the ranks of this tensor-parallel position and pipeline stage.
         return True, DPGroup.of(ps.get_data_parallel_group())
     return dp > 1, None
 
