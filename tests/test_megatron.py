@@ -124,6 +124,23 @@ def test_a_megatron_pipeline_is_bit_identical_to_torchrun_after_a_kill(tmp_path,
     _bit_identical_after_a_kill(tmp_path, ["--pp", str(pp)], world, "cpu", ddp)
 
 
+@pytest.mark.integ
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(
+    "world, ddp",
+    [
+        (2, "megatron"),  # expert parallel 2: each rank two of the four experts
+        # expert parallel 2 x data 4: each expert on two ranks, its gradients reduced over
+        # that pair (Megatron's expert buffers), the DistributedOptimizer's shards in bf16
+        (4, "megatron-distopt-bf16"),
+    ],
+)  # fmt: skip
+def test_a_megatron_mixture_of_experts_is_bit_identical_to_torchrun_after_a_kill(
+    tmp_path, world, ddp
+):
+    _bit_identical_after_a_kill(tmp_path, ["--experts", "4", "--ep", "2"], world, "cpu", ddp)
+
+
 def _bit_identical_after_a_kill(tmp_path, layout: list[str], world: int, device: str, ddp: str):
     ref = tmp_path / "torchrun"
     args = [*layout, "--iterations", str(ITERS)]
@@ -249,7 +266,7 @@ def test_the_parallel_state_decides_what_is_reduced_and_over_which_ranks(monkeyp
     monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda: sizes["dp"])
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: sizes["pp"])
     monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: 1)
-    monkeypatch.setattr(ps, "get_expert_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(ps, "get_expert_model_parallel_world_size", lambda: sizes.get("ep", 1))
     monkeypatch.setattr(ps, "get_data_parallel_group", lambda: "dp-group")
     monkeypatch.setattr(megatron.DPGroup, "of", classmethod(lambda cls, g: cls(g, (1, 3))))
     # tensor parallel over the world: shards, no replica
@@ -264,6 +281,15 @@ def test_the_parallel_state_decides_what_is_reduced_and_over_which_ranks(monkeyp
     assert _check(_Module()) == (False, None)
     sizes.update(tp=1, dp=2, pp=2)  # pipeline x data: the replicas are one stage's ranks
     assert _check(_Module()) == (True, megatron.DPGroup("dp-group", (1, 3)))
+    # Experts: Megatron's DDP reduces them over their own replicas; Leto's would not.
+    sizes.update(tp=1, dp=2, pp=1, ep=2)
+    with pytest.raises(InvalidInput, match="expert parallel size 2.* needs Megatron's Dist"):
+        _check(_Module())
+    ddp = object()  # (what adopt accepted: Megatron's DDP)
+    assert megatron.check(_Module(), [torch.optim.AdamW(_Module().parameters())], True, ddp) == (
+        False, None
+    )  # fmt: skip
+    sizes.update(ep=1)
     # Several model chunks a stage (the interleaved schedule): not yet.
     monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
     with pytest.raises(InvalidInput, match="interleaved pipeline schedule .2 model chunks"):

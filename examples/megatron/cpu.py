@@ -13,7 +13,9 @@ without a GPU:
 * ``clip_grad_by_total_norm_fp32`` is Megatron's own, less its CUDA type assertion (the
   same arithmetic: ``local_multi_tensor_scale``), and a tensor's ``type()`` names the CUDA
   type (what Megatron's DistributedOptimizer sorts tensors by);
-* streams, and waiting for the device (its pipeline's sends), are no-ops.
+* streams, and waiting for the device (its pipeline's sends), are no-ops;
+* the MoE router's ``te_general_gemm``, which megatron-core 0.16.1 leaves undefined
+  without TransformerEngine, is None (its own check's meaning: torch's matmul).
 
 An emulation for a CPU machine: the arithmetic is the CPU's, and on a GPU nothing of this
 is needed or done (``gpt_leto.py``/``gpt_torchrun.py`` import it only where torch sees no
@@ -56,7 +58,9 @@ class CudaIsCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-torch.cuda.current_device = lambda: 0
+# The CPU itself, not an index: Megatron's backward functions (a MoE's gathers) allocate
+# on it where the function mode above no longer applies.
+torch.cuda.current_device = lambda: CPU
 torch.cuda.current_stream = lambda *a, **k: contextlib.nullcontext()
 torch.cuda.synchronize = lambda *a, **k: None
 torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
@@ -109,3 +113,11 @@ def _cuda_type(self, *args, **kwargs):
 
 
 torch.Tensor.type = _cuda_type
+
+# megatron-core 0.16.1's router reads ``te_general_gemm`` where TransformerEngine is not
+# installed, where it was never defined (a NameError in the first MoE forward): None,
+# which is what its own check means, so the router takes torch's matmul.
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None

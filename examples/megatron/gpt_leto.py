@@ -54,6 +54,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the rest: data)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
+    ap.add_argument("--experts", type=int, default=0, help="a mixture of experts (0: dense)")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     ap.add_argument(
         "--untie-embeddings-and-output-weights", action="store_true",
         help="an output layer of its own (Megatron-LM's flag; tied by default, as there)",
@@ -94,7 +96,8 @@ def main() -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     torch.use_deterministic_algorithms(True)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        expert_model_parallel_size=args.ep,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)  # the RNG tracker
     torch.manual_seed(args.seed)
@@ -103,9 +106,13 @@ def main() -> None:
         hidden_dropout=0.1, attention_dropout=0.1, use_cpu_initialization=True,
         bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        num_moe_experts=args.experts or None, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+        add_bias_linear=not args.experts,  # (MoE models have none: OLMoE, Mixtral)
     )  # fmt: skip
     model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.experts or None),
         vocab_size=args.vocab, max_sequence_length=args.seq,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         pre_process=parallel_state.is_pipeline_first_stage(),

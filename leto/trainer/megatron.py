@@ -13,6 +13,10 @@ Leto's gradient reduction where the script had torch's DDP:
   group: the ranks of one tensor-parallel position and pipeline stage); a pipeline is
   Megatron's schedule of one model chunk a stage (the script sums the tied embedding's
   gradient over the first and last stage, as Megatron-LM's ``finalize_model_grads``);
+* a mixture of experts over expert parallelism (Megatron's MoE layers, each rank its own
+  experts) with Megatron's DDP and optimizer: its expert buffers reduce the experts'
+  gradients over the expert-data-parallel group, Leto retains each rank's experts as its
+  own (the replica checks off);
 * Megatron's RNG tracker (the named generator states its dropout forks) is retained with
   torch's global generators (``leto.trainer.rng_state``), without the script's help.
 
@@ -36,8 +40,8 @@ with a torch optimizer (its gradients live in ``main_grad``: the optimizer would
 nothing), Megatron FSDP, several optimizer instances, loss scaling (fp16)
 (docs/megatron-distopt.md); ``Float16Module`` without Megatron's optimizer; apex's and
 TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
-fp8/fp4; the interleaved pipeline schedule (several model chunks a stage); context and
-expert parallelism; RNG trackers other than Megatron's own
+fp8/fp4; the interleaved pipeline schedule (several model chunks a stage); context
+parallelism; expert parallelism without Megatron's DDP; RNG trackers other than Megatron's own
 ``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
 """
 
@@ -91,11 +95,6 @@ def adopt(model: torch.nn.Module, optimizers: list) -> tuple[list, torch.nn.Modu
                 f"leto.Run: Megatron's DistributedDataParallel with {flag}=True is not "
                 "supported under Leto yet" + _NOTHING
             )
-    if getattr(ddp, "expert_parallel_buffers", None):
-        raise InvalidInput(
-            "leto.Run: Megatron's DistributedDataParallel holds expert-parallel buffers: "
-            "expert parallelism is not supported under Leto yet" + _NOTHING
-        )
     inner = []
     for opt in optimizers:
         if not type(opt).__module__.startswith("megatron."):
@@ -196,16 +195,20 @@ def check(
     ps = sys.modules["megatron.core.parallel_state"]
     if not ps.model_parallel_is_initialized():
         return data_parallel, None
-    sizes = {
-        "context": ps.get_context_parallel_world_size(),
-        "expert": ps.get_expert_model_parallel_world_size(),
-    }
-    for what, n in sizes.items():
-        if n > 1:
-            raise InvalidInput(
-                f"leto.Run: Megatron's {what} parallelism ({what} parallel size {n}) is not "
-                f"supported under Leto yet" + _NOTHING
-            )
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        raise InvalidInput(
+            f"leto.Run: Megatron's context parallelism (context parallel size {cp}) is not "
+            "supported under Leto yet" + _NOTHING
+        )
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep > 1 and ddp is None:
+        raise InvalidInput(
+            f"leto.Run: Megatron's expert parallelism (expert parallel size {ep}) needs "
+            "Megatron's DistributedDataParallel and optimizer under Leto: its expert buffers "
+            "reduce the experts' gradients over the expert-data-parallel group, which Leto's "
+            "own reduction does not" + _NOTHING
+        )
     virtual = ps.get_virtual_pipeline_model_parallel_world_size()
     if virtual is not None and virtual > 1:
         raise InvalidInput(
@@ -219,6 +222,11 @@ def check(
             f"leto.Run(data_parallel=False): Megatron's parallel state has {dp} data-parallel "
             "replicas, whose gradients must be reduced" + _NOTHING
         )
+    if ep > 1:
+        # Each rank's experts its own (replicas only over the expert-data-parallel
+        # group): Megatron reduces them; the replica checks are off, as under the
+        # DistributedOptimizer.
+        return False, None
     if dp > 1 and tp * pp > 1:
         # The replicas: the ranks of this tensor-parallel position and pipeline stage.
         return True, DPGroup.of(ps.get_data_parallel_group())
