@@ -107,21 +107,27 @@ def test_the_megatron_port_is_bit_identical_to_torchrun_after_a_kill(
 @pytest.mark.integ
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
-    "pp, world, ddp",
+    "layout, world, ddp",
     [
-        (2, 2, "torch"),  # two stages, the tied embedding summed over them by the script
+        ("--pp 2", 2, "torch"),  # two stages, the tied embedding summed by the script
         # Pipeline x data, Megatron's DDP (replicas: the ranks of one stage), with its
         # finalize_model_grads. (Not torch's DDP: it decides to reduce at forward time,
         # and the schedule runs the last micro-batch's forward under no_sync, so under
         # torchrun it never reduces.)
-        (2, 4, "megatron"),
-        (2, 4, "megatron-distopt-bf16"),
+        ("--pp 2", 4, "megatron"),
+        ("--pp 2", 4, "megatron-distopt-bf16"),
+        # The interleaved schedule: two model chunks a stage, a Megatron DDP object each,
+        # given to leto.Run as a list.
+        ("--pp 2 --vpp 2 --layers 4", 2, "megatron"),
+        ("--pp 2 --vpp 2 --layers 4", 4, "megatron-distopt-bf16"),
     ],
 )  # fmt: skip
-def test_a_megatron_pipeline_is_bit_identical_to_torchrun_after_a_kill(tmp_path, pp, world, ddp):
+def test_a_megatron_pipeline_is_bit_identical_to_torchrun_after_a_kill(
+    tmp_path, layout, world, ddp
+):
     # The last stage's last rank killed in its update: every stage recovers to the same
     # iteration, the first stage's from its own pool.
-    _bit_identical_after_a_kill(tmp_path, ["--pp", str(pp)], world, "cpu", ddp)
+    _bit_identical_after_a_kill(tmp_path, layout.split(), world, "cpu", ddp)
 
 
 @pytest.mark.integ
@@ -208,14 +214,14 @@ def test_megatrons_ddp_takes_its_fp32_optimizer_and_refuses_the_rest_by_name():
     fp32.optimizer = inner
     chained = ChainedOptimizer.__new__(ChainedOptimizer)
     chained.chained_optimizers = [fp32]
-    assert megatron.adopt(wrapped, [chained]) == ([inner], wrapped)
+    assert megatron.adopt(wrapped, [chained]) == ([inner], [wrapped])
     from megatron.core.optimizer import DistributedOptimizer
     from megatron.core.optimizer import Float16OptimizerWithFloat16Params as Half
 
     half = object.__new__(Half)  # (not built: its kind and what adopt reads)
     half.optimizer, half.grad_scaler = inner, None
     chained.chained_optimizers = [half]
-    assert megatron.adopt(wrapped, [chained]) == ([inner], wrapped)
+    assert megatron.adopt(wrapped, [chained]) == ([inner], [wrapped])
     half.grad_scaler = object()  # fp16's loss scaling
     with pytest.raises(InvalidInput, match="with a loss scaler .* train in bf16"):
         megatron.adopt(wrapped, [chained])
@@ -232,6 +238,12 @@ def test_megatrons_ddp_takes_its_fp32_optimizer_and_refuses_the_rest_by_name():
     wrapped.ddp_config = DistributedDataParallelConfig(num_distributed_optimizer_instances=2)
     with pytest.raises(InvalidInput, match="several DistributedOptimizer instances"):
         megatron.adopt(wrapped, [chained])
+    # Model chunks (the interleaved schedule): each its own Megatron DDP, or refused.
+    wrapped.ddp_config = DistributedDataParallelConfig()
+    chained.chained_optimizers = [fp32]
+    assert megatron.adopt([wrapped, wrapped], [chained]) == ([inner], [wrapped, wrapped])
+    with pytest.raises(InvalidInput, match="a list of model chunks as Megatron's Dist"):
+        megatron.adopt([wrapped, _Module()], [chained])
     opt = ChainedOptimizer.__new__(ChainedOptimizer)  # (a MegatronOptimizer of them)
     with pytest.raises(InvalidInput, match="Megatron's optimizer ChainedOptimizer"):
         _check(_Module(), opt)
@@ -285,15 +297,19 @@ def test_the_parallel_state_decides_what_is_reduced_and_over_which_ranks(monkeyp
     sizes.update(tp=1, dp=2, pp=1, ep=2)
     with pytest.raises(InvalidInput, match="expert parallel size 2.* needs Megatron's Dist"):
         _check(_Module())
-    ddp = object()  # (what adopt accepted: Megatron's DDP)
+    ddp = [object()]  # (what adopt accepted: Megatron's DDP)
     assert megatron.check(_Module(), [torch.optim.AdamW(_Module().parameters())], True, ddp) == (
         False, None
     )  # fmt: skip
-    sizes.update(ep=1)
-    # Several model chunks a stage (the interleaved schedule): not yet.
+    sizes.update(ep=1, pp=2)
+    # Several model chunks a stage (the interleaved schedule): a Megatron DDP object each.
     monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
-    with pytest.raises(InvalidInput, match="interleaved pipeline schedule .2 model chunks"):
+    with pytest.raises(InvalidInput, match="schedule has 2 model chunks a stage, and leto.Run "):
         _check(_Module())
+    two = [object(), object()]
+    assert megatron.check(_Module(), [torch.optim.AdamW(_Module().parameters())], True, two) == (
+        True, megatron.DPGroup("dp-group", (1, 3))
+    )  # fmt: skip
 
 
 def test_the_rng_tracker_is_retained_with_the_global_generators(monkeypatch):

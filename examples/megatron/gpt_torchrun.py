@@ -1,5 +1,6 @@
 """A Megatron-Core GPT job as its users write it, under torchrun: Megatron's parallel
-state (tensor parallel ``--tp``, pipeline stages ``--pp``, experts ``--experts`` over
+state (tensor parallel ``--tp``, pipeline stages ``--pp`` of ``--vpp`` model chunks each
+— Megatron's interleaved schedule —, experts ``--experts`` over
 expert parallel ``--ep``, data parallel over the other ranks with torch's DDP or
 ``--megatron-ddp`` Megatron's), its ``GPTModel`` (the local layer spec, dropout on, the
 embedding tied to the output layer as in Megatron-LM), its RNG tracker, its schedule
@@ -58,6 +59,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the rest: data)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
+    ap.add_argument(
+        "--vpp", type=int, default=1,
+        help="model chunks a stage (Megatron's interleaved schedule; with --megatron-ddp)",
+    )
     ap.add_argument("--experts", type=int, default=0, help="a mixture of experts (0: dense)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     ap.add_argument(
@@ -93,6 +98,9 @@ def main() -> None:
     )
     ap.add_argument("--out", default="out", help="iterations.jsonl and parameters")
     args = ap.parse_args()
+    if args.vpp > 1 and not args.megatron_ddp:
+        ap.error("--vpp takes --megatron-ddp (a DDP object a model chunk)")
+    vpp = args.vpp if args.vpp > 1 else None
     dist.init_process_group("nccl" if CUDA else "gloo")
     rank, device = dist.get_rank(), torch.device("cuda" if CUDA else "cpu")
     if CUDA:
@@ -101,7 +109,7 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-        expert_model_parallel_size=args.ep,
+        expert_model_parallel_size=args.ep, virtual_pipeline_model_parallel_size=vpp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)  # the RNG tracker
     torch.manual_seed(args.seed)
@@ -113,31 +121,42 @@ def main() -> None:
         num_moe_experts=args.experts or None, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
         moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
         add_bias_linear=not args.experts,  # (MoE models have none: OLMoE, Mixtral)
+        virtual_pipeline_model_parallel_size=vpp,
+        microbatch_group_size_per_vp_stage=args.pp if vpp else None,
     )  # fmt: skip
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.experts or None),
-        vocab_size=args.vocab, max_sequence_length=args.seq,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-    ).to(device)  # fmt: skip
+
+    def gpt(vp):  # a model chunk (vp: its place among this stage's, interleaved)
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.experts or None),
+            vocab_size=args.vocab, max_sequence_length=args.seq,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            vp_stage=vp,
+        ).to(device)  # fmt: skip
+
+    model = gpt(None) if vpp is None else [gpt(vp) for vp in range(vpp)]
     if args.megatron_ddp:  # Megatron's way: its DDP's buffers, its optimizer over them
         sharded = args.distributed_optimizer
+        chunks = model if vpp else [model]
         if args.bf16:
-            model = Float16Module(config, model)
+            chunks = [Float16Module(config, c) for c in chunks]
         ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=True, bucket_size=20_000, use_distributed_optimizer=sharded,
             grad_reduce_in_fp32=args.bf16,
         )  # fmt: skip
-        model = MegatronDDP(config, ddp_config, model)
+        chunks = [
+            MegatronDDP(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)
+        ]  # fmt: skip
+        model = chunks if vpp else chunks[0]
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.1, adam_beta1=0.9,
                 adam_beta2=0.95, clip_grad=args.clip, use_distributed_optimizer=sharded,
                 bf16=args.bf16,
             ),
-            [model],
+            chunks,
         )  # fmt: skip
         # Megatron-LM's schedule: its steps count samples.
         samples = args.micro_batch * args.micro_batches * parallel_state.get_data_parallel_world_size()
@@ -158,7 +177,11 @@ def main() -> None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 3))
     if parallel_state.get_data_parallel_world_size() > 1 and not args.megatron_ddp:
         model = DDP(model, process_group=parallel_state.get_data_parallel_group())
-    config.no_sync_func = model.no_sync if hasattr(model, "no_sync") else None
+    each = model if vpp else [model]  # the model chunks Megatron's schedule takes
+    if vpp:  # (the interleaved schedule: one a chunk)
+        config.no_sync_func = [c.no_sync for c in each]
+    else:
+        config.no_sync_func = model.no_sync if hasattr(model, "no_sync") else None
     dp_rank = parallel_state.get_data_parallel_rank()
     # The log's writer: the last stage's first rank (rank 0 without pipelines).
     writer = parallel_state.is_pipeline_last_stage() and dp_rank == 0 and (
@@ -180,13 +203,15 @@ def main() -> None:
 
     for it in range(args.iterations):
         if args.megatron_ddp:
-            model.zero_grad_buffer()  # Megatron's gradient buffers, zeroed as Megatron-LM does
-        batches = iter([
+            for c in each:  # Megatron's gradient buffers, zeroed as Megatron-LM does
+                c.zero_grad_buffer()
+        batches = [
             tokens(dp_rank, it, m, args.micro_batch, args.seq, args.vocab)
             for m in range(args.micro_batches)
-        ])  # fmt: skip
+        ]  # fmt: skip
         got = forward_backward(
-            forward_step_func=forward_step, data_iterator=batches, model=[model],
+            forward_step_func=forward_step, model=each,
+            data_iterator=[iter(batches) for _ in each] if vpp else iter(batches),
             num_microbatches=args.micro_batches, seq_length=args.seq,
             micro_batch_size=args.micro_batch, forward_only=False,
         )  # fmt: skip
@@ -195,7 +220,7 @@ def main() -> None:
         if args.megatron_ddp:
             # Megatron-LM's: the data-parallel reduction, then the tied embedding's
             # gradient summed over the first and last pipeline stages.
-            finalize_model_grads([model])
+            finalize_model_grads(each)
         else:
             # The tied embedding's two copies (first and last stage): their gradients
             # summed, as Megatron-LM's finalize_model_grads does.
@@ -225,11 +250,14 @@ def main() -> None:
                 f.write(
                     json.dumps({"iteration": it, "loss": loss.item(), "grad_norm": norm}) + "\n"
                 )
-    unwrapped = getattr(model, "module", model)
-    torch.save(
-        {k: v.detach().cpu() for k, v in unwrapped.state_dict().items() if v is not None and torch.is_tensor(v)},
-        os.path.join(args.out, f"rank{rank}.params.pt"),
-    )  # fmt: skip
+    saved = {}
+    for i, c in enumerate(each):
+        unwrapped, where = getattr(c, "module", c), f"chunk{i}." if vpp else ""
+        saved.update({
+            where + k: v.detach().cpu() for k, v in unwrapped.state_dict().items()
+            if v is not None and torch.is_tensor(v)
+        })  # fmt: skip
+    torch.save(saved, os.path.join(args.out, f"rank{rank}.params.pt"))
     dist.destroy_process_group()
 
 

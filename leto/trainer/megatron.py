@@ -12,7 +12,9 @@ Leto's gradient reduction where the script had torch's DDP:
   tensor × pipeline (gradients reduced, ranks compared, over Megatron's data-parallel
   group: the ranks of one tensor-parallel position and pipeline stage); a pipeline is
   Megatron's schedule of one model chunk a stage (the script sums the tied embedding's
-  gradient over the first and last stage, as Megatron-LM's ``finalize_model_grads``);
+  gradient over the first and last stage, as Megatron-LM's ``finalize_model_grads``), or
+  its interleaved schedule over several, each chunk its own Megatron DDP object (a list
+  given to ``leto.Run``, which ``run.model`` is);
 * a mixture of experts over expert parallelism (Megatron's MoE layers, each rank its own
   experts) with Megatron's DDP and optimizer: its expert buffers reduce the experts'
   gradients over the expert-data-parallel group, Leto retains each rank's experts as its
@@ -40,8 +42,8 @@ with a torch optimizer (its gradients live in ``main_grad``: the optimizer would
 nothing), Megatron FSDP, several optimizer instances, loss scaling (fp16)
 (docs/megatron-distopt.md); ``Float16Module`` without Megatron's optimizer; apex's and
 TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
-fp8/fp4; the interleaved pipeline schedule (several model chunks a stage); context
-parallelism; expert parallelism without Megatron's DDP; RNG trackers other than Megatron's own
+fp8/fp4; the interleaved pipeline schedule without Megatron's DDP (a DDP object a
+chunk); context parallelism; expert parallelism without Megatron's DDP; RNG trackers other than Megatron's own
 ``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
 """
 
@@ -62,21 +64,31 @@ def imported() -> bool:
     return "megatron.core.parallel_state" in sys.modules
 
 
-def adopt(model: torch.nn.Module, optimizers: list) -> tuple[list, torch.nn.Module | None]:
-    """The optimizers Leto runs, and Megatron's ``DistributedDataParallel`` where the
-    script gave ``leto.Run`` Megatron's own DDP and optimizer (the torch optimizers inside
-    Megatron's, then); ``(optimizers, None)`` otherwise. Refuses what is not supported."""
+def adopt(model, optimizers: list) -> tuple[list, list | None]:
+    """The optimizers Leto runs, and Megatron's ``DistributedDataParallel`` objects — one,
+    or one a model chunk under the interleaved schedule (``model`` a list of them) —
+    where the script gave ``leto.Run`` Megatron's own DDP and optimizer (the torch
+    optimizers inside Megatron's, then); ``(optimizers, None)`` otherwise. Refuses what
+    is not supported."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     mod = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
-    if not imported() or mod is None:
-        return optimizers, None
-    ddp = next((m for m in model.modules() if isinstance(m, mod.DistributedDataParallel)), None)
-    if ddp is None:
-        return optimizers, None
-    if ddp is not model:
+    kind = mod.DistributedDataParallel if imported() and mod is not None else ()
+    ddps = [c for c in chunks if kind and isinstance(c, kind)]
+    if len(chunks) > 1 and len(ddps) != len(chunks):
         raise InvalidInput(
-            "leto.Run: Megatron's DistributedDataParallel is inside another module: give "
-            "leto.Run the DistributedDataParallel itself" + _NOTHING
+            "leto.Run takes a list of model chunks as Megatron's DistributedDataParallel "
+            "objects, one a chunk (its interleaved pipeline schedule); give any other model "
+            "as one module" + _NOTHING
         )
+    if not ddps:
+        inner = next((m for c in chunks for m in c.modules() if kind and isinstance(m, kind)), None)
+        if inner is not None:
+            raise InvalidInput(
+                "leto.Run: Megatron's DistributedDataParallel is inside another module: give "
+                "leto.Run the DistributedDataParallel itself" + _NOTHING
+            )
+        return optimizers, None
+    ddp = ddps[0]
     cfg = ddp.ddp_config
     want = (
         ("DistributedOptimizer",)
@@ -127,12 +139,12 @@ def adopt(model: torch.nn.Module, optimizers: list) -> tuple[list, torch.nn.Modu
                     "under Leto yet" + _NOTHING
                 )
             inner.append(part.optimizer)
-    return inner, ddp
+    return inner, ddps
 
 
-def distributed(ddp) -> bool:
+def distributed(ddps: list | None) -> bool:
     """Whether Megatron's DDP shards the optimizer (its DistributedOptimizer)."""
-    return ddp is not None and bool(ddp.ddp_config.use_distributed_optimizer)
+    return bool(ddps) and bool(ddps[0].ddp_config.use_distributed_optimizer)
 
 
 def main_copies(megatron_optimizers: list) -> bool:
@@ -166,7 +178,7 @@ class MainShards(torch.nn.Module):
                     self._parameters[f"o{oi}_g{gi}_p{pi}"] = p
 
 
-def rebuild(megatron_optimizers: list, ddp) -> None:
+def rebuild(megatron_optimizers: list, ddps: list) -> None:
     """The model's parameters from the retained main copies, as Megatron's step makes
     them after each update: each rank casts its own into the parameters (under the
     DistributedOptimizer: into Megatron's parameter buffer, then all-gathered —
@@ -175,8 +187,9 @@ def rebuild(megatron_optimizers: list, ddp) -> None:
         for opt in megatron_optimizers:
             for part in getattr(opt, "chained_optimizers", [opt]):
                 part._copy_main_params_to_model_params()
-        if distributed(ddp):
-            ddp.start_param_sync(force_sync=True)
+        if distributed(ddps):
+            for ddp in ddps:  # (each model chunk's buffers)
+                ddp.start_param_sync(force_sync=True)
 
 
 def check(
@@ -209,11 +222,13 @@ def check(
             "reduce the experts' gradients over the expert-data-parallel group, which Leto's "
             "own reduction does not" + _NOTHING
         )
-    virtual = ps.get_virtual_pipeline_model_parallel_world_size()
-    if virtual is not None and virtual > 1:
+    virtual = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    if virtual != (len(ddp) if ddp else 1):
         raise InvalidInput(
-            f"leto.Run: Megatron's interleaved pipeline schedule ({virtual} model chunks a "
-            "stage) is not supported under Leto yet — one chunk a stage is" + _NOTHING
+            f"leto.Run: Megatron's interleaved pipeline schedule has {virtual} model chunks "
+            f"a stage, and leto.Run was given {len(ddp) if ddp else 1}: give it the list of "
+            "Megatron DistributedDataParallel objects, one a chunk (with Megatron's "
+            "optimizer over them)" + _NOTHING
         )
     tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()

@@ -130,6 +130,12 @@ class Run:
         # (Megatron reduces, takes the norm and clips; Leto's update is their step()).
         megatron_optimizers = self.optimizers
         self.optimizers, self._megatron_ddp = megatron.adopt(model, self.optimizers)
+        given = model  # (Megatron's interleaved schedule: a list of model chunks)
+        if isinstance(model, (list, tuple)):
+            chunks = list(model)
+            model = torch.nn.ModuleList(chunks) if len(chunks) > 1 else chunks[0]
+        else:
+            chunks = [model]
         # Megatron-Core's parallel state: replicas or shards; what is not supported yet.
         data_parallel, dp = megatron.check(
             model, self.optimizers, data_parallel, self._megatron_ddp
@@ -272,7 +278,7 @@ class Run:
         # What the script uses where it had DDP(model) (a compiled model inside it is split
         # at the gradient buckets as under DDP: data parallel only).
         self.model = (
-            model  # (Megatron's own DDP: what the script drives, its no_sync included)
+            given  # (Megatron's own DDP: what the script drives, its no_sync included)
             if self._megatron_ddp is not None
             else DDPShaped(
                 model, self, self._buffers, bucket_mib=bucket_mib if self.job.replicated else None
@@ -284,8 +290,9 @@ class Run:
         if self._megatron_ddp is None:  # (Megatron's zeroes its own gradient buffers)
             model.zero_grad = self._zero_grad
         self._watch_grads()
-        model.register_forward_pre_hook(lambda *_: self._point("compute.forward"))
-        model.register_forward_hook(lambda *_: self._point("compute.backward"))
+        for chunk in chunks:  # (a model chunk's forward follows another's, interleaved)
+            chunk.register_forward_pre_hook(lambda *_: self._point("compute.forward"))
+            chunk.register_forward_hook(lambda *_: self._point("compute.backward"))
         # The first forward's shapes, for this rank's shadows to warm up at: only where
         # the forward talks to no other rank (a replica over the whole world).
         self._shapes = shape_warmup.Recorder(
