@@ -74,7 +74,7 @@ CUDA_POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_inje
         (1, 2, "cpu", "megatron"),
         (2, 4, "cpu", "megatron"),
         (1, 2, "cpu", "megatron-bf16"),  # its Float16 optimizer: fp32 copies retained
-        (1, 2, "cpu", "megatron-distopt"),
+        (1, 2, "cpu", "megatron-distopt-frozen"),  # (a frozen embedding: no main copy)
         (1, 2, "cpu", "megatron-distopt-bf16"),
         (2, 4, "cpu", "megatron-distopt-bf16"),
         pytest.param(
@@ -154,7 +154,7 @@ def _bit_identical_after_a_kill(tmp_path, layout: list[str], world: int, device:
         "torch": [],
         "megatron": ["--megatron-ddp"],
         "megatron-bf16": ["--megatron-ddp", "--bf16"],
-        "megatron-distopt": ["--megatron-ddp", "--distributed-optimizer"],
+        "megatron-distopt-frozen": ["--megatron-ddp", "--distributed-optimizer", "--freeze-embedding"],
         "megatron-distopt-bf16": ["--megatron-ddp", "--distributed-optimizer", "--bf16"],
     }[ddp]
     subprocess.run(
@@ -310,6 +310,13 @@ def test_the_parallel_state_decides_what_is_reduced_and_over_which_ranks(monkeyp
     assert megatron.check(_Module(), [torch.optim.AdamW(_Module().parameters())], True, two) == (
         True, megatron.DPGroup("dp-group", (1, 3))
     )  # fmt: skip
+
+
+def test_a_frozen_parameter_is_one_the_main_copies_do_not_restore():
+    model = _Module()
+    assert megatron.unrestored(model) is None
+    model.lin.bias.requires_grad_(False)
+    assert megatron.unrestored(model) == "lin.bias"
 
 
 def test_the_rng_tracker_is_retained_with_the_global_generators(monkeypatch):

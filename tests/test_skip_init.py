@@ -160,6 +160,22 @@ def test_draws_before_the_model_or_from_a_generator_of_its_own_keep_it_safe(monk
     assert _observed(script) == skip_init.SAFE
 
 
+def test_a_parameter_the_retained_state_does_not_restore_makes_skipping_unsafe(monkeypatch):
+    # (leto.Run, under Megatron's optimizer with its main copies: a frozen parameter has
+    # no copy among them, so only the script's own initialization gives its value.)
+    monkeypatch.delenv(skip_init.ENV_SKIP_INIT, raising=False)
+    mode = skip_init.observe()
+    try:
+        torch.manual_seed(0)
+        Tiny()  # a safe set-up: nothing drawn after the model
+        skip_init.mark_unsafe(mode, "pos.weight is frozen")
+        skip_init.mark_unsafe(mode, "a second reason")  # the first one stands
+    finally:
+        skip_init.stop(mode)
+    assert skip_init.publish(_Store(verdict=None), 0, mode) == "pos.weight is frozen"
+    skip_init.mark_unsafe(None, "no observation: nothing to mark")  # (a promoted trainer)
+
+
 def test_nn_init_on_a_parameter_is_not_run():
     # 64 M parameters initialized on the CPU as GPT-2 does (1.5 s here without the mode):
     # nn.init's functions come to the mode with the tensor as a keyword.

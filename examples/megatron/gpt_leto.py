@@ -59,6 +59,10 @@ def main() -> None:
         help="model chunks a stage (Megatron's interleaved schedule; with --megatron-ddp)",
     )
     ap.add_argument("--experts", type=int, default=0, help="a mixture of experts (0: dense)")
+    ap.add_argument(
+        "--freeze-embedding", action="store_true",
+        help="train with the position embedding frozen (as a fine-tuning run)",
+    )
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     ap.add_argument(
         "--untie-embeddings-and-output-weights", action="store_true",
@@ -132,6 +136,9 @@ def main() -> None:
         ).to(device)  # fmt: skip
 
     model = gpt(None) if vpp is None else [gpt(vp) for vp in range(vpp)]
+    for name, p in (model if vpp else [model])[0].named_parameters():
+        if args.freeze_embedding and name == "embedding.position_embeddings.weight":
+            p.requires_grad_(False)
     if args.megatron_ddp:  # Megatron's way: its DDP's buffers, its optimizer over them
         sharded = args.distributed_optimizer
         chunks = model if vpp else [model]

@@ -178,6 +178,13 @@ class MainShards(torch.nn.Module):
                     self._parameters[f"o{oi}_g{gi}_p{pi}"] = p
 
 
+def unrestored(model: torch.nn.Module) -> str | None:
+    """A parameter of the model that the retained main copies do not restore (a frozen
+    one: Megatron's optimizer keeps no copy of it), or None. A promoted trainer must
+    initialize it as the script does (no ``leto.trainer.skip_init``)."""
+    return next((n for n, p in model.named_parameters() if not p.requires_grad), None)
+
+
 def rebuild(megatron_optimizers: list, ddps: list) -> None:
     """The model's parameters from the retained main copies, as Megatron's step makes
     them after each update: each rank casts its own into the parameters (under the

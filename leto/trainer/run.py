@@ -70,7 +70,7 @@ from leto.job import fault_plan, keys
 from leto.job.config import ENV_FAULT_PLAN
 from leto.plugins import point
 from leto.ranges import leto_range
-from leto.trainer import checks_line, data_state, megatron, shape_warmup, shared_gpu
+from leto.trainer import checks_line, data_state, megatron, shape_warmup, shared_gpu, skip_init
 from leto.trainer.batch_fn import BatchFunctions
 from leto.trainer.buffer_state import RetainedBuffers
 from leto.trainer.ddp_shape import DDPShaped
@@ -149,6 +149,13 @@ class Run:
         )
         retained = model
         if self._main_copies:
+            frozen = megatron.unrestored(model)
+            if frozen is not None:  # (its value comes from the script's set-up only)
+                skip_init.mark_unsafe(
+                    getattr(ctx, "skip_init", None),
+                    f"{frozen} is frozen, and Megatron's optimizer keeps no copy of it in "
+                    "the retained state",
+                )
             retained = megatron.MainShards(self.optimizers)
             self._megatron_optimizers = megatron_optimizers
             if megatron.distributed(self._megatron_ddp):

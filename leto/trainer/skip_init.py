@@ -153,6 +153,14 @@ def observe() -> SkipInit | None:
     return mode
 
 
+def mark_unsafe(mode: SkipInit | None, why: str) -> None:
+    """What the observed set-up's verdict must say although the script drew nothing: a
+    parameter the retained state does not restore (``why``), which a promoted trainer
+    must initialize as written."""
+    if mode is not None and mode.observe and mode.unsafe is None:
+        mode.unsafe = why
+
+
 def publish(store, rank: int, mode: SkipInit) -> str:
     """What an observed set-up showed, for this rank's promoted trainers; returns it."""
     verdict = mode.unsafe or SAFE
