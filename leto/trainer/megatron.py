@@ -42,9 +42,9 @@ with a torch optimizer (its gradients live in ``main_grad``: the optimizer would
 nothing), Megatron FSDP, several optimizer instances, loss scaling (fp16)
 (docs/megatron-distopt.md); ``Float16Module`` without Megatron's optimizer; apex's and
 TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
-fp8/fp4; the interleaved pipeline schedule without Megatron's DDP (a DDP object a
-chunk); context parallelism; expert parallelism without Megatron's DDP; RNG trackers other than Megatron's own
-``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
+fp8/fp4; the interleaved pipeline schedule and expert parallelism without Megatron's DDP
+(a DDP object a chunk; its expert buffers); context parallelism; RNG trackers other than
+Megatron's own ``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
 """
 
 from __future__ import annotations
