@@ -46,6 +46,27 @@ def test_a_pipeline_stage_on_a_shared_gpu_is_refused_before_anything_is_retained
     assert "send/recv" not in str(past.value), past.value
 
 
+def test_megatron_shards_on_a_shared_gpu_pass_and_its_pipeline_is_refused(monkeypatch):
+    # Megatron's DistributedOptimizer, tensor parallelism and experts make leto.Run treat
+    # the ranks as unreplicated (no pipeline): gloo carries their collectives, so they
+    # pass; Megatron's pipeline schedule sends between stages and is refused by name.
+    from leto.trainer import megatron
+
+    monkeypatch.setattr(run_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(run_module.dist, "get_backend", lambda *a: "gloo")
+    monkeypatch.setattr(megatron, "check", lambda *a: (False, None))  # (its shards)
+    ctx = types.SimpleNamespace(device=torch.device("cuda", 0), world_size=2)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setattr(megatron, "pipeline_stages", lambda: 1)
+    with pytest.raises(Exception) as past:  # past the check: the stand-in context is bare
+        run_module.Run(ctx, model, opt)
+    assert "send/recv" not in str(past.value), past.value
+    monkeypatch.setattr(megatron, "pipeline_stages", lambda: 2)
+    with pytest.raises(InvalidInput, match=r"Megatron's pipeline schedule .*send/recv.*nothing"):
+        run_module.Run(ctx, model, opt)
+
+
 def test_the_gpu_probe_tries_every_collective_the_table_names():
     # python -m bench.gloo_cuda runs them on a GPU (gpu_suite world2-parallel); here only
     # that nothing in the table goes untried.

@@ -255,6 +255,15 @@ def check(
     return dp > 1, None
 
 
+def pipeline_stages() -> int | None:
+    """Megatron's pipeline-parallel size (None: not a Megatron job, or its parallel state
+    not initialized)."""
+    ps = sys.modules.get("megatron.core.parallel_state") if imported() else None
+    if ps is None or not ps.model_parallel_is_initialized():
+        return None
+    return ps.get_pipeline_model_parallel_world_size()
+
+
 def _refuse_wrappers(model: torch.nn.Module, optimizers: list, adopted=None) -> None:
     # (Megatron's DDP: ``adopt`` took it with its optimizer, or refused it already.)
     fp16 = sys.modules.get("megatron.core.transformer.module")

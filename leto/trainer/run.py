@@ -136,6 +136,8 @@ class Run:
             model = torch.nn.ModuleList(chunks) if len(chunks) > 1 else chunks[0]
         else:
             chunks = [model]
+        # (the script's word: data_parallel=False is a pipeline stage)
+        stage = not data_parallel
         # Megatron-Core's parallel state: replicas or shards; what is not supported yet.
         data_parallel, dp = megatron.check(
             model, self.optimizers, data_parallel, self._megatron_ddp
@@ -161,15 +163,17 @@ class Run:
             if megatron.distributed(self._megatron_ddp):
                 data_parallel, dp = False, None
         backend = dist.get_backend() if dist.is_initialized() else None
-        if (
-            not data_parallel
-            and ctx.world_size > 1
-            and shared_gpu.gloo_on_cuda(ctx.device, backend)
-        ):
-            # A pipeline stage's first send would hand gloo a CUDA address (issue 47).
-            raise InvalidInput(
-                f"leto.Run(data_parallel=False): {shared_gpu.refusal('pp')}; nothing was retained"
-            )
+        # A pipeline stage's first send would hand gloo a CUDA address (issue 47). (Not
+        # what Megatron's shards are: tensor parallel, its DistributedOptimizer, its
+        # experts reduce with collectives gloo carries.)
+        stages = megatron.pipeline_stages()
+        if stages is not None:
+            split = "megatron-pp" if stages > 1 else None
+        else:
+            split = "pp" if stage else None
+        if split and ctx.world_size > 1 and shared_gpu.gloo_on_cuda(ctx.device, backend):
+            where = "leto.Run" if split == "megatron-pp" else "leto.Run(data_parallel=False)"
+            raise InvalidInput(f"{where}: {shared_gpu.refusal(split)}; nothing was retained")
         self.ctx = ctx
         # The data position (data=) and the global generators, retained together.
         self._rng = GlobalRNG(ctx.device)

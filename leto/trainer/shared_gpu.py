@@ -40,6 +40,11 @@ NEEDS = {
         "send/recv",
         "it sends activations and gradients between stages",
     ),
+    "megatron-pp": (
+        "Megatron's pipeline schedule (pipeline-parallel size above 1)",
+        "send/recv",
+        "it sends activations and gradients between stages",
+    ),
     "titan": (
         "torchtitan (FSDP2 with its gradient divide factor)",
         "PREMUL_SUM",
