@@ -291,32 +291,45 @@ def test_the_parallel_state_decides_what_is_reduced_and_over_which_ranks(monkeyp
     assert _check(_Module()) == (True, megatron.DPGroup("dp-group", (1, 3)))
     sizes.update(tp=1, dp=1, pp=2)  # pipeline over the world: stages, no replica
     assert _check(_Module()) == (False, None)
-    sizes.update(tp=1, dp=2, pp=2)  # pipeline x data: the replicas are one stage's ranks
-    assert _check(_Module()) == (True, megatron.DPGroup("dp-group", (1, 3)))
+    # Pipeline x data: the replicas are one stage's ranks, reduced by Megatron's DDP (the
+    # schedule's no_sync leaves a reduction decided at forward time undone).
+    sizes.update(tp=1, dp=2, pp=2)
+    with pytest.raises(InvalidInput, match="2 stages.* with 2 data-parallel replicas needs"):
+        _check(_Module())
+    mddp = [object()]  # (what adopt accepted: Megatron's DDP)
+    adam = [torch.optim.AdamW(_Module().parameters())]
+    assert megatron.check(_Module(), adam, True, mddp) == (True, megatron.DPGroup("dp-group", (1, 3)))
     # Experts: Megatron's DDP reduces them over their own replicas; Leto's would not.
     sizes.update(tp=1, dp=2, pp=1, ep=2)
     with pytest.raises(InvalidInput, match="expert parallel size 2.* needs Megatron's Dist"):
         _check(_Module())
-    ddp = [object()]  # (what adopt accepted: Megatron's DDP)
-    assert megatron.check(_Module(), [torch.optim.AdamW(_Module().parameters())], True, ddp) == (
-        False, None
-    )  # fmt: skip
+    assert megatron.check(_Module(), adam, True, mddp) == (False, None)
+    sizes.update(tp=2, dp=1, ep=2)  # no replica: nothing to reduce, Leto's path takes it
+    assert _check(_Module()) == (False, None)
+    sizes.update(tp=1, dp=2)
     sizes.update(ep=1, pp=2)
     # Several model chunks a stage (the interleaved schedule): a Megatron DDP object each.
     monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
     with pytest.raises(InvalidInput, match="schedule has 2 model chunks a stage, and leto.Run "):
         _check(_Module())
     two = [object(), object()]
-    assert megatron.check(_Module(), [torch.optim.AdamW(_Module().parameters())], True, two) == (
-        True, megatron.DPGroup("dp-group", (1, 3))
-    )  # fmt: skip
+    assert megatron.check(_Module(), adam, True, two) == (True, megatron.DPGroup("dp-group", (1, 3)))
 
 
-def test_a_frozen_parameter_is_one_the_main_copies_do_not_restore():
+def test_a_frozen_parameter_is_one_the_main_copies_do_not_restore(monkeypatch):
+    # leto.Run under Megatron's Float16/Distributed optimizer: a frozen parameter has no
+    # main copy, so the set-up's verdict says promoted trainers initialize as written.
+    from leto.trainer import skip_init
+
+    monkeypatch.delenv(skip_init.ENV_SKIP_INIT, raising=False)
     model = _Module()
-    assert megatron.unrestored(model) is None
+    observed = skip_init.observe()
+    skip_init.stop(observed)  # (paused over leto.Run, as there)
+    assert megatron.unrestored(model, observed) is None and observed.unsafe is None
     model.lin.bias.requires_grad_(False)
-    assert megatron.unrestored(model) == "lin.bias"
+    assert megatron.unrestored(model, observed) == "lin.bias"
+    assert observed.unsafe.startswith("lin.bias is frozen"), observed.unsafe
+    assert megatron.unrestored(model, None) == "lin.bias"  # (a promoted trainer: no verdict)
 
 
 def test_the_rng_tracker_is_retained_with_the_global_generators(monkeypatch):

@@ -46,10 +46,11 @@ def test_a_pipeline_stage_on_a_shared_gpu_is_refused_before_anything_is_retained
     assert "send/recv" not in str(past.value), past.value
 
 
-def test_megatron_shards_on_a_shared_gpu_pass_and_its_pipeline_is_refused(monkeypatch):
-    # Megatron's DistributedOptimizer, tensor parallelism and experts make leto.Run treat
-    # the ranks as unreplicated (no pipeline): gloo carries their collectives, so they
-    # pass; Megatron's pipeline schedule sends between stages and is refused by name.
+def test_megatron_shards_on_a_shared_gpu_pass_and_its_pipeline_and_ddp_are_refused(monkeypatch):
+    # Megatron's tensor parallelism (torch's DDP path) makes leto.Run treat the ranks as
+    # unreplicated without a pipeline: gloo carries its collectives, so it passes;
+    # Megatron's pipeline schedule sends between stages, and Megatron's DDP reduces
+    # coalesced: both refused by name, before anything is retained.
     from leto.trainer import megatron
 
     monkeypatch.setattr(run_module.dist, "is_initialized", lambda: True)
@@ -61,9 +62,13 @@ def test_megatron_shards_on_a_shared_gpu_pass_and_its_pipeline_is_refused(monkey
     monkeypatch.setattr(megatron, "pipeline_stages", lambda: 1)
     with pytest.raises(Exception) as past:  # past the check: the stand-in context is bare
         run_module.Run(ctx, model, opt)
-    assert "send/recv" not in str(past.value), past.value
+    assert "sharing a GPU" not in str(past.value), past.value
     monkeypatch.setattr(megatron, "pipeline_stages", lambda: 2)
     with pytest.raises(InvalidInput, match=r"Megatron's pipeline schedule .*send/recv.*nothing"):
+        run_module.Run(ctx, model, opt)
+    monkeypatch.setattr(megatron, "pipeline_stages", lambda: 1)
+    monkeypatch.setattr(megatron, "adopt", lambda m, o: (o, [object()]))  # Megatron's DDP
+    with pytest.raises(InvalidInput, match=r"Megatron's DistributedDataParallel .*coalesced"):
         run_module.Run(ctx, model, opt)
 
 

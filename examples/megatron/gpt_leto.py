@@ -97,8 +97,8 @@ def main() -> None:
     )
     ap.add_argument("--out", default="out", help="iterations.jsonl and parameters")
     args = ap.parse_args()
-    if args.vpp > 1 and not args.megatron_ddp:
-        ap.error("--vpp takes --megatron-ddp (a DDP object a model chunk)")
+    if (args.vpp > 1 or args.ep > 1) and not args.megatron_ddp:
+        ap.error("--vpp and --ep take --megatron-ddp (a DDP object a chunk; expert buffers)")
     vpp = args.vpp if args.vpp > 1 else None
     ctx = leto.init()
     rank, device = dist.get_rank(), torch.device("cuda" if CUDA else "cpu")
@@ -110,6 +110,10 @@ def main() -> None:
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         expert_model_parallel_size=args.ep, virtual_pipeline_model_parallel_size=vpp,
     )
+    if args.pp > 1 and parallel_state.get_data_parallel_world_size() > 1 and not args.megatron_ddp:
+        # torch's DDP decides to reduce at forward time, and the schedule runs the last
+        # micro-batch's forward under no_sync: it would never reduce.
+        ap.error("--pp with data-parallel replicas takes --megatron-ddp")
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)  # the RNG tracker
     torch.manual_seed(args.seed)
     config = TransformerConfig(

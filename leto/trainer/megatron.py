@@ -42,8 +42,9 @@ with a torch optimizer (its gradients live in ``main_grad``: the optimizer would
 nothing), Megatron FSDP, several optimizer instances, loss scaling (fp16)
 (docs/megatron-distopt.md); ``Float16Module`` without Megatron's optimizer; apex's and
 TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
-fp8/fp4; the interleaved pipeline schedule and expert parallelism without Megatron's DDP
-(a DDP object a chunk; its expert buffers); context parallelism; RNG trackers other than
+fp8/fp4; without Megatron's DDP the interleaved pipeline schedule (a DDP object a chunk),
+pipeline or expert parallelism with data-parallel replicas (its no_sync handling, its
+expert buffers); context parallelism; RNG trackers other than
 Megatron's own ``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
 """
 
@@ -55,6 +56,7 @@ import torch
 
 from leto.errors import FatalFailure, InvalidInput
 from leto.job import keys
+from leto.trainer import skip_init
 from leto.trainer.dp_group import DPGroup
 
 _NOTHING = "; nothing was retained (docs/porting.md, Megatron-Core)"
@@ -178,11 +180,19 @@ class MainShards(torch.nn.Module):
                     self._parameters[f"o{oi}_g{gi}_p{pi}"] = p
 
 
-def unrestored(model: torch.nn.Module) -> str | None:
+def unrestored(model: torch.nn.Module, observed) -> str | None:
     """A parameter of the model that the retained main copies do not restore (a frozen
     one: Megatron's optimizer keeps no copy of it), or None. A promoted trainer must
-    initialize it as the script does (no ``leto.trainer.skip_init``)."""
-    return next((n for n, p in model.named_parameters() if not p.requires_grad), None)
+    initialize the model as the script does: the active trainer's observation of the
+    set-up (``observed``, a ``leto.trainer.skip_init`` mode or None) says so."""
+    frozen = next((n for n, p in model.named_parameters() if not p.requires_grad), None)
+    if frozen is not None:  # (its value comes from the script's set-up only)
+        skip_init.mark_unsafe(
+            observed,
+            f"{frozen} is frozen, and Megatron's optimizer keeps no copy of it in the "
+            "retained state",
+        )
+    return frozen
 
 
 def rebuild(megatron_optimizers: list, ddps: list) -> None:
@@ -221,8 +231,10 @@ def check(
             f"leto.Run: Megatron's context parallelism (context parallel size {cp}) is not "
             "supported under Leto yet" + _NOTHING
         )
+    tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
-    if ep > 1 and ddp is None:
+    if ep > 1 and dp > 1 and ddp is None:
         raise InvalidInput(
             f"leto.Run: Megatron's expert parallelism (expert parallel size {ep}) needs "
             "Megatron's DistributedDataParallel and optimizer under Leto: its expert buffers "
@@ -237,8 +249,14 @@ def check(
             "Megatron DistributedDataParallel objects, one a chunk (with Megatron's "
             "optimizer over them)" + _NOTHING
         )
-    tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp > 1 and dp > 1 and ddp is None:
+        raise InvalidInput(
+            f"leto.Run: Megatron's pipeline schedule ({pp} stages) with {dp} data-parallel "
+            "replicas needs Megatron's DistributedDataParallel and optimizer: the schedule "
+            "runs the last micro-batch's forward under no_sync, so a reduction decided at "
+            "forward time (torch's DDP, Leto's own) does not reduce in its backward, and "
+            "the script would clip gradients no rank has reduced" + _NOTHING
+        )
     if dp > 1 and not data_parallel:
         raise InvalidInput(
             f"leto.Run(data_parallel=False): Megatron's parallel state has {dp} data-parallel "

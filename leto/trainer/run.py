@@ -70,7 +70,7 @@ from leto.job import fault_plan, keys
 from leto.job.config import ENV_FAULT_PLAN
 from leto.plugins import point
 from leto.ranges import leto_range
-from leto.trainer import checks_line, data_state, megatron, shape_warmup, shared_gpu, skip_init
+from leto.trainer import checks_line, data_state, megatron, shape_warmup, shared_gpu
 from leto.trainer.batch_fn import BatchFunctions
 from leto.trainer.buffer_state import RetainedBuffers
 from leto.trainer.ddp_shape import DDPShaped
@@ -100,7 +100,9 @@ class Run:
         data_parallel: bool = True,
         data=None,
     ):
-        """``ctx``: what ``leto.init()`` returned. ``optimizer``: the script's optimizer,
+        """``ctx``: what ``leto.init()`` returned. ``model``: the script's model (or, for
+        Megatron's interleaved pipeline schedule, its list of Megatron DDP model chunks,
+        which ``run.model`` is then). ``optimizer``: the script's optimizer,
         or a list of them (e.g. Muon for the 2-D weights and AdamW for the rest; the update
         runs once all have stepped); ``scheduler``: None, one or a list; ``scaler``: the
         script's ``torch.amp.GradScaler`` (fp16: a step it skips commits nothing, and its
@@ -151,28 +153,26 @@ class Run:
         )
         retained = model
         if self._main_copies:
-            frozen = megatron.unrestored(model)
-            if frozen is not None:  # (its value comes from the script's set-up only)
-                skip_init.mark_unsafe(
-                    getattr(ctx, "skip_init", None),
-                    f"{frozen} is frozen, and Megatron's optimizer keeps no copy of it in "
-                    "the retained state",
-                )
+            megatron.unrestored(model, getattr(ctx, "skip_init", None))
             retained = megatron.MainShards(self.optimizers)
             self._megatron_optimizers = megatron_optimizers
             if megatron.distributed(self._megatron_ddp):
                 data_parallel, dp = False, None
         backend = dist.get_backend() if dist.is_initialized() else None
-        # A pipeline stage's first send would hand gloo a CUDA address (issue 47). (Not
-        # what Megatron's shards are: tensor parallel, its DistributedOptimizer, its
-        # experts reduce with collectives gloo carries.)
+        # A pipeline stage's first send would hand gloo a CUDA address (issue 47);
+        # Megatron's DDP reduces and gathers coalesced, which gloo carries for CPU tensors
+        # only. (Not what Megatron's tensor-parallel shards are: their collectives pass.)
         stages = megatron.pipeline_stages()
         if stages is not None:
-            split = "megatron-pp" if stages > 1 else None
+            split = (
+                "megatron-pp" if stages > 1
+                else "megatron-ddp" if self._megatron_ddp is not None
+                else None
+            )  # fmt: skip
         else:
             split = "pp" if stage else None
         if split and ctx.world_size > 1 and shared_gpu.gloo_on_cuda(ctx.device, backend):
-            where = "leto.Run" if split == "megatron-pp" else "leto.Run(data_parallel=False)"
+            where = "leto.Run(data_parallel=False)" if split == "pp" else "leto.Run"
             raise InvalidInput(f"{where}: {shared_gpu.refusal(split)}; nothing was retained")
         self.ctx = ctx
         # The data position (data=) and the global generators, retained together.

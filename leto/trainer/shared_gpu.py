@@ -32,8 +32,8 @@ LACKS = {
     "memory for CUDA tensors",
     "all_to_all": "the list form (all_to_all_single, one tensor, is carried)",
 }
-# Parallelisms (faultkit's --parallel names) that need one of them: -> (what it is, the
-# collective it needs, what to do instead).
+# Parallelisms (faultkit's --parallel names, and Megatron's layouts) that need one of
+# them: -> (what it is, the collective it needs, why).
 NEEDS = {
     "pp": (
         "pipeline parallelism (torch.distributed.pipelining, leto.Run(data_parallel=False))",
@@ -44,6 +44,11 @@ NEEDS = {
         "Megatron's pipeline schedule (pipeline-parallel size above 1)",
         "send/recv",
         "it sends activations and gradients between stages",
+    ),
+    "megatron-ddp": (
+        "Megatron's DistributedDataParallel",
+        "all_reduce_coalesced",
+        "its buckets are reduced (and, under its DistributedOptimizer, gathered) coalesced",
     ),
     "titan": (
         "torchtitan (FSDP2 with its gradient divide factor)",
