@@ -71,11 +71,11 @@ CUDA_POOL = PoolConfig.for_cuda(0, data_pages=6, tier1_pages=2, allow_fault_inje
         (2, 4, "cpu", "torch"),  # tensor x data: replicas are Megatron's data-parallel groups
         # Megatron's own DDP and optimizer (its norm and clipping inside step()); with its
         # DistributedOptimizer (fp32 main shards retained), fp32 and bf16 (Float16Module).
+        # (Also checked, 2026-12-05, left out of CI for its time: Megatron's DDP at tensor
+        # 2 x data 2, the DistributedOptimizer over bf16 at data 2.)
         (1, 2, "cpu", "megatron"),
-        (2, 4, "cpu", "megatron"),
         (1, 2, "cpu", "megatron-bf16"),  # its Float16 optimizer: fp32 copies retained
         (1, 2, "cpu", "megatron-distopt-frozen"),  # (a frozen embedding: no main copy)
-        (1, 2, "cpu", "megatron-distopt-bf16"),
         (2, 4, "cpu", "megatron-distopt-bf16"),
         pytest.param(
             1, 1, "cuda", "torch",
@@ -110,14 +110,12 @@ def test_the_megatron_port_is_bit_identical_to_torchrun_after_a_kill(
     "layout, world, ddp",
     [
         ("--pp 2", 2, "torch"),  # two stages, the tied embedding summed by the script
-        # Pipeline x data, Megatron's DDP (replicas: the ranks of one stage), with its
-        # finalize_model_grads. (Not torch's DDP: it decides to reduce at forward time,
-        # and the schedule runs the last micro-batch's forward under no_sync, so under
-        # torchrun it never reduces.)
-        ("--pp 2", 4, "megatron"),
-        ("--pp 2", 4, "megatron-distopt-bf16"),
         # The interleaved schedule: two model chunks a stage, a Megatron DDP object each,
-        # given to leto.Run as a list.
+        # given to leto.Run as a list; at world 4 pipeline x data (replicas: the ranks of
+        # one stage, reduced by Megatron's DDP, its finalize_model_grads summing the tied
+        # embedding's copies). (Also checked, 2026-12-05, left out of CI for its time: one
+        # chunk a stage at pipeline 2 x data 2, Megatron's DDP in fp32 and in bf16 with
+        # its DistributedOptimizer.)
         ("--pp 2 --vpp 2 --layers 4", 2, "megatron"),
         ("--pp 2 --vpp 2 --layers 4", 4, "megatron-distopt-bf16"),
     ],
@@ -135,9 +133,10 @@ def test_a_megatron_pipeline_is_bit_identical_to_torchrun_after_a_kill(
 @pytest.mark.parametrize(
     "world, ddp",
     [
-        (2, "megatron"),  # expert parallel 2: each rank two of the four experts
         # expert parallel 2 x data 4: each expert on two ranks, its gradients reduced over
-        # that pair (Megatron's expert buffers), the DistributedOptimizer's shards in bf16
+        # that pair (Megatron's expert buffers), the DistributedOptimizer's shards in bf16.
+        # (Also checked, 2026-12-05, left out of CI for its time: expert parallel 2 at
+        # world 2 with Megatron's DDP in fp32.)
         (4, "megatron-distopt-bf16"),
     ],
 )  # fmt: skip
