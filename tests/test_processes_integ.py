@@ -20,6 +20,26 @@ from leto.proc import alive
 
 pytestmark = pytest.mark.timeout(180)
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "spawn_child.py"
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_what_a_test_left_running():
+    # A test that fails mid-way leaves its ``leto run`` behind; stopping it here keeps
+    # its trainers and its unread pipe from leaking into the next test's warnings.
+    yield
+    while _STARTED:
+        p = _STARTED.pop()
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+        for f in (p.stdout, p.stderr):
+            if f is not None:
+                f.close()
 
 
 def _leto_run(
@@ -31,9 +51,11 @@ def _leto_run(
         "--log-dir", str(tmp_path / "logs"), *extra, str(script), str(tmp_path),
     ]  # fmt: skip
     env = dict(os.environ, **env, LETO_PLUGINS="faultkit.hooks")
-    return subprocess.Popen(
+    p = subprocess.Popen(
         cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=stderr, text=True
     )
+    _STARTED.append(p)
+    return p
 
 
 @pytest.mark.integ

@@ -15,8 +15,12 @@ from leto.plugins import point
 out = sys.argv[1]
 ctx = leto.init()
 child = subprocess.Popen(["sleep", "300"])
-with open(os.path.join(out, f"child-g{ctx.generation}-r{ctx.rank}"), "w") as f:
+# Written whole, then renamed: the tests poll for these files and must not read one
+# half-written (an empty file was read once).
+name = f"child-g{ctx.generation}-r{ctx.rank}"
+with open(os.path.join(out, f".partial-{name}"), "w") as f:
     f.write(str(child.pid))
+os.replace(os.path.join(out, f".partial-{name}"), os.path.join(out, name))
 if ctx.generation == 0:
     if ctx.rank == 1:
         time.sleep(1.0)  # both children recorded first
