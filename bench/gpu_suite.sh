@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|user-recovery|pin-stall|megatron|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|user-recovery|pin-stall|megatron|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -478,6 +478,26 @@ if [[ $what == horner-userpath ]]; then
     --iterations ${LETO_HU_ITERS:-8} --skip 3 --timeout-s 200 --script-args="--deterministic --tokens zipf" \
     --leto-variant "tables=LETO_HORNER=0" --json "$OUT/horner_userpath.json" > "$OUT/horner_userpath.txt" 2>&1 || rc=1
   tail -c 3000 "$OUT/horner_userpath.txt"
+fi
+if [[ $what == undo-ahead ]]; then
+  # Issue 59: the undo copy beside forward and backward (leto run --undo ahead): its GPU
+  # tests (the kernel with the copy on the copy stream, crashes), then the user path at
+  # 16 K and 128 K tokens — torchrun, leto run's defaults and --undo ahead side by side,
+  # deterministic (bytes compared) — and the breakdown of --undo ahead at 16 K.
+  timeout 200 python3 -m pytest -p no:cacheprovider -q -rfEs -m gpu tests/test_undo_ahead.py \
+    2>&1 | tail -5 | tee "$OUT/undo_ahead_tests.txt" || rc=1
+  for preset in h200-1b h200-1b-128k; do
+    iters=8; [[ $preset == *128k ]] && iters=6
+    timeout 400 python3 -m bench.user_path --preset $preset --iterations $iters --skip 3 \
+      --timeout-s 200 --script-args="--deterministic --tokens zipf" \
+      --leto-variant "ahead=--undo ahead" --json "$OUT/undo_ahead_$preset.json" \
+      > "$OUT/undo_ahead_$preset.txt" 2>&1 || rc=1
+    tail -c 2500 "$OUT/undo_ahead_$preset.txt"
+  done
+  timeout 300 python3 -m bench.update_breakdown --preset h200-1b --leto-flags="--undo ahead" \
+    --window 4:3 --script-args="--deterministic --tokens zipf" --json "$OUT/undo_ahead_breakdown.json" \
+    > "$OUT/undo_ahead_breakdown.txt" 2>&1 || rc=1
+  tail -c 3000 "$OUT/undo_ahead_breakdown.txt"
 fi
 if [[ $what == user-recovery ]]; then
   # Issue 57: recovery as the user lives it, the paper's measure (I + R: failure until the

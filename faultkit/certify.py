@@ -67,12 +67,14 @@ class CertifyConfig:
     keep_tensors: bool = False  # save traced tensors: a divergence names its byte
     cwd: str = ""  # every run starts the script here ("": each in its own folder)
     ranks_per_gpu: int = 1  # leto run --ranks-per-gpu (testing several ranks on one GPU)
+    undo: str = "chunk"  # leto run --undo
 
     def inject_config(self) -> InjectConfig:
         return InjectConfig(
             world_size=self.nproc_per_node,
             device=self.device,
             ranks_per_gpu=self.ranks_per_gpu,
+            undo=self.undo,
             data_pages=DEFAULT_DATA_PAGES,
             tier1_pages=DEFAULT_TIER1_PAGES,
             page_bytes=CPU_PAGE_BYTES,

@@ -40,6 +40,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
         keep_tensors=args.keep_tensors,
         cwd=args.cwd or "",
         ranks_per_gpu=args.ranks_per_gpu,
+        undo=args.undo,
     )
     try:
         check(cfg)  # before the work directory, before anything runs
@@ -117,7 +118,9 @@ def _table(v: dict) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``certify`` to a faultkit argparse subparsers object."""
+    from faultkit.cli_common import UNDO_HELP
     from faultkit.inject import PHASES
+    from leto.job.config import UNDO_MODES
 
     p = subparsers.add_parser(
         "certify",
@@ -132,6 +135,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=1,
         help="ranks sharing each GPU over gloo (as leto run; testing on fewer GPUs)",
     )
+    p.add_argument("--undo", choices=UNDO_MODES, default="chunk", help=UNDO_HELP)
     p.add_argument(
         "--phases",
         default=None,

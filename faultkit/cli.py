@@ -27,9 +27,16 @@ from rich.console import Console
 from rich.table import Table
 
 from faultkit.certify_cli import register as register_certify
-from faultkit.cli_common import keep_if_not_exact, progress, refuse, workdir, workdir_flags
+from faultkit.cli_common import (
+    UNDO_HELP,
+    keep_if_not_exact,
+    progress,
+    refuse,
+    workdir,
+    workdir_flags,
+)
 from faultkit.schedule_cli import register as register_plan
-from leto.job.config import DEFAULT_SHADOW_LEVEL
+from leto.job.config import DEFAULT_SHADOW_LEVEL, UNDO_MODES
 from leto.memory.mechanisms import probe
 
 
@@ -69,6 +76,7 @@ def _config(args: argparse.Namespace):
         parallel=getattr(args, "parallel", "dp"),
         replica_check=not getattr(args, "no_replica_check", False),
         replay=not getattr(args, "no_replay", False),
+        undo=getattr(args, "undo", "chunk"),
     )
 
 
@@ -400,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shadow-level", default=DEFAULT_SHADOW_LEVEL, help="leto run's shadows: L1, L2, L3, off")
     p.add_argument("--parallel", default="dp", help=PARALLEL_HELP)
+    p.add_argument("--undo", choices=UNDO_MODES, default="chunk", help=UNDO_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     workdir_flags(p)
     p.set_defaults(fn=cmd_inject)
@@ -419,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--shadow-level", default=DEFAULT_SHADOW_LEVEL, help="leto run's shadows: L1, L2, L3, off"
         )
         p.add_argument("--parallel", default="dp", help=PARALLEL_HELP)
+        p.add_argument("--undo", choices=UNDO_MODES, default="chunk", help=UNDO_HELP)
         p.add_argument("--json", action="store_true", help="print one JSON object")
         workdir_flags(p)
 

@@ -20,6 +20,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+UNDO_HELP = (
+    "leto run --undo for the job: chunk (each chunk's undo copy taken before its update) or "
+    "ahead (the whole state copied beside forward and backward)"
+)
+
 
 @contextlib.contextmanager
 def progress(command: str):

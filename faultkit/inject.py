@@ -55,7 +55,7 @@ from pathlib import Path
 from faultkit.job import JobFault, run_job
 from leto import plugins
 from leto.integrity.recheck import ENV_UPDATE_RECHECK
-from leto.job.config import DEFAULT_SHADOW_LEVEL, LEVELS
+from leto.job.config import DEFAULT_SHADOW_LEVEL, LEVELS, UNDO_MODES
 from leto.memory.config import PoolConfig
 from leto.sim.schedule import Schedule
 from leto.trainer import shared_gpu
@@ -129,6 +129,7 @@ class InjectConfig:
     parallel: str = "dp"  # the job's parallelism: one of PARALLEL
     replica_check: bool = True  # False: the job runs with leto run --no-replica-check
     ranks_per_gpu: int = 1  # >1: leto run --ranks-per-gpu (ranks share a GPU over gloo)
+    undo: str = "chunk"  # leto run --undo: where the update's undo copies come from
     # Every rank fails at the point at once (kill, copy-corrupt, kernel-abort): one
     # failure of several ranks, its page losses taken once.
     all_ranks: bool = False
@@ -166,6 +167,8 @@ def check_job(cfg: InjectConfig) -> None:
     reached ``random.sample`` in the agent, ``--iterations 0`` a missing loss file."""
     if cfg.device not in ("cpu", "cuda"):
         raise ValueError(f"--device {cfg.device!r}: choose cpu or cuda")
+    if cfg.undo not in UNDO_MODES:
+        raise ValueError(f"--undo {cfg.undo!r}: choose {' or '.join(UNDO_MODES)}")
     if cfg.shadow_level not in (*LEVELS, "auto"):
         raise ValueError(
             f"--shadow-level {cfg.shadow_level!r}: choose one of {', '.join(LEVELS)} or auto"
@@ -340,6 +343,8 @@ def _run(cfg: InjectConfig, out: Path, faults: list[JobFault] = ()) -> dict:
     extra = () if cfg.replica_check else ("--no-replica-check",)
     if cfg.ranks_per_gpu > 1:
         extra += ("--ranks-per-gpu", str(cfg.ranks_per_gpu))
+    if cfg.undo != "chunk":
+        extra += ("--undo", cfg.undo)
     if cfg.mode in ("sdc-grad", "sdc-activation") and faults:
         # The struck iterations replayed (and the first), or nothing replayed at all.
         k = cfg.every or max(1, cfg.iterations // 2)
@@ -473,6 +478,7 @@ def faulted_run(cfg: InjectConfig, faults: list[JobFault], ref: dict, work: Path
         "poison_mechanism": pools[0]["mechanism"] if pools else None,
         "kernel_abort": got.get("aborts") or None,
         "shadow_level": cfg.shadow_level,
+        "undo": cfg.undo,
         "first_divergence": verdict.describe() if verdict else None,
         "verdict": verdict.as_dict() if verdict else None,
         "recovery_s": max(recovery) if recovery else None,

@@ -103,6 +103,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             replica_check=not args.no_replica_check,
             loss_guard=not args.no_loss_guard,
             replay_every=DEFAULT_REPLAY_EVERY if args.replay_every is None else args.replay_every,
+            undo=args.undo,
             exclude_faulty=args.exclude_faulty,
             beat_poll_s=args.beat_poll_s,
             device_memory_bytes=args.device_memory_bytes,
@@ -408,6 +409,17 @@ def register(sub) -> None:
     )
     g.add_argument(
         "--allow-fault-injection", action="store_true", help="let faultkit lose pool pages"
+    )
+    g.add_argument(
+        "--undo",
+        choices=("chunk", "ahead"),
+        default="chunk",
+        help="where the update's undo copies (what a crash mid-update reverts to) come "
+        "from: chunk — each chunk copied just before its update, on the update's path; "
+        "ahead — the whole retained state copied once an iteration while forward and "
+        "backward run (as much pool memory again as the parameters and optimizer state; "
+        "with the fused chunk pass the update then copies nothing). The checks line says "
+        "which a job got",
     )
     g = p.add_argument_group("checkpoints (the fallback for fatal failures)")
     g.add_argument("--checkpoint-dir", default="", help="DCP checkpoints (default: in log-dir)")

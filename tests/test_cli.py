@@ -78,3 +78,18 @@ def test_leto_info_names_the_cpu_codec_that_runs(capsys, monkeypatch):
     want = "the C kernel gf_cpu.c" if cpu.native() is not None else "NumPy"  # (no compiler)
     assert want in got, got
     cpu.native.cache_clear()
+
+
+def test_an_unknown_undo_mode_is_refused_before_anything_starts(capsys, tmp_path):
+    import pytest
+
+    from leto.job.config import RunConfig
+
+    with pytest.raises(ValueError, match=r"--undo 'later': use chunk or ahead"):
+        RunConfig(undo="later")
+    script = str(tmp_path / "never_started.py")
+    for main, argv in ((leto_main, ["run"]), (faultkit_main, ["certify"])):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--undo", "later", script])
+        assert e.value.code == 2
+        assert "--undo: invalid choice: 'later'" in capsys.readouterr().err

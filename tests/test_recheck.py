@@ -32,23 +32,26 @@ def _state(tr) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(tmp_path, every: bool | None, flip_at: int | None = None, device: str = "cpu") -> dict:
+def _run(
+    tmp_path, every: bool | None, flip_at: int | None = None, device: str = "cpu", undo="chunk"
+) -> dict:
     """Three iterations of the script's fused AdamW on a fresh pool; ``every``: recheck
     every chunk (None: no recheck); ``flip_at``: one bit of iteration ``flip_at``'s first
-    computed chunk. The state and host tier 1 after them."""
+    computed chunk; ``undo``: where the undo copies come from (the recheck restores a
+    chunk from its copy). The state and host tier 1 after them."""
     if device == "cuda":  # the fused CUDA pass against torch's fused AdamW, bit for bit
         cfg = PoolConfig.for_cuda(0, data_pages=12, tier1_pages=3, allow_fault_injection=True)
     else:
         cfg = small_config(data_pages=12, tier1_pages=3)
     sm = start_state_manager(cfg)
     try:
-        return _iterate(sm, tmp_path, every, flip_at)
+        return _iterate(sm, tmp_path, every, flip_at, undo)
     finally:
         sm.stop()
 
 
-def _iterate(pool, tmp_path, every, flip_at) -> dict:
-    tr = u.Trainer(pool, "adamw-fused", dims=DIMS, chunk_units=2)
+def _iterate(pool, tmp_path, every, flip_at, undo) -> dict:
+    tr = u.Trainer(pool, "adamw-fused", dims=DIMS, chunk_units=2, undo=undo)
     log = tmp_path / "rank0.recheck.jsonl"
     n = sum(len(tr.up.state.chunks(gi)) for gi in range(len(tr.up.groups)))
     rc = Recheck(0, n, log, every=bool(every)) if every is not None else None
@@ -78,12 +81,13 @@ def _iterate(pool, tmp_path, every, flip_at) -> dict:
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+@pytest.mark.parametrize("undo", ["chunk", "ahead"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", ["1", "0"])
-def test_a_recheck_changes_no_byte_of_state_or_parity(tmp_path, monkeypatch, fused, device):
+def test_a_recheck_changes_no_byte_of_state_or_parity(tmp_path, monkeypatch, fused, device, undo):
     monkeypatch.setenv(ENV, fused)
     plain = _run(tmp_path, None, device=device)["state"]
-    got = _run(tmp_path, True, device=device)
+    got = _run(tmp_path, True, device=device, undo=undo)
     checked = got["state"]
     assert got["checked"] >= 3 and not (tmp_path / "rank0.recheck.jsonl").exists()
     assert plain.keys() == checked.keys()
@@ -91,12 +95,13 @@ def test_a_recheck_changes_no_byte_of_state_or_parity(tmp_path, monkeypatch, fus
         assert torch.equal(plain[k].view(torch.uint8), checked[k].view(torch.uint8)), k
 
 
+@pytest.mark.parametrize("undo", ["chunk", "ahead"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", ["1", "0"])
-def test_a_wrong_update_is_found_named_and_fatal(tmp_path, monkeypatch, fused, device):
+def test_a_wrong_update_is_found_named_and_fatal(tmp_path, monkeypatch, fused, device, undo):
     monkeypatch.setenv(ENV, fused)
     with pytest.raises(WrongUpdate, match=r"iteration 1: rank 0's update of chunk 0 of state"):
-        _run(tmp_path, True, flip_at=1, device=device)
+        _run(tmp_path, True, flip_at=1, device=device, undo=undo)
     (rec,) = [json.loads(x) for x in (tmp_path / "rank0.recheck.jsonl").read_text().splitlines()]
     assert rec["iteration"] == 1 and rec["rank"] == 0 and rec["chunk"] == 0, rec
 
@@ -166,10 +171,11 @@ def _flip_first(at_iteration: int, times: list):
     return at
 
 
+@pytest.mark.parametrize("undo", ["chunk", "ahead"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", ["1", "0"])
 def test_a_first_computation_wrong_twice_is_replaced_by_the_two_that_agree(
-    tmp_path, monkeypatch, fused, device
+    tmp_path, monkeypatch, fused, device, undo
 ):
     monkeypatch.setenv(ENV, fused)
     plain = _run(tmp_path / "plain", None, device=device)["state"]
@@ -179,9 +185,9 @@ def test_a_first_computation_wrong_twice_is_replaced_by_the_two_that_agree(
     plugins._point_handler = _flip_first(1, times)
     try:
         with pytest.raises(WrongUpdate):
-            _run(tmp_path, True, device=device)
+            _run(tmp_path, True, device=device, undo=undo)
         plugins._point_handler = _flip_first(1, times)  # the redo: the same flip again
-        got = _run(tmp_path, True, device=device)
+        got = _run(tmp_path, True, device=device, undo=undo)
     finally:
         plugins._point_handler = before
     assert times.count(1) == 2, f"the flip did not repeat: the test proves nothing ({times})"

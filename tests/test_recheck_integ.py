@@ -41,6 +41,7 @@ def test_a_check_wrong_twice_is_switched_off_and_no_device_is_named(tmp_path):
     said = [x for x in console.splitlines() if "checks: replica check" in x]
     assert len(said) == 1 and "update recheck: on (every chunk)" in said[0], said
     assert "gradient replay: off" in said[0] and "loss guard: on" in said[0], said
+    assert "undo copies: per chunk, before its update" in said[0], said
     assert not (tmp_path / "leto" / "logs" / FAULTY_FILE).exists()
     assert got["faulty"] == []
     recs = (tmp_path / "leto" / "train" / "rank0.recheck.jsonl").read_text().splitlines()

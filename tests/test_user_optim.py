@@ -115,8 +115,15 @@ class Trainer:
     """One trainer process's objects: the script's optimizer and scheduler over a model
     built on the meta device, the updater, the loop record."""
 
-    def __init__(self, pool, kind: str, dims=h.DIMS, chunk_units: int = 1):
+    def __init__(self, pool, kind: str, dims=h.DIMS, chunk_units: int = 1, undo: str = "chunk"):
         self.client = PoolClient.connect(pool.socket_path, pool.token, takeover=True)
+        try:
+            self._start(kind, dims, chunk_units, undo)
+        except BaseException:
+            self.client.close()  # (a recovery that failed leaves no socket behind)
+            raise
+
+    def _start(self, kind: str, dims, chunk_units: int, undo: str) -> None:
         report = self.client.localize()
         self.model = h.build_model(dims=dims)
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -124,7 +131,7 @@ class Trainer:
         self.opt = self.opts[0]
         self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.opts]
         self.up = Updater(
-            self.client, self.model, None, UpdaterConfig(chunk_units=chunk_units),
+            self.client, self.model, None, UpdaterConfig(chunk_units=chunk_units, undo=undo),
             user=UserOptimizer(self.opts, names),
         )  # fmt: skip
         self.loop = self.up.loop

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -145,7 +146,7 @@ def leto(args, case: str, out: Path, env: dict, pool: PoolConfig, faults=()) -> 
     return run_job(
         args.nproc_per_node, TrainConfig(), out, list(faults), pool=pool, device=args.device,
         allow_failure=True, timeout_s=args.timeout_s, env=env, script=SCRIPT,
-        script_args=script_args,
+        script_args=script_args, extra=tuple(shlex.split(getattr(args, "leto_flags", ""))),
     )  # fmt: skip
 
 
@@ -222,6 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-cases", type=lambda v: v.split(","), default=None,
                     help="comma-separated: only these cases get the killed run (default all)")  # fmt: skip
     ap.add_argument("--timeout-s", type=float, default=600, help="limit of each job")
+    ap.add_argument("--leto-flags", default="",
+                    help="more leto run flags, one string (e.g. --undo ahead)")  # fmt: skip
     ap.add_argument("--workdir", help="keep the jobs here (default: a temporary folder)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)

@@ -98,14 +98,8 @@ def chunk(upd, it: int, gi: int, j: int, units, fused_bufs, pages, undo) -> None
 def step_out_of_place(upd, it: int, units) -> list[torch.Tensor]:
     """The chunk's regions (one per state tensor) stepped by the script's optimizer
     from copies of the undo copy, in fresh memory: the pool's pages are not touched."""
-    pb = upd.state.page_bytes
     e0, _ = upd.state.element_range(units)
-    n = units[1] - units[0]
-    base, copies = 0, {}
-    for name, up in zip(upd.state.set_names, upd.state.unit_pages, strict=True):
-        size = n * up * pb
-        copies[name] = upd._undo_flat[base * pb : base * pb + size].clone()
-        base += up * upd.state.max_chunk_units
+    copies = {name: saved.clone() for name, _, saved in upd.undo_runs(units)}
     f = upd.state.flat
     step = upd.user_step if upd.user_step is not None else it + 1
     for groups, live, grads in upd._user_halves(units):

@@ -40,6 +40,9 @@ ENV_LOG_DIR = "LETO_LOG_DIR"  # leto run's --log-dir
 ENV_PREMAP = "LETO_PREMAP"
 # Where a leto.Run writes its loss log and the verifiers' trace (default <log dir>/train).
 ENV_TRAIN_DIR = "LETO_TRAIN_DIR"
+# leto run --undo: where the update's undo copies come from (leto.update.rmu.UNDO_MODES).
+ENV_UNDO = "LETO_UNDO"
+UNDO_MODES = ("chunk", "ahead")
 
 LEVELS = ("off", "L1", "L2", "L3")
 
@@ -89,6 +92,7 @@ class TrainerEnv:
     log_dir: str = "leto-run"
     train_dir: str = ""  # a Run's output; "" is <log_dir>/train
     premap: bool = True  # parked L2/L3 shadows map the pool ahead of a promotion
+    undo: str = "chunk"  # leto run --undo
 
     @classmethod
     def from_environ(cls, env=None) -> TrainerEnv:
@@ -136,6 +140,7 @@ class TrainerEnv:
             premap=e.get(ENV_PREMAP, "1") != "0",
             log_dir=e.get(ENV_LOG_DIR, "leto-run"),
             train_dir=e.get(ENV_TRAIN_DIR, ""),
+            undo=e.get(ENV_UNDO, "chunk"),
         )
 
 
@@ -207,6 +212,11 @@ class RunConfig:
     # torchrun), "stderr" (leto run --json: stdout carries the summary) or "off".
     console: str = "stdout"
     local_ranks_filter: tuple[int, ...] | None = None  # the local ranks shown (None: all)
+    # Where the update's undo copies come from: "chunk" (each chunk copied just before
+    # its update) or "ahead" (the whole retained state copied once an iteration beside
+    # forward and backward; as much device memory again as the optimizer state and
+    # parameters). leto.update.rmu.
+    undo: str = "chunk"
 
     def __post_init__(self) -> None:
         if self.ranks_per_gpu < 1:
@@ -239,6 +249,8 @@ class RunConfig:
             raise ValueError(f"--replay-every {self.replay_every}: expected >= 0 (0: off)")
         if self.device_memory_bytes < 0:
             raise ValueError(f"--device-memory-bytes {self.device_memory_bytes} is negative")
+        if self.undo not in UNDO_MODES:
+            raise ValueError(f"--undo {self.undo!r}: use {' or '.join(UNDO_MODES)}")
         if self.console not in ("stdout", "stderr", "off"):
             raise ValueError(f"console={self.console!r}: stdout, stderr or off")
         bad = [r for r in self.local_ranks_filter or () if not 0 <= r < self.nproc_per_node]

@@ -36,6 +36,7 @@ from leto.job.config import (
     ENV_ROLE,
     ENV_SHADOW_LEVEL,
     ENV_TIMEOUT_S,
+    ENV_UNDO,
     RunConfig,
 )
 from leto.memory.config import ENV_POOL_TOKEN, PoolConfig
@@ -97,6 +98,7 @@ class Cell:
                 ENV_REPLICA_CHECK: "1" if cfg.replica_check else "0",
                 ENV_LOSS_GUARD: "1" if cfg.loss_guard else "0",
                 ENV_REPLAY_EVERY: str(cfg.replay_every),
+                ENV_UNDO: cfg.undo,
             }
         )
         env.update(self.extra_env)

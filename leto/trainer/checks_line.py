@@ -54,4 +54,5 @@ def describe(job, replay_every: int) -> str:
     # Not a check, but what the checks check: the update's code (the fused pass, or the
     # unfused steps and why — slower on a GPU, and said nowhere else on the console).
     parts.append(f"chunk updates: {job.up.update_path}")
+    parts.append(f"undo copies: {job.up.undo_path}")
     return "checks: " + "; ".join(parts) + " (docs/integrity.md)"

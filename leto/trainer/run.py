@@ -257,7 +257,7 @@ class Run:
             ctx.rank,
             ctx.world_size,
             self.out,
-            UpdaterConfig(chunk_units=chunk_units),
+            UpdaterConfig(chunk_units=chunk_units, undo=self._undo_mode(ctx)),
             zero1=zero1,
             on_iteration=plugins.iteration_observer(ctx.rank, self.out),
             heartbeat=ctx.heartbeat,
@@ -269,6 +269,7 @@ class Run:
             dp=dp,
             external_grads=self._megatron_ddp is not None,
         )
+        self.job.up.undo_note = self._undo_note
         if ctx.store is not None:
             self.job.on_no_loss = lambda: ctx.store.add(keys.NO_LOSS, 1)
             if self.job.up.recheck is not None:
@@ -652,6 +653,21 @@ class Run:
                     f"iteration, after optimizer.step()"
                 )
         self._epochs = epochs
+
+    def _undo_mode(self, ctx) -> str:
+        """``leto run --undo``, but per chunk under Megatron's DDP: its distributed
+        optimizer may all-gather parameters during the next forward (overlap_param_gather),
+        and whether that writes what Leto retains beside the whole-state copy is not
+        checked yet. The note says so in the checks line."""
+        mode = ctx.env.undo if ctx.env is not None else "chunk"
+        self._undo_note = None
+        if mode == "ahead" and self._megatron_ddp is not None:
+            self._undo_note = (
+                "--undo ahead not taken: Megatron's DDP gathers parameters during forward, "
+                "not yet checked beside a whole-state copy"
+            )
+            mode = "chunk"
+        return mode
 
     def _watch_scaler(self, scaler) -> None:
         """Note, as ``scaler.step(opt)`` begins, whether it will skip ``opt``'s step: a

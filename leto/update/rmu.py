@@ -57,6 +57,7 @@ from leto.errors import RetainedStateLost
 from leto.integrity import settle
 from leto.integrity.recheck import Recheck, words_sum
 from leto.integrity.replica import group_digest
+from leto.job.config import UNDO_MODES
 from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
 from leto.memory.lending import Lender
@@ -113,9 +114,15 @@ class UpdaterConfig:
     layerwise: str | None = None  # "muon": 2-D weights by Muon, whole layers per chunk
     muon: MuonConfig = MuonConfig()
     lend_activations: bool = True  # CUDA: the RMU buffers hold forward activations
+    # Where a chunk's undo copy comes from (``UNDO_MODES``): "chunk", copied just before
+    # the chunk is updated (on the update's critical path); "ahead", the whole retained
+    # state copied once an iteration while forward and backward run (``leto run --undo``).
+    undo: str = "chunk"
 
 
 class Updater:
+    AHEAD_NAME = "rmu.undo_ahead"  # the whole-state undo copy (--undo ahead)
+
     def __init__(
         self,
         client: PoolClient,
@@ -131,6 +138,8 @@ class Updater:
         in place of ``cfg.adamw`` and ``schedule``; its per-group hyperparameters for the
         iteration being updated are ``self.hparams`` (set before ``update``/``finish``),
         and clipping is the script's own (done in place before its ``step()``)."""
+        if cfg.undo not in UNDO_MODES:
+            raise ValueError(f"undo={cfg.undo!r}: use {' or '.join(UNDO_MODES)}")
         self.client = client
         self.cfg = cfg
         self.schedule = schedule
@@ -164,6 +173,24 @@ class Updater:
         self._undo_pages = as_pages(undo.view(max_chunk_pages, pb), None, "undo", None)
         self._undo_flat = undo
         self._alloc_pages = {n: client.pages_of(n) for n in self.state.set_names}
+        # --undo ahead: a mirror of every allocation of the set, refilled while forward
+        # and backward run (``begin``); a chunk's undo copy is its own offsets there.
+        # Never lent to activations: it is written during the compute phase.
+        self.ahead = cfg.undo == "ahead" and cfg.transactions
+        self._ahead: dict[str, torch.Tensor] = {}
+        self._ahead_first: dict[str, int] = {}  # each mirror's first page in the allocation
+        self._ahead_done: torch.cuda.Event | None = None
+        self._ahead_of: int | None = None  # the iteration whose update the copy serves
+        self.undo_note: str | None = None  # why not ahead, when asked (the checks line)
+        if self.ahead:
+            total = sum(t.numel() for t in self._alloc_pages.values())
+            whole = client.attach(self.AHEAD_NAME, total, kind=reusable)
+            off = 0
+            for n, t in self._alloc_pages.items():
+                self._ahead[n] = whole[off : off + t.numel()]
+                self._ahead_first[n] = off // pb
+                off += t.numel()
+            self._ahead_pages = as_pages(whole.view(-1, pb), None, "undo ahead", None)
         par = client.attach("rmu.parity", len(BUFFERS) * h1 * pb, kind=reusable)
         self.buf = {
             b: [par[(k * h1 + i) * pb : (k * h1 + i + 1) * pb] for i in range(h1)]
@@ -244,6 +271,16 @@ class Updater:
     # -- helpers --------------------------------------------------------------------
 
     @property
+    def undo_path(self) -> str:
+        """Where a chunk's undo copy comes from, for the checks line."""
+        if self.ahead:
+            n = sum(t.numel() for t in self._ahead.values())
+            size = f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+            return f"whole state ({size}) copied during forward and backward (--undo ahead)"
+        note = f" ({self.undo_note})" if self.undo_note else ""
+        return f"per chunk, before its update{note}"
+
+    @property
     def update_path(self) -> str:
         """What updates the chunks: the fused pass (its name) or the unfused steps and
         why (as of the last update)."""
@@ -298,28 +335,75 @@ class Updater:
         # checks when a chunk's lists are first built (a promoted trainer's first update).
         pages = (g.data_pages if g.data_pages is not None else g.data)[first : first + count]
         n_units = units[1] - units[0]
+        if self.ahead:
+            return units, pages, self._ahead_chunk_pages(units)
         undo = self._page_lists.get(("undo order", n_units))
         if undo is None:  # the same for every chunk of n_units
             undo = self._undo_pages.take(self._undo_page_order_for(n_units))
             self._page_lists[("undo order", n_units)] = undo
         return units, pages, undo
 
-    def _runs_copy(self, units: tuple[int, int], to_undo: bool, hook_it: int | None = None) -> None:
-        """Copy a chunk between its pages and the undo buffer: one contiguous copy per
-        allocation (the chunk's pages of one allocation are adjacent in its mapping)."""
+    def _ahead_chunk_pages(self, units: tuple[int, int]) -> PageList:
+        """A chunk's undo pages in the whole-state copy, in the group order of its pages
+        (unit by unit, each allocation's pages of the unit)."""
+        key = ("ahead", units)
+        pl = self._page_lists.get(key)
+        if pl is None:
+            order = []
+            for u in range(*units):
+                for name, up in zip(self.state.set_names, self.state.unit_pages, strict=True):
+                    first = self._ahead_first[name] + u * up
+                    order += range(first, first + up)
+            pl = self._page_lists[key] = self._ahead_pages.take(order)
+        return pl
+
+    def ahead_pages_of(self, units: tuple[int, int]) -> list[int]:
+        """The pages of the whole-state copy holding a chunk's undo copy (--undo ahead)."""
+        out = []
+        for name, up in zip(self.state.set_names, self.state.unit_pages, strict=True):
+            first = self._ahead_first[name]
+            out += range(first + units[0] * up, first + units[1] * up)
+        return out
+
+    def undo_runs(self, units: tuple[int, int]) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(allocation, live bytes, undo bytes) of a chunk, one contiguous run per
+        allocation (the chunk's pages of one allocation are adjacent in its mapping):
+        the undo copy is allocation-major in the per-chunk buffer, or at the chunk's own
+        offsets in the whole-state copy (--undo ahead)."""
         pb = self.state.page_bytes
         u0, u1 = units
-        base = 0
-        for k, (name, up) in enumerate(
-            zip(self.state.set_names, self.state.unit_pages, strict=True)
-        ):
+        base, out = 0, []
+        for name, up in zip(self.state.set_names, self.state.unit_pages, strict=True):
+            n, lo = (u1 - u0) * up * pb, u0 * up * pb
+            live = self._alloc_pages[name][lo : lo + n]
+            if self.ahead:
+                saved = self._ahead[name][lo : lo + n]
+            else:
+                saved = self._undo_flat[base * pb : base * pb + n]
+            out.append((name, live, saved))
+            base += up * self.state.max_chunk_units
+        return out
+
+    def _runs_copy(self, units: tuple[int, int], to_undo: bool, hook_it: int | None = None) -> None:
+        """Copy a chunk between its pages and its undo copy (``undo_runs``)."""
+        for k, (_, live, saved) in enumerate(self.undo_runs(units)):
             if hook_it is not None and k == 1:
                 point("update.undo", hook_it)  # a crash here leaves the undo copy half done
-            n = (u1 - u0) * up * pb
-            live = self._alloc_pages[name][u0 * up * pb : u0 * up * pb + n]
-            saved = self._undo_flat[base * pb : base * pb + n]
             (saved if to_undo else live).copy_(live if to_undo else saved)
-            base += up * self.state.max_chunk_units
+
+    def take_ahead(self, iteration: int, hook: bool = True) -> None:
+        """--undo ahead: the whole retained state into its mirror, on the copy stream
+        beside forward and backward; ``update`` waits for it before writing a chunk.
+        ``iteration``: the one whose update it serves."""
+        with leto_range("undo ahead"), self._side():
+            for k, (name, live) in enumerate(self._alloc_pages.items()):
+                if hook and k == 1:
+                    # A crash here leaves the copy half done, in the compute phase: the
+                    # iteration is redone and copies again.
+                    point("update.undo", iteration)
+                self._ahead[name].copy_(live, non_blocking=True)
+        self._ahead_done = self._side_done()
+        self._ahead_of = iteration
 
     def _pages(self, key, tensors: list[torch.Tensor]) -> PageList:
         """The codec's checked page list for a fixed set of this process's pages, built
@@ -386,6 +470,10 @@ class Updater:
     def begin(self, iteration: int) -> None:
         self._write(MarkerState(iteration, Phase.COMPUTE))
         self.state.grad.zero_()
+        if self.ahead:
+            # Nothing writes the state between here and the update (the scrub's repairs
+            # and ZeRO-1's gather come before): the copy is every chunk's undo copy.
+            self.take_ahead(iteration)
 
     def protect_grads(self, iteration: int, loss: float | torch.Tensor = float("nan")) -> None:
         """``loss``: a float, or a device tensor (on a GPU with stream-ordered marker
@@ -457,11 +545,25 @@ class Updater:
         """
         if m.phase is Phase.GRADS_PROTECTED:
             m = self._write(m.but(phase=Phase.SYNCED, clip=float(self.clip())))
+        if self.ahead:
+            # The crashed trainer's copy may be half done or have lost pages; the state
+            # now (an in-flight chunk reverted, lost pages rebuilt) is the old state of
+            # every chunk still to update. Committed chunks' copies are never read again.
+            self.take_ahead(m.iteration, hook=False)
         self.update(m.iteration, resume=m if m.phase is Phase.UPDATE else None)
 
     def update(self, iteration: int, resume: MarkerState | None = None) -> None:
         m = resume if resume is not None else self.marker.state
         self._digested = [False] * len(self.groups)
+        if self.ahead:
+            if self._ahead_of != iteration:
+                raise RuntimeError(
+                    f"update({iteration}) under --undo ahead without the state copied for "
+                    f"it (begin or finish copies it; the copy serves {self._ahead_of})"
+                )
+            # No chunk is written (and no UPDATE marker, which vouches for the copy
+            # at recovery) before the whole-state copy has landed.
+            self._wait(self._ahead_done)
         if m.phase is not Phase.UPDATE:
             m = m.but(
                 iteration=iteration,
@@ -529,6 +631,14 @@ class Updater:
             units, pages, undo = self._chunk(gi, j)
             fresh_undo = False
             scratch_event, scratch_copied = None, False
+            if m.step is Step.START and self.ahead and self._fused is not None:
+                # The whole-state copy is the chunk's undo copy: no copy, no marker
+                # write (recovery reverts a START chunk from it under --undo ahead). The
+                # unfused steps still copy (below), into the same place: their parity
+                # change reads the old values from the copy, which must be those the
+                # chunk holds now, or a page changed since begin would be absorbed.
+                fresh_undo = True
+                m = m.but(step=Step.UNDO_DONE)
             if m.step is Step.START:
                 with self._span("undo copy"):
                     self._runs_copy(units, to_undo=True, hook_it=it)

@@ -64,16 +64,28 @@ def recover_in_flight(
     buf_lost = {b: any(p // upd.h1 == k for p in par_lost) for k, b in enumerate(BUFFERS)}
     upd._stale = {b for b, gone in buf_lost.items() if gone}
     code = upd.code(g)
-    if m.step in (Step.UNDO_DONE, Step.UPDATE_DONE, Step.PARITY_DONE):
-        if undo_lost:
+    steps = (Step.UNDO_DONE, Step.UPDATE_DONE, Step.PARITY_DONE)
+    # Under --undo ahead the fused pass writes no UNDO_DONE: a chunk the marker says is
+    # about to start may be half updated, and its undo copy is already in place.
+    ahead_start = upd.ahead and m.step is Step.START and m.chunk < len(upd.state.chunks(gi))
+    if m.step in steps or ahead_start:
+        units, pages, undo = upd._chunk(gi, m.chunk)
+        if upd.ahead:
+            gone = set(failed.get(upd.AHEAD_NAME, {}).get("failed_pages", []))
+            if gone & set(upd.ahead_pages_of(units)):
+                raise RetainedStateLost(
+                    f"undo copy of chunk {m.chunk} of group {g.gid} lost (--undo ahead) while "
+                    f"the chunk was in flight"
+                )
+        elif undo_lost:
             raise RetainedStateLost(
                 f"undo buffer lost while chunk {m.chunk} of group {g.gid} was in flight"
             )
-        units, pages, undo = upd._chunk(gi, m.chunk)
         upd._runs_copy(units, to_undo=False)  # back to the state the authoritative parity covers
         first, count = upd.state.chunk_pages(gi, units)
         lost_data -= set(range(first, first + count))
-        m = m.but(step=Step.UNDO_DONE)
+        if m.step in steps:
+            m = m.but(step=Step.UNDO_DONE)
     if m.step is Step.TIER2:
         lost_t1 = list(lost["tier1"]) if lost else []
         if lost_t1 and not buf_lost[m.auth]:

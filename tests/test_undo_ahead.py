@@ -1,0 +1,236 @@
+"""``--undo ahead``: every chunk's undo copy taken once an iteration, as a copy of the
+whole retained state made while forward and backward run, instead of one copy per chunk
+on the update's path. Crash-consistent at every point (mid-copy in the compute phase,
+between the copy and the update, inside a chunk that wrote no UNDO_DONE), with pages
+of the copy lost, for the fused pass (its CPU twin) and the unfused steps alike; the
+fused pass then copies nothing and writes one marker per chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from faultkit import hooks
+from leto.errors import RetainedStateLost
+from leto.memory.client import PoolClient
+from leto.memory.launch import start_state_manager
+from leto.update.rmu import Updater, UpdaterConfig
+from tests import rmu_harness as h
+from tests import test_user_optim as u
+from tests.pool_helpers import small_config
+from tests.test_rmu import ITERS, assert_same
+
+# Several units a chunk and chunks a group (test_chunk_pass's shape).
+DIMS = (60, 1031, 37)
+KW = {"dims": DIMS, "chunk_units": 2}
+
+
+@pytest.fixture
+def pool():
+    sm = start_state_manager(small_config(data_pages=12, tier1_pages=3))
+    yield sm
+    sm.stop()
+
+
+@pytest.fixture
+def small_pool():
+    sm = start_state_manager(small_config(data_pages=8, tier1_pages=2))
+    yield sm
+    sm.stop()
+
+
+def same(got: dict, want: dict, what: str) -> None:
+    keys = [k for k in want if k != "chunk pass"]
+    assert keys == [k for k in got if k != "chunk pass"], what
+    u.assert_same({k: got[k] for k in keys}, {k: want[k] for k in keys}, what)
+
+
+@pytest.fixture(scope="module")
+def fused_reference():
+    """The fused pass with per-chunk undo copies, fault-free: what every ahead run must
+    give, byte for byte (state and both parity tiers)."""
+    sm = start_state_manager(small_config(data_pages=12, tier1_pages=3))
+    try:
+        return u.train(sm, "adamw-fused", None, **KW)
+    finally:
+        sm.stop()
+
+
+# "update.undo" #1 is the whole-state copy in iteration 2's compute phase (the fused
+# pass copies nothing per chunk); the chunk points strike the first and a later chunk.
+FUSED_CRASHES = [(p, 2, 1) for p in h.POINTS] + [
+    ("update.optimizer", 2, 3),
+    ("update.commit", 3, 2),
+    ("update.parity", 1, 4),
+]
+
+
+@pytest.mark.parametrize("crash", FUSED_CRASHES, ids=lambda c: f"{c[0]}@{c[1]}#{c[2]}")
+def test_the_fused_pass_with_the_undo_taken_ahead_resumes_exactly_from_every_point(
+    pool, fused_reference, crash
+):
+    got = u.train(pool, "adamw-fused", crash, undo="ahead", **KW)
+    assert got["chunk pass"] == "CPU twin"
+    same(got, fused_reference, f"--undo ahead, crash at {crash}")
+
+
+@pytest.mark.parametrize("name", h.POINTS)
+def test_the_unfused_steps_with_the_undo_taken_ahead_resume_exactly_from_every_point(
+    small_pool, name
+):
+    cfg = UpdaterConfig(chunk_units=1, undo="ahead")
+    assert_same(h.run(small_pool, ITERS, cfg, crash=(name, 2, 1)), h.reference(ITERS))
+
+
+def _crash_lose_resume(pool, crash, lost_ahead, lost_data=(), then=None):
+    """Train with the fused pass under --undo ahead to ``crash``; while no trainer is
+    attached, lose pages ``lost_ahead`` of the whole-state copy (a callable of the
+    crashed trainer's updater, evaluated before it goes) and ``lost_data`` (allocation,
+    pages) of the state; resume (``then``: a second crash, in the resumed trainer, and
+    resume again) and finish. Returns the retained state, its parity checked."""
+    hooks.arm(*crash, mode="raise")
+    tr = u.Trainer(pool, "adamw-fused", undo="ahead", **KW)
+    try:
+        with pytest.raises(hooks.InjectedCrash):
+            while tr.t < ITERS:
+                tr.iteration()
+        pages = lost_ahead(tr.up)
+    finally:
+        hooks.disarm()
+        tr.client.close()
+    with PoolClient.connect(pool.socket_path, pool.token, role="faultkit") as f:
+        f.inject_loss("data", Updater.AHEAD_NAME, pages)
+        for name, idx in lost_data:
+            f.inject_loss("data", name, idx)
+    if then is not None:
+        hooks.arm(*then, mode="raise")
+        try:
+            with pytest.raises(hooks.InjectedCrash):
+                tr = u.Trainer(pool, "adamw-fused", undo="ahead", **KW)  # finishes the update
+                try:
+                    while tr.t < ITERS:
+                        tr.iteration()
+                finally:
+                    tr.client.close()
+        finally:
+            hooks.disarm()
+    tr = u.Trainer(pool, "adamw-fused", undo="ahead", **KW)
+    try:
+        while tr.t < ITERS:
+            tr.iteration()
+        st = tr.up.state
+        out = {
+            k: torch.cat([v[s.offset : s.offset + s.numel] for s in st.slots]).clone()
+            for k, v in st.flat.items()
+        }
+        for g in tr.up.groups:
+            assert tr.up.code(g).verify(g.data, g.tier1, g.tier2), f"group {g.gid} stale"
+        return out
+    finally:
+        tr.client.close()
+
+
+def _in_flight_units(up, gi: int = 0, j: int = 0):
+    return up.state.chunks(gi)[j]
+
+
+def test_copy_pages_lost_outside_the_in_flight_chunk_are_taken_again(pool, fused_reference):
+    # Iteration 2's first chunk is in flight (half updated, no UNDO_DONE written): its
+    # copy reverts it; every other page of the copy is lost, and the resumed update
+    # copies the whole state again before a later chunk needs it — the third chunk,
+    # in flight when a second crash strikes the resumed update.
+    def every_other_chunk(up):
+        mine = set(up.ahead_pages_of(_in_flight_units(up)))
+        return [p for p in range(len(up._ahead_pages)) if p not in mine]
+
+    got = _crash_lose_resume(
+        pool, ("update.optimizer", 2, 1), every_other_chunk, [("param", [0]), ("exp_avg", [1])],
+        then=("update.optimizer", 2, 3),
+    )  # fmt: skip
+    for k in ("param", "exp_avg", "exp_avg_sq"):
+        want = fused_reference[k]
+        assert torch.equal(got[k][: want.numel()].view(torch.uint8), want.view(torch.uint8)), k
+
+
+def test_copy_pages_lost_in_the_compute_phase_are_taken_again(pool, fused_reference):
+    # The crash strikes mid-copy (iteration 2's compute phase) and the whole copy is
+    # lost: the iteration is redone and copies again.
+    got = _crash_lose_resume(
+        pool, ("update.undo", 2, 1), lambda up: list(range(len(up._ahead_pages)))
+    )
+    for k in ("param", "exp_avg", "exp_avg_sq"):
+        want = fused_reference[k]
+        assert torch.equal(got[k][: want.numel()].view(torch.uint8), want.view(torch.uint8)), k
+
+
+def test_the_in_flight_chunks_copy_lost_is_a_fatal_failure_naming_it(pool):
+    def its_first_page(up):
+        return up.ahead_pages_of(_in_flight_units(up))[:1]
+
+    with pytest.raises(RetainedStateLost, match=r"undo copy of chunk 0 of group \d+ lost"):
+        _crash_lose_resume(pool, ("update.optimizer", 2, 1), its_first_page)
+
+
+def test_the_fused_pass_copies_nothing_on_the_update_path_and_writes_one_marker_a_chunk(pool):
+    tr = u.Trainer(pool, "adamw-fused", undo="ahead", **KW)
+    try:
+        tr.iteration()  # iteration 0: the first steps
+        copies, writes = [], []
+        real_copy, real_write = tr.up._runs_copy, tr.up.marker.write
+        tr.up._runs_copy = lambda units, to_undo, hook_it=None: copies.append(to_undo)
+        tr.up.marker.write = lambda state: writes.append(state) or real_write(state)
+        tr.iteration()
+        assert copies == [], f"chunk copies on the update's path: {copies}"
+        n_chunks = sum(len(tr.up.state.chunks(gi)) for gi in range(len(tr.up.groups)))
+        steps = [w.step.name for w in writes if w.phase.name == "UPDATE"]
+        assert "UNDO_DONE" not in steps, steps
+        # Per group LOAD->START, STORE, TIER2; per chunk its commit.
+        assert len(steps) == n_chunks + 3 * len(tr.up.groups), steps
+        tr.up._runs_copy = real_copy
+    finally:
+        tr.client.close()
+
+
+def test_an_update_without_the_copy_for_its_iteration_is_refused(pool):
+    tr = u.Trainer(pool, "adamw-fused", undo="ahead", **KW)
+    try:
+        tr.iteration()
+        with pytest.raises(RuntimeError, match=r"without the state copied for it"):
+            tr.up.update(5)
+    finally:
+        tr.client.close()
+
+
+def test_an_unknown_undo_mode_is_refused(pool):
+    client = PoolClient.connect(pool.socket_path, pool.token)
+    try:
+        with pytest.raises(ValueError, match=r"undo='later': use chunk or ahead"):
+            Updater(client, h.build_model(), h.SCHEDULE, UpdaterConfig(undo="later"))
+    finally:
+        client.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "crash",
+    [None, ("update.undo", 2, 1), ("update.optimizer", 2, 1), ("update.optimizer", 2, 2),
+     ("update.commit", 3, 1)],  # fmt: skip
+    ids=lambda c: "fault-free" if c is None else f"{c[0]}@{c[1]}#{c[2]}",
+)
+def test_on_the_gpu_the_copy_beside_compute_gives_the_per_chunk_bytes(crash):
+    """The CUDA kernel with the whole-state copy on the copy stream (the update waits
+    for it), fault-free and resumed after a crash, against per-chunk undo copies."""
+    from leto.memory.config import PoolConfig
+
+    cfg = PoolConfig.for_cuda(0, data_pages=12, tier1_pages=4, allow_fault_injection=True)
+    kw = {"dims": (1024, 2400, 7), "chunk_units": 2}  # 2 MiB pages: units of 512 K
+    out = {}
+    for undo in ("chunk", "ahead"):
+        sm = start_state_manager(cfg)
+        try:
+            out[undo] = u.train(sm, "adamw-fused", crash if undo == "ahead" else None,
+                                undo=undo, **kw)  # fmt: skip
+        finally:
+            sm.stop()
+    assert out["ahead"]["chunk pass"] == "cuda kernel"
+    same(out["ahead"], out["chunk"], f"--undo ahead on CUDA, crash {crash}")
