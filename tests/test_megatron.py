@@ -262,7 +262,7 @@ def test_transformer_engine_layers_fused_optimizers_and_flags_are_refused_by_nam
     m = _Module()
     with pytest.raises(InvalidInput, match="fused optimizer FusedAdam"):
         _check(m, fused(m.parameters()))
-    for flag in ("sequence_parallel", "fp8"):
+    for flag in ("sequence_parallel", "fp8", "moe_router_enable_expert_bias"):
         m = _Module(**{flag: True})
         with pytest.raises(InvalidInput, match=f"Megatron's {flag}"):
             _check(m)

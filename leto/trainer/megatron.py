@@ -42,7 +42,8 @@ with a torch optimizer (its gradients live in ``main_grad``: the optimizer would
 nothing), Megatron FSDP, several optimizer instances, loss scaling (fp16)
 (docs/megatron-distopt.md); ``Float16Module`` without Megatron's optimizer; apex's and
 TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
-fp8/fp4; without Megatron's DDP the interleaved pipeline schedule (a DDP object a chunk),
+fp8/fp4, the routers' expert bias (``moe_router_enable_expert_bias``); without
+Megatron's DDP the interleaved pipeline schedule (a DDP object a chunk),
 pipeline or expert parallelism with data-parallel replicas (its no_sync handling, its
 expert buffers); context parallelism; RNG trackers other than
 Megatron's own ``CudaRNGStatesTracker`` (TransformerEngine's, CUDA-graph-safe ones).
@@ -334,6 +335,15 @@ def _refuse_layers_and_configs(model: torch.nn.Module) -> None:
                     f"leto.Run: Megatron's {flag} ({name or 'the model'}'s config) is not "
                     "supported under Leto yet" + _NOTHING
                 )
+        if getattr(config, "moe_router_enable_expert_bias", False):
+            # Written in finalize_model_grads from the iteration's token counts, before
+            # the optimizer step: a recovery that finishes the update has neither.
+            raise InvalidInput(
+                f"leto.Run: Megatron's moe_router_enable_expert_bias ({name or 'the model'}'s "
+                "config): the routers' expert bias is updated from each iteration's token "
+                "counts before the optimizer step, and Leto does not retain it yet (a "
+                "recovery would lose it) — use an auxiliary load-balancing loss" + _NOTHING
+            )
 
 
 def _tracker():
