@@ -19,6 +19,9 @@ times per shadow level. Per trial, from the recovery record (``leto run --json``
 * "to leto.Run" — the older, shorter figure (detection until ``leto.Run`` resumed), and
   what the promoted trainer still imported (``promoted_imports``; empty is the goal).
 
+``--preset h200-1b-prepared`` (``cpu-prepared`` on the CPU) times the project's example job
+instead, at the same size and tokens: a script that gives ``prepare=`` and ``warmup=``.
+
 ``--warmup both`` runs each trial with and without the parked shadow's generic warm-up
 (``leto.trainer.warmup.generic_step``, for scripts that give none). Prints a table, writes
 JSON.
@@ -57,9 +60,30 @@ SCRIPT = Path(REPO) / "examples" / "porting" / "gpt_leto.py"
 CPU_SHAPE = "--n-layer 7 --n-embd 256 --n-head 4 --vocab 4096 --seq 256 --batch 8 --accum 2"
 # The shape: 1.11 B parameters (tied embeddings), 16 K tokens an iteration.
 H200_1B = "--n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 --seq 1024 --batch 16"
+# The project's example job at the same size and tokens (1.01 B parameters: a byte-level
+# vocabulary), a script that gives leto.init its prepare= (the model on the meta device)
+# and warmup= and leto.Run its init= — the "where the script gives them". Chunks
+# of 64 units, as leto.Run's default (the job's own default, 2, is for small models).
+TRAIN_GPT = Path(REPO) / "examples" / "train_gpt.py"
+H200_1B_PREPARED = (
+    "--n-layer 20 --n-embd 2048 --n-head 16 --seq-len 1024 --batch-size 16 --dropout 0.0 "
+    "--autocast bf16 --tf32 --chunk-units 64"
+)
 PRESETS = {
     "cpu-small": {"device": "cpu", "nproc_per_node": 2, "script_args": CPU_SHAPE},
     "h200-1b": {"device": "cuda", "nproc_per_node": 1, "script_args": H200_1B},
+    "cpu-prepared": {
+        "device": "cpu",
+        "nproc_per_node": 2,
+        "script": TRAIN_GPT,
+        "script_args": "--n-layer 2 --n-embd 64 --n-head 2 --seq-len 64 --batch-size 4",
+    },
+    "h200-1b-prepared": {
+        "device": "cuda",
+        "nproc_per_node": 1,
+        "script": TRAIN_GPT,
+        "script_args": H200_1B_PREPARED,
+    },
 }
 
 
@@ -134,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--script",
-        default=str(SCRIPT),
-        help="the job (default: the nanoGPT-style port; e.g. examples/titan/debug_job.py, "
+        default=None,
+        help="the job (default: the preset's, else the nanoGPT-style port; e.g. "
+        "examples/titan/debug_job.py, "
         "torchtitan under Leto); it takes --iterations and --out besides --script-args",
     )
     ap.add_argument(
@@ -153,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args.device = args.device or preset["device"]
     args.nproc_per_node = args.nproc_per_node or preset["nproc_per_node"]
     args.script_args = args.script_args if args.script_args is not None else preset["script_args"]
+    args.script = str(args.script or preset.get("script", SCRIPT))
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="leto-plain-recovery-"))
     rows = []
     kinds = ("generic", "none") if args.warmup == "both" else (args.warmup,)

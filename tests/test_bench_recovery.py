@@ -154,3 +154,25 @@ def test_checkpoints_that_would_not_fit_are_refused_before_anything_runs(tmp_pat
         monkeypatch.setattr(rs, "reference_out", lambda *a: pytest.fail("ran the reference"))
         monkeypatch.setattr(rs.shutil, "disk_usage", lambda p: usage(p, 0))
         rs.main(["--variants", rs.BASE, "--checkpoints", "baseline"])
+
+
+@pytest.mark.integ
+@pytest.mark.timeout(240)
+def test_plain_recovery_times_a_script_that_gives_prepare_and_warmup(tmp_path):
+    # The preset for the "where the script gives them": the example job (its
+    # prepare= and warmup=) killed in the update with pages lost, I + R from its record.
+    import json
+
+    import bench.plain_recovery as pr
+
+    out = tmp_path / "trials.json"
+    argv = ["--preset", "cpu-prepared", "--trials", "1", "--iterations", "5",
+            "--at", "update.optimizer@3#1", "--lose-pages", "2", "--work-dir",
+            str(tmp_path / "jobs"), "--json-out", str(out)]  # fmt: skip
+    assert pr.main(argv) == 0
+    got = json.loads(out.read_text())
+    assert got["args"]["script"].endswith("examples/train_gpt.py"), got["args"]
+    (row,) = got["trials"]
+    assert row["resumed_by"] == "finish" and row["pages_lost"] > 0, row
+    assert 0 < row["init_s"] <= row["regained_s"], row
+    assert "script set-up" in row["stages"] and "forward/backward" in row["stages"], row
