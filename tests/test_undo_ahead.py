@@ -18,7 +18,7 @@ from leto.update.rmu import Updater, UpdaterConfig
 from tests import rmu_harness as h
 from tests import test_user_optim as u
 from tests.pool_helpers import small_config
-from tests.test_rmu import ITERS, assert_same
+from tests.test_rmu import ITERS
 
 # Several units a chunk and chunks a group (test_chunk_pass's shape).
 DIMS = (60, 1031, 37)
@@ -74,12 +74,44 @@ def test_the_fused_pass_with_the_undo_taken_ahead_resumes_exactly_from_every_poi
     same(got, fused_reference, f"--undo ahead, crash at {crash}")
 
 
-@pytest.mark.parametrize("name", h.POINTS)
-def test_the_unfused_steps_with_the_undo_taken_ahead_resume_exactly_from_every_point(
-    small_pool, name
+@pytest.fixture(scope="module")
+def unfused_reference():
+    sm = start_state_manager(small_config(data_pages=12, tier1_pages=3))
+    try:
+        return u.train(sm, "adam-fused", None, **KW)
+    finally:
+        sm.stop()
+
+
+UNFUSED_CRASHES = [(p, 2, 1) for p in h.POINTS] + [
+    ("update.undo", 2, 2),
+    ("update.optimizer", 2, 3),
+]
+
+
+@pytest.mark.parametrize("crash", UNFUSED_CRASHES, ids=lambda c: f"{c[0]}@{c[1]}#{c[2]}")
+def test_an_update_the_fused_pass_cannot_take_copies_each_chunk_into_the_same_place(
+    pool, unfused_reference, crash
 ):
-    cfg = UpdaterConfig(chunk_units=1, undo="ahead")
-    assert_same(h.run(small_pool, ITERS, cfg, crash=(name, 2, 1)), h.reference(ITERS))
+    # Adam with weight decay: the pass exists, but no update takes it (each update's
+    # unfused steps then copy every chunk into the whole-state copy, before its update).
+    # "update.undo" #1 is the whole copy in the compute phase, #2 the first chunk's.
+    got = u.train(pool, "adam-fused", crash, undo="ahead", **KW)
+    assert got["chunk pass"].startswith("unfused steps (parameter group 0: Adam with weight")
+    same(got, unfused_reference, f"--undo ahead, unfused, crash at {crash}")
+
+
+def test_where_no_update_can_take_the_fused_pass_the_copy_ahead_is_not_taken(small_pool):
+    client = PoolClient.connect(small_pool.socket_path, small_pool.token)
+    try:
+        up = Updater(client, h.build_model(), h.SCHEDULE, UpdaterConfig(undo="ahead"))
+        assert not up.ahead and Updater.AHEAD_NAME not in client._maps
+        assert up.undo_path == (
+            "per chunk, before its update (--undo ahead not taken: the unfused steps (the "
+            "updater's own AdamWConfig path) copy each chunk anyway)"
+        )
+    finally:
+        client.close()
 
 
 def _crash_lose_resume(pool, crash, lost_ahead, lost_data=(), then=None):
@@ -213,8 +245,13 @@ def test_an_unknown_undo_mode_is_refused(pool):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "crash",
-    [None, ("update.undo", 2, 1), ("update.optimizer", 2, 1), ("update.optimizer", 2, 2),
-     ("update.commit", 3, 1)],  # fmt: skip
+    [
+        None,
+        ("update.undo", 2, 1),
+        ("update.optimizer", 2, 1),
+        ("update.optimizer", 2, 2),
+        ("update.commit", 3, 1),
+    ],  # fmt: skip
     ids=lambda c: "fault-free" if c is None else f"{c[0]}@{c[1]}#{c[2]}",
 )
 def test_on_the_gpu_the_copy_beside_compute_gives_the_per_chunk_bytes(crash):

@@ -269,7 +269,8 @@ class Run:
             dp=dp,
             external_grads=self._megatron_ddp is not None,
         )
-        self.job.up.undo_note = self._undo_note
+        if self._undo_note is not None:
+            self.job.up.undo_note = self._undo_note
         if ctx.store is not None:
             self.job.on_no_loss = lambda: ctx.store.add(keys.NO_LOSS, 1)
             if self.job.up.recheck is not None:

@@ -173,15 +173,29 @@ class Updater:
         self._undo_pages = as_pages(undo.view(max_chunk_pages, pb), None, "undo", None)
         self._undo_flat = undo
         self._alloc_pages = {n: client.pages_of(n) for n in self.state.set_names}
+        # The fused chunk pass (optimizer + parity delta in one read) where it applies;
+        # otherwise the unfused steps, and the reason is kept for the run's log.
+        self.chunk_pass, self.chunk_pass_reason = ChunkPass.create(
+            self.state, user, h1, self.device
+        )
         # --undo ahead: a mirror of every allocation of the set, refilled while forward
         # and backward run (``begin``); a chunk's undo copy is its own offsets there.
-        # Never lent to activations: it is written during the compute phase.
+        # Never lent to activations: it is written during the compute phase. Not taken
+        # where the fused pass cannot run (known now, the same in every generation of
+        # the job): the unfused steps copy each chunk anyway (see ``_update_group``), so
+        # the whole copy would only add its memory and traffic.
         self.ahead = cfg.undo == "ahead" and cfg.transactions
+        self.undo_note: str | None = None  # why not ahead, when asked (the checks line)
+        if self.ahead and self.chunk_pass is None:
+            self.ahead = False
+            self.undo_note = (
+                f"--undo ahead not taken: the unfused steps ({self.chunk_pass_reason}) copy "
+                "each chunk anyway"
+            )
         self._ahead: dict[str, torch.Tensor] = {}
         self._ahead_first: dict[str, int] = {}  # each mirror's first page in the allocation
         self._ahead_done: torch.cuda.Event | None = None
         self._ahead_of: int | None = None  # the iteration whose update the copy serves
-        self.undo_note: str | None = None  # why not ahead, when asked (the checks line)
         if self.ahead:
             total = sum(t.numel() for t in self._alloc_pages.values())
             whole = client.attach(self.AHEAD_NAME, total, kind=reusable)
@@ -244,11 +258,6 @@ class Updater:
         # Undo-buffer pages in the group order of a chunk's pages (allocation-major
         # in the buffer, so each allocation's run is one contiguous copy).
         self._undo_order = self._undo_page_order()
-        # The fused chunk pass (optimizer + parity delta in one read) where it applies;
-        # otherwise the unfused steps, and the reason is kept for the run's log.
-        self.chunk_pass, self.chunk_pass_reason = ChunkPass.create(
-            self.state, user, h1, self.device
-        )
         self._fused: ChunkPass | None = None
         # Replica agreement (leto.integrity.replica): when on, each group's final tier-1
         # parity of an update is reduced to one word on the device, in stream order.
