@@ -271,3 +271,28 @@ def test_on_the_gpu_the_copy_beside_compute_gives_the_per_chunk_bytes(crash):
             sm.stop()
     assert out["ahead"]["chunk pass"] == "cuda kernel"
     same(out["ahead"], out["chunk"], f"--undo ahead on CUDA, crash {crash}")
+
+
+def test_a_pool_that_cannot_hold_the_copy_is_a_clear_error_at_start(pool, monkeypatch):
+    from leto.errors import InvalidInput
+    from leto.memory.errors import RemoteError
+
+    client = PoolClient.connect(pool.socket_path, pool.token)
+    real = client.attach
+
+    def attach(name, *a, **kw):
+        if name == Updater.AHEAD_NAME:  # as a GPU out of memory in the state manager
+            raise RemoteError("internal", "CudaError: cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(client, "attach", attach)
+    try:
+        model = h.build_model(dims=DIMS)
+        user = u.UserOptimizer(
+            u.make("adamw-fused", model), {id(p): n for n, p in model.named_parameters()}
+        )
+        with pytest.raises(InvalidInput, match=r"--undo ahead: the whole-state copy needs [\d.]+ GiB "
+                           r"more pool memory.*OUT_OF_MEMORY.*--undo chunk"):  # fmt: skip
+            Updater(client, model, None, UpdaterConfig(chunk_units=2, undo="ahead"), user=user)
+    finally:
+        client.close()

@@ -53,13 +53,14 @@ import torch
 from leto import plugins
 from leto.erasure import TwoTierCode
 from leto.erasure.pages import PageList, as_pages
-from leto.errors import RetainedStateLost
+from leto.errors import InvalidInput, RetainedStateLost
 from leto.integrity import settle
 from leto.integrity.recheck import Recheck, words_sum
 from leto.integrity.replica import group_digest
 from leto.job.config import UNDO_MODES
 from leto.memory.client import GroupView, PoolClient
 from leto.memory.config import AllocationKind
+from leto.memory.errors import PoolFdLimit, RemoteError
 from leto.memory.lending import Lender
 from leto.plugins import SDC_POINT, Computed, point
 from leto.ranges import leto_range
@@ -198,7 +199,14 @@ class Updater:
         self._ahead_of: int | None = None  # the iteration whose update the copy serves
         if self.ahead:
             total = sum(t.numel() for t in self._alloc_pages.values())
-            whole = client.attach(self.AHEAD_NAME, total, kind=reusable)
+            try:
+                whole = client.attach(self.AHEAD_NAME, total, kind=reusable)
+            except (RemoteError, PoolFdLimit) as e:  # the state manager could not make them
+                raise InvalidInput(
+                    f"--undo ahead: the whole-state copy needs {total / 2**30:.2f} GiB more "
+                    f"pool memory, which the pool could not allocate ({e}); nothing of it "
+                    f"was kept — run with --undo chunk (the default)"
+                ) from e
             off = 0
             for n, t in self._alloc_pages.items():
                 self._ahead[n] = whole[off : off + t.numel()]
