@@ -100,8 +100,23 @@ def main() -> None:
         action="store_true",
         help="with --megatron-ddp: bf16 parameters (Megatron's Float16Module; fp32 main copies)",
     )
+    ap.add_argument(
+        "--fp16",
+        action="store_true",
+        help="with --megatron-ddp: fp16 parameters and Megatron's dynamic loss scaler (an "
+        "iteration with inf/NaN gradients skips its update)",
+    )
+    ap.add_argument(
+        "--initial-loss-scale", type=float, default=2.0**16, help="with --fp16: the first scale"
+    )
+    ap.add_argument(
+        "--loss-scale-window", type=int, default=1000, help="with --fp16: updates between growths"
+    )
     ap.add_argument("--out", default="out", help="iterations.jsonl and parameters")
     args = ap.parse_args()
+    if (args.bf16 or args.fp16) and not args.megatron_ddp or args.bf16 and args.fp16:
+        ap.error("--bf16 or --fp16 (one of them) takes --megatron-ddp")
+    half = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     if (args.vpp > 1 or args.ep > 1) and not args.megatron_ddp:
         ap.error("--vpp and --ep take --megatron-ddp (a DDP object a chunk; expert buffers)")
     vpp = args.vpp if args.vpp > 1 else None
@@ -124,8 +139,8 @@ def main() -> None:
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         hidden_dropout=0.1, attention_dropout=0.1, use_cpu_initialization=True,
-        bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        bf16=args.bf16, fp16=args.fp16, params_dtype=half or torch.float32,
+        pipeline_dtype=half or torch.float32,
         num_moe_experts=args.experts or None, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
         moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
         add_bias_linear=not args.experts,  # (MoE models have none: OLMoE, Mixtral)
@@ -151,11 +166,11 @@ def main() -> None:
     if args.megatron_ddp:  # Megatron's way: its DDP's buffers, its optimizer over them
         sharded = args.distributed_optimizer
         chunks = model if vpp else [model]
-        if args.bf16:
+        if half is not None:
             chunks = [Float16Module(config, c) for c in chunks]
         ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=True, bucket_size=20_000, use_distributed_optimizer=sharded,
-            grad_reduce_in_fp32=args.bf16,
+            grad_reduce_in_fp32=half is not None,
         )  # fmt: skip
         chunks = [
             MegatronDDP(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)
@@ -165,10 +180,12 @@ def main() -> None:
             OptimizerConfig(
                 optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.1, adam_beta1=0.9,
                 adam_beta2=0.95, clip_grad=args.clip, use_distributed_optimizer=sharded,
-                bf16=args.bf16,
+                bf16=args.bf16, fp16=args.fp16, initial_loss_scale=args.initial_loss_scale,
+                loss_scale_window=args.loss_scale_window,
             ),
             chunks,
         )  # fmt: skip
+        config.grad_scale_func = optimizer.scale_loss  # (fp16: Megatron-LM's loss scaling)
         # Megatron-LM's schedule: its steps count samples.
         samples = args.micro_batch * args.micro_batches * parallel_state.get_data_parallel_world_size()
         scheduler = OptimizerParamScheduler(
@@ -250,8 +267,11 @@ def main() -> None:
             )
             clip_grad_by_total_norm_fp32(params, args.clip, norm)
         if args.megatron_ddp:
-            _, norm, _ = optimizer.step()  # Megatron's norm and clipping, then the update
-            scheduler.step(increment=samples)
+            # Megatron's norm and clipping, then the update — none where the loss scaler
+            # found inf/NaN (fp16): Megatron-LM steps its scheduler after an update only.
+            updated, norm, _ = optimizer.step()
+            if updated:
+                scheduler.step(increment=samples)
         else:
             optimizer.step()
             scheduler.step()

@@ -102,9 +102,9 @@ class LoopState:
             group.update(h)
         self.state = dict(rec["state"])
         if self.scaler is not None and rec.get("scaler") is not None:
-            sd = dict(rec["scaler"])
-            if replay:
-                sd = scaler_grown(sd)
+            sd = rec["scaler"] if isinstance(rec["scaler"], list) else dict(rec["scaler"])
+            if replay:  # (Megatron's loss scaler replays its own update)
+                sd = getattr(self.scaler, "grown", scaler_grown)(sd)
             self.scaler.load_state_dict(sd)
         for sc, st in zip(self.schedulers, rec["scheduler"], strict=True):
             sc.load_state_dict(st)

@@ -35,12 +35,13 @@ Where Megatron's optimizer keeps fp32 main copies (the ``DistributedOptimizer``'
 each rank its own; the Float16 optimizer's copies) those are what is retained
 (``MainShards``), and after a resume every rank casts them into the parameters (under the
 ``DistributedOptimizer`` into Megatron's parameter buffer, all-gathered: ``rebuild``).
+With fp16 parameters its loss scaler skips an update whose gradients hold inf/NaN;
+``leto.trainer.megatron_scaler`` tells ``leto.Run`` of each skip and retains the scaler.
 
 Refused when ``leto.Run`` is made, by name, with nothing retained — what is not built
 yet, rather than a run that is silently wrong: Megatron's ``DistributedDataParallel``
 with a torch optimizer (its gradients live in ``main_grad``: the optimizer would update
-nothing), Megatron FSDP, several optimizer instances, loss scaling (fp16)
-(docs/megatron-distopt.md); ``Float16Module`` without Megatron's optimizer; apex's and
+nothing), Megatron FSDP, several optimizer instances (docs/megatron-distopt.md); ``Float16Module`` without Megatron's optimizer; apex's and
 TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
 fp8/fp4, the routers' expert bias (``moe_router_enable_expert_bias``); without
 Megatron's DDP the interleaved pipeline schedule (a DDP object a chunk),
@@ -129,11 +130,6 @@ def adopt(model, optimizers: list) -> tuple[list, list | None]:
                     "(docs/megatron-distopt.md) — its FP32Optimizer and Float16 optimizer "
                     "(bf16 parameters) without it, its DistributedOptimizer with it, are"
                     + _NOTHING
-                )
-            if getattr(part, "grad_scaler", None) is not None:
-                raise InvalidInput(
-                    f"leto.Run: Megatron's {type(part).__name__} with a loss scaler (fp16, or "
-                    "loss_scale set) is not supported under Leto yet — train in bf16" + _NOTHING
                 )
             config = getattr(part, "config", None)
             if getattr(config, "overlap_param_gather_with_optimizer_step", False):

@@ -70,7 +70,14 @@ from leto.job import fault_plan, keys
 from leto.job.config import ENV_FAULT_PLAN
 from leto.plugins import point
 from leto.ranges import leto_range
-from leto.trainer import checks_line, data_state, megatron, shape_warmup, shared_gpu
+from leto.trainer import (
+    checks_line,
+    data_state,
+    megatron,
+    megatron_scaler,
+    shape_warmup,
+    shared_gpu,
+)
 from leto.trainer.batch_fn import BatchFunctions
 from leto.trainer.buffer_state import RetainedBuffers
 from leto.trainer.ddp_shape import DDPShaped
@@ -201,6 +208,16 @@ class Run:
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         if self.scaler is not None:
             self._watch_scaler(self.scaler)
+        # Megatron's optimizer with its loss scaler (fp16): its skips and its state, as a
+        # GradScaler's (leto.trainer.megatron_scaler).
+        if self._megatron_ddp is not None:
+            ms = megatron_scaler.of(megatron_optimizers, self._prepared)
+            if ms is not None and self.scaler is not None:
+                raise InvalidInput(
+                    "leto.Run: Megatron's optimizer scales the loss itself (fp16): give no "
+                    "scaler= beside it; nothing was retained"
+                )
+            self.scaler = ms if ms is not None else self.scaler
         names = {id(p): n for n, p in retained.named_parameters()}
         self.user = UserOptimizer(self.optimizers, names)  # refuses what it cannot run, first
         other = [(n, p.dtype) for n, p in retained.named_parameters() if p.dtype != torch.float32]
@@ -395,6 +412,8 @@ class Run:
         while t < total:
             self._t, self._stepped, self._loss = t, False, None
             self._called, self._inf, self._seen = set(), set(), set()
+            if isinstance(self.scaler, megatron_scaler.MegatronLossScaler):
+                self.scaler.begin()
             self._got_grad.clear()
             self._reported = False
             self.job.begin(t)
@@ -428,7 +447,7 @@ class Run:
                 self.job.skipped(t, self._loss)
                 self._loop.write_end(t)
             self._t = None
-            self._check_schedulers(t)
+            self._check_schedulers(t, skipped=not self._stepped)
             if self.checkpointer is not None:
                 with leto_range("checkpoint"):
                     self.checkpointer.after_iteration(t, self.job)
@@ -588,9 +607,14 @@ class Run:
             return
         if skip and not self._reported:
             self._reported = True
+            who = (
+                "Megatron's loss scaler"
+                if isinstance(self.scaler, megatron_scaler.MegatronLossScaler)
+                else "the GradScaler"
+            )
             rank_log.say(
                 self.ctx.rank,
-                f"iteration {t}: the GradScaler skipped the step of optimizer(s) "
+                f"iteration {t}: {who} skipped the step of optimizer(s) "
                 f"{sorted(skip)} (inf/NaN gradients)",
             )
         if len(skip) == n:
@@ -642,12 +666,14 @@ class Run:
                 "out of the optimizer — nothing was updated in this iteration"
             )
 
-    def _check_schedulers(self, t: int) -> None:
+    def _check_schedulers(self, t: int, skipped: bool = False) -> None:
         """Each LR scheduler stepped exactly once in iteration ``t`` (what a recovery
-        replays after finishing an interrupted update)."""
+        replays after finishing an interrupted update) — or not at all in an iteration
+        whose every step the loss scaler skipped (Megatron-LM steps its scheduler only
+        after a successful update; the iteration's end record keeps it as it is)."""
         epochs = [sc.last_epoch for sc in self.schedulers]
         for sc, e, before in zip(self.schedulers, epochs, self._epochs, strict=True):
-            if e != before + 1:
+            if e != before + 1 and not (skipped and e == before):
                 raise InvalidInput(
                     f"the LR scheduler {type(sc).__name__} stepped {e - before} times in "
                     f"iteration {t}; Leto retains it assuming one scheduler.step() per "
@@ -669,6 +695,14 @@ class Run:
             )
             mode = "chunk"
         return mode
+
+    def _prepared(self, found_inf: bool) -> None:
+        """Megatron's optimizer prepared this iteration's gradients: every optimizer has
+        had its say, and with inf/NaN found every step is skipped (Megatron runs none)."""
+        every = set(range(len(self.optimizers)))
+        self._seen |= every
+        if found_inf:
+            self._inf |= every
 
     def _watch_scaler(self, scaler) -> None:
         """Note, as ``scaler.step(opt)`` begins, whether it will skip ``opt``'s step: a
