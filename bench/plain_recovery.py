@@ -93,7 +93,9 @@ def trial(args, out: Path, level: str, at: str, flags: str = "") -> dict:
         if args.device == "cuda"
         else {}
     )
-    fault = JobFault(args.nproc_per_node - 1, at, lose_pages=args.lose_pages)
+    # (when="parked": the kill meets the next generation's shadows parked, whatever the
+    # iteration: the recovery users get once a job has run a while)
+    fault = JobFault(args.nproc_per_node - 1, at, lose_pages=args.lose_pages, when="parked")
     got = run_job(
         args.nproc_per_node, TrainConfig(), out, [fault],
         shadow_level=level, script=Path(args.script).resolve(), device=args.device,

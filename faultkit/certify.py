@@ -152,6 +152,9 @@ def placement(
             at=f"{PHASES[phase]}@{first + (1 + (k * span) // n if iterations > 1 else 0)}#1",
             lose_pages=h1,
             host_parity_pages=1 if k % 2 == 0 else 0,
+            # Each fault meets parked shadows, as a failure does in a long job: its
+            # recovery is the one users get, not a promotion of a shadow still starting.
+            when="parked",
         )
         for k, phase in enumerate(phases)
     ]

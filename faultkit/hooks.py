@@ -34,6 +34,13 @@ The gradient's and the activation's flip is an element's top mantissa bit (a val
 up to half of it; a lowest bit often vanishes in the all-reduce's rounding). What was flipped goes to the abort log
 (``LETO_TRIPWIRE_LOG``); whether and how Leto noticed is the verdict's business.
 
+``LETO_FAULT_WHEN=parked`` (a fault plan's ``when``; ``arm(..., when="parked")``): at
+the point, before anything else, the trainer waits until every rank's shadow of the next
+generation has parked (``leto.plugins.wait_parked``, within the job's wait limit; past
+it, a line says so and the fault strikes anyway) — the state a failure meets in a job
+that has run a while, where a fault a few iterations after a recovery would otherwise
+meet a shadow still starting (a cold promotion).
+
 Mode ``kernel-abort`` arms the trip-wire (``nvbit_tools.tripwire``) instead: the next
 of Leto's own kernels (codec, parity copy, optimizer landing) stops after
 ``LETO_TRIPWIRE_BLOCKS`` blocks (default 3) and the process is SIGKILLed with it in
@@ -44,12 +51,15 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 from leto import plugins
 from leto.plugins import ONCE_PER_ITERATION, POINTS
 
 ENV_FAULT_AT = "LETO_FAULT_AT"
 ENV_FAULT_MODE = "LETO_FAULT_MODE"  # kill (default), kill-synced, copy-corrupt, ...
+ENV_FAULT_WHEN = "LETO_FAULT_WHEN"  # now (default) or parked
+WHEN = ("now", "parked")
 MODES = ("raise", "kill", "kill-synced", "copy-corrupt", "kernel-abort", "hang", "corrupt")
 CORRUPT_TARGETS = ("data", "tier1", "tier2", "computed", "activation")
 
@@ -61,6 +71,7 @@ class InjectedCrash(Exception):
 
 
 _armed: tuple[str, int, int, str] | None = None
+_when = "now"
 _hits: dict[tuple[str, int], int] = {}
 _seen: list[str] = []  # every point name reached, when recording (for coverage tests)
 _recording = False
@@ -77,10 +88,13 @@ def parse(spec: str) -> tuple[str, int, int]:
         ) from None
 
 
-def arm(name: str, iteration: int, nth: int = 1, mode: str = "raise") -> None:
-    global _armed
+def arm(name: str, iteration: int, nth: int = 1, mode: str = "raise", when: str = "now") -> None:
+    global _armed, _when
     if mode.split(":")[0] not in MODES:
         raise ValueError(f"mode {mode!r}: use one of {', '.join(MODES)}")
+    if when not in WHEN:
+        raise ValueError(f"when={when!r}: use one of {', '.join(WHEN)}")
+    _when = when
     if mode.startswith("corrupt"):
         corrupt_spec(mode)  # refused now, not at the point
     _armed = (name, iteration, nth, mode)
@@ -88,8 +102,8 @@ def arm(name: str, iteration: int, nth: int = 1, mode: str = "raise") -> None:
 
 
 def disarm() -> None:
-    global _armed
-    _armed = None
+    global _armed, _when
+    _armed, _when = None, "now"
     _hits.clear()
 
 
@@ -115,6 +129,10 @@ def point(name: str, iteration: int, dest=None) -> None:
     _hits[key] = _hits.get(key, 0) + 1
     if _hits[key] != nth:
         return
+    if _when == "parked" and plugins.wait_parked() is False:
+        print(f"faultkit: {name}@{iteration}#{nth}: the next generation's shadows did not "
+              "all park within the job's wait limit; striking anyway", file=sys.stderr,
+              flush=True)  # fmt: skip
     if mode == "copy-corrupt":
         if dest is None:
             raise InjectedCrash(f"{name} copies nothing: copy-corrupt needs a copy's point")
@@ -310,8 +328,8 @@ def _flip_activation(at: str) -> None:
     handle = linear.register_forward_hook(flip)
 
 
-def _arm_spec(spec: str, mode: str) -> None:
-    arm(*parse(spec), mode=mode)
+def _arm_spec(spec: str, mode: str, when: str = "now") -> None:
+    arm(*parse(spec), mode=mode, when=when)
 
 
 def _lose(client, pages: int, host_parity_pages: int, rng) -> dict:
@@ -325,4 +343,8 @@ plugins.install_arm(_arm_spec)
 plugins.install_page_loss(_lose)
 
 if os.environ.get(ENV_FAULT_AT):
-    arm(*parse(os.environ[ENV_FAULT_AT]), mode=os.environ.get(ENV_FAULT_MODE, "kill"))
+    arm(
+        *parse(os.environ[ENV_FAULT_AT]),
+        mode=os.environ.get(ENV_FAULT_MODE, "kill"),
+        when=os.environ.get(ENV_FAULT_WHEN, "now"),
+    )

@@ -67,6 +67,10 @@ class JobFault:
     # Another rank failing in the same failure as the fault before it (several ranks at
     # once): the same generation; the losses are the first fault's, taken once.
     with_previous: bool = False
+    # "parked": at the point the trainer first waits until the next generation's shadows
+    # have all parked (leto's fault plan key ``when``): the failure meets what it meets in
+    # a job that has run a while, not a shadow still starting after the last recovery.
+    when: str = "now"
 
     @property
     def iteration(self) -> int:
@@ -81,6 +85,7 @@ class JobFault:
             "lose_pages": self.lose_pages,
             "host_parity_pages": self.host_parity_pages,
             "inject": [[k, n, list(p)] for k, n, p in self.inject],
+            "when": self.when,
         }
 
 

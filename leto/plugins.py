@@ -101,6 +101,7 @@ _observer_factory: Callable | None = None
 _shadow_warmups: list[Callable] = []
 _point_handler: Callable | None = None
 _arm: Callable | None = None
+_parked_wait: Callable | None = None
 _page_loss: Callable | None = None
 _loaded: set[str] = set()
 
@@ -181,9 +182,23 @@ def install_point_handler(fn: Callable | None) -> None:
 
 
 def install_arm(fn: Callable | None) -> None:
-    """``fn(spec, mode)``: arm a fault at ``NAME@ITERATION#N`` in this process."""
+    """``fn(spec, mode, when)``: arm a fault at ``NAME@ITERATION#N`` in this process
+    (``when``: "now", or "parked" — see ``wait_parked``)."""
     global _arm
     _arm = fn
+
+
+def install_parked_wait(fn: Callable | None) -> None:
+    """``fn() -> bool``: block until every rank's shadow of the next generation has
+    parked (False: it gave up at its time limit). Installed by the trainer's context."""
+    global _parked_wait
+    _parked_wait = fn
+
+
+def wait_parked() -> bool | None:
+    """What a fault armed with ``when="parked"`` does at its point before it strikes
+    (None: no trainer context installed the wait)."""
+    return _parked_wait() if _parked_wait is not None else None
 
 
 def install_page_loss(fn: Callable | None) -> None:
@@ -213,14 +228,14 @@ def load(names: str | None = None) -> list[str]:
     return done
 
 
-def arm(spec: str, mode: str) -> None:
+def arm(spec: str, mode: str, when: str = "now") -> None:
     """Arm a fault in this process through the loaded fault plugin."""
     if _arm is None:
         raise RuntimeError(
             f"a fault ({spec}, {mode}) was asked for but no fault plugin is loaded "
             f"(set {ENV_PLUGINS}={FAULT_PLUGIN})"
         )
-    _arm(spec, mode)
+    _arm(spec, mode, when)
 
 
 def lose_pages(client, pages: int, host_parity_pages: int, rng) -> dict:

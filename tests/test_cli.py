@@ -51,6 +51,7 @@ def test_leto_run_refuses_a_bad_fault_plan_before_anything_starts(capsys, tmp_pa
         ),
         ({**ok, "lose_pages": "2"}, "lose_pages='2' is not a int"),
         ({"rank": 0, "at": "sync@1"}, "missing ['generation']"),
+        ({**ok, "when": "later"}, "when='later': use now or parked"),
     ]
     for entry, says in cases:
         monkeypatch.setenv("LETO_FAULT_PLAN", json.dumps([entry]))

@@ -351,3 +351,54 @@ def test_every_rank_failing_is_one_generation_and_beyond_h1_one_case_a_phase():
     assert cases == [("compute", "kill", 17, 16), ("update", "kill", 17, 16)], cases
     with pytest.raises(ValueError, match="expected all, pairs, alternate or beyond"):
         fi.matrix_cases(InjectConfig(), losses="some")
+
+
+def test_a_fault_armed_for_parked_shadows_waits_for_them_before_it_strikes(capsys):
+    # ``when="parked"``: at the armed point the trainer's wait (leto.plugins.wait_parked,
+    # installed by its context) runs first; a wait that gave up is said, and the fault
+    # strikes anyway. "now" never waits.
+    from faultkit import hooks
+    from leto import plugins
+
+    calls = []
+    for when, parked in (("parked", True), ("parked", False), ("now", True)):
+        calls.clear()
+        plugins.install_parked_wait(lambda p=parked: calls.append("wait") or p)
+        try:
+            hooks.arm("update.optimizer", 2, 1, mode="raise", when=when)
+            hooks.point("update.optimizer", 1)  # not the armed iteration: no wait
+            assert calls == []
+            with pytest.raises(hooks.InjectedCrash):
+                hooks.point("update.optimizer", 2)
+        finally:
+            hooks.disarm()
+            plugins.install_parked_wait(None)
+        assert calls == (["wait"] if when == "parked" else []), (when, calls)
+        said = capsys.readouterr().err
+        assert ("did not all park" in said) == (when == "parked" and not parked), said
+    with pytest.raises(ValueError, match="when='later'"):
+        hooks.arm("sync", 1, when="later")
+
+
+def test_the_wait_for_parked_shadows_needs_every_ranks_next_shadow():
+    import time as _time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from leto.job import keys
+    from leto.job.store import free_port
+    from leto.trainer.api import Context
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
+    ctx = Context.__new__(Context)
+    ctx.generation, ctx.world_size, ctx.store = 3, 2, store
+    store.set(keys.parked(4, 0), "{}")
+    t0 = _time.monotonic()
+    assert ctx.wait_successors_parked(0.3) is False  # rank 1's shadow of generation 4: not yet
+    assert _time.monotonic() - t0 >= 0.3
+    store.set(keys.parked(3, 1), "{}")  # another generation's does not count
+    assert ctx.wait_successors_parked(0.2) is False
+    store.set(keys.parked(4, 1), "{}")
+    assert ctx.wait_successors_parked(5.0) is True

@@ -15,6 +15,10 @@ key                    type      meaning
 ``lose_pages``         int ≥ 0   data pages lost in every protection group of every rank
 ``host_parity_pages``  int ≥ 0   tier-1 host parity pages lost
 ``inject``             list      explicit losses ``[kind, allocation, [pages...]]``
+``when``               str       ``now`` (default) or ``parked``: at the point, the failing
+                                 trainer first waits until every rank's shadow of the next
+                                 generation has parked (what a failure meets in a job that
+                                 has run a while; ignored with shadows off)
 =====================  ========  ==========================================================
 
 Page loss needs pools that allow it (``leto run --allow-fault-injection``). Before this
@@ -41,7 +45,9 @@ KEYS = {
     "lose_pages": int,
     "host_parity_pages": int,
     "inject": list,
+    "when": str,
 }
+WHEN = ("now", "parked")
 REQUIRED = ("generation", "rank", "at")
 _AT = re.compile(r"^[A-Za-z_][\w.]*@\d+(#\d+)?$")
 
@@ -88,6 +94,8 @@ def parse(text: str, world_size: int, allow_fault_injection: bool) -> list[dict]
                 + (f" (did you mean {' or '.join(close)}?)" if close else "")
                 + f"; the points are {', '.join(FAULT_POINTS)} — nothing was started"
             )
+        if f.get("when", "now") not in WHEN:
+            raise InvalidInput(f"{at}: when={f['when']!r}: use {' or '.join(WHEN)}")
         for e in f.get("inject", []):
             ok = (
                 isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)

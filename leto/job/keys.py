@@ -130,6 +130,13 @@ def parked(gen: int, rank: int) -> str:
     return f"leto/gen{gen}/rank{rank}/parked"
 
 
+def shadows_wanted(gen: int) -> str:
+    """Set by a trainer of ``gen`` that waits for its successors' shadows to park (a
+    fault plan's ``when: parked``): the agent starts them now, not after the held-back
+    start's second iteration (which the waiting trainer would never reach)."""
+    return f"leto/gen{gen}/shadows_wanted"
+
+
 def memory(gen: int, rank: int) -> str:
     """JSON: the trainer's latest device-memory report (preinitialization)."""
     return f"leto/gen{gen}/rank{rank}/memory"

@@ -102,7 +102,7 @@ class Cell:
             }
         )
         env.update(self.extra_env)
-        for k in ("LETO_FAULT_AT", "LETO_FAULT_MODE"):
+        for k in ("LETO_FAULT_AT", "LETO_FAULT_MODE", "LETO_FAULT_WHEN"):
             env.pop(k, None)
         return env
 
@@ -126,6 +126,8 @@ class Cell:
         env = self._env("active", generation, "off")
         if fault:
             env["LETO_FAULT_AT"], env["LETO_FAULT_MODE"] = fault["at"], fault.get("mode", "kill")
+            if self._waits(fault):
+                env["LETO_FAULT_WHEN"] = "parked"
         with self._log(generation, "active") as log:
             # Its own session and process group (as torch elastic starts workers): the
             # fence kills the group, so nothing the trainer started outlives it.
@@ -166,6 +168,10 @@ class Cell:
         self._shadow_pipe = w
         self.shadow_generation = generation
 
+    def _waits(self, fault: dict) -> bool:
+        """A fault plan entry's ``when: parked`` — with shadows off none ever parks."""
+        return fault.get("when") == "parked" and self.cfg.shadow_level != "off"
+
     def promote(self, fault: dict | None = None) -> None:
         """The parked shadow becomes the active trainer (after ``fence``)."""
         if self.shadow is None or self.shadow.poll() is not None:
@@ -173,6 +179,8 @@ class Cell:
         msg = {"generation": self.shadow_generation}
         if fault:
             msg.update(fault_at=fault["at"], fault_mode=fault.get("mode", "kill"))
+            if self._waits(fault):
+                msg["fault_when"] = "parked"
         os.write(self._shadow_pipe, (json.dumps(msg) + "\n").encode())
         os.close(self._shadow_pipe)
         self._shadow_pipe = None

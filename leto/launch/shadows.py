@@ -41,6 +41,7 @@ class Shadows:
         self._dead_since: dict[int, tuple] = {}  # shadow pid -> (trainer beat, monotonic)
         # after_recovery's held-back start: (generation, monotonic, rank -> first beat)
         self._due: tuple[int, float, dict] | None = None
+        self._wanted_checked = 0.0  # when the store was last asked for shadows_wanted
 
     @property
     def on(self) -> bool:
@@ -107,6 +108,10 @@ class Shadows:
                 ready = False
             elif beat != b"done" and first.setdefault(cl.rank, beat) == beat:
                 ready = False
+        if not ready and self.store is not None and time.monotonic() - self._wanted_checked > 0.25:
+            # (a store request at most every 0.25 s, as the heartbeats are read)
+            self._wanted_checked = time.monotonic()
+            ready = self.store.check([keys.shadows_wanted(new)])
         if ready or time.monotonic() - since > DEFER_MAX_S:
             self._due = None
             self.start(new + 1)

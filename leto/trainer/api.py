@@ -274,6 +274,22 @@ class Context:
             time.sleep(0.05)
         return None
 
+    def wait_successors_parked(self, timeout_s: float) -> bool:
+        """Block until every rank's shadow of the next generation has parked, or
+        ``timeout_s`` passed (False): a fault plan's ``when: parked`` waits here."""
+        from leto.preinit.guard import parked_key
+
+        want = [parked_key(self.generation + 1, r) for r in range(self.world_size)]
+        # The agent holds the successors back until this generation's second iteration
+        # (leto.launch.shadows.start_due), which a trainer waiting here never reaches.
+        self.store.set(keys.shadows_wanted(self.generation), "1")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.store.check(want):
+                return True
+            time.sleep(0.05)
+        return False
+
     def resumed(self, next_iteration: int, **timings: float) -> None:
         """Tell the agent this rank trains again (the recovery record's last step)."""
         rec = {**self.timings, **timings, "next_iteration": next_iteration, "time": time.time()}
@@ -465,7 +481,7 @@ def init(prepare=None, warmup=None) -> Context:
                 )
             watch = ahead_imports.ImportWatch().start()
             if msg.get("fault_at"):
-                plugins.arm(msg["fault_at"], msg.get("fault_mode", "kill"))
+                plugins.arm(msg["fault_at"], msg.get("fault_mode", "kill"), msg.get("fault_when", "now"))
         client = report = None
         if premap is not None and premap.client is not None:
             # Premapped (the device is up): take the pool over and localize before the
@@ -562,6 +578,7 @@ def init(prepare=None, warmup=None) -> Context:
             ctx.skip_init = skip_init.start(store, generation, rank)
             rank_log.say(rank, "shadow: running the script's set-up ahead of a promotion")
             runner.start()
+            _install_parked_wait(ctx)
             return ctx
     elif generation > 0:
         profile_recovery()  # a trainer restarted cold
@@ -572,7 +589,7 @@ def init(prepare=None, warmup=None) -> Context:
     # (an active trainer observes the same set-up: may its promoted trainers skip it?)
     skip = skip_init.start(store, generation, rank) if role == "shadow" else skip_init.observe()
     clock.mark("init")
-    return Context(
+    ctx = Context(
         role="promoted" if role == "shadow" else "active",
         rank=rank,
         world_size=world,
@@ -591,3 +608,11 @@ def init(prepare=None, warmup=None) -> Context:
         clock=clock,
         skip_init=skip,
     )
+    _install_parked_wait(ctx)
+    return ctx
+
+
+def _install_parked_wait(ctx: Context) -> None:
+    """What a fault plan's ``when: parked`` waits for (``leto.plugins.wait_parked``):
+    every rank's next shadow parked, within the job's wait limit."""
+    plugins.install_parked_wait(lambda: ctx.wait_successors_parked(ctx.env.timeout_s))
