@@ -148,6 +148,9 @@ def test_megatrons_fp16_loss_scaler_skips_and_scales_as_under_torchrun_after_a_k
         # (Also checked, 2026-12-05, left out of CI for its time: expert parallel 2 at
         # world 2 with Megatron's DDP in fp32.)
         (4, "megatron-distopt-bf16"),
+        # load balancing by the routers' expert bias (DeepSeek-V3's; no auxiliary loss),
+        # updated from the iteration's token counts before the step: retained with it.
+        (2, "megatron-expert-bias"),
     ],
 )  # fmt: skip
 def test_a_megatron_mixture_of_experts_is_bit_identical_to_torchrun_after_a_kill(
@@ -169,6 +172,7 @@ def _bit_identical_after_a_kill(
         "megatron-distopt-bf16": ["--megatron-ddp", "--distributed-optimizer", "--bf16"],
         # Megatron's dynamic loss scaler: iterations 0-2 skipped (inf/NaN), 3-5 updated,
         # the scale grown after 5, then 6-7 skipped again.
+        "megatron-expert-bias": ["--megatron-ddp", "--expert-bias"],
         "megatron-fp16": ["--megatron-ddp", "--fp16", "--initial-loss-scale", "2097152",
                           "--loss-scale-window", "3"],
     }[ddp]  # fmt: skip
@@ -279,7 +283,7 @@ def test_transformer_engine_layers_fused_optimizers_and_flags_are_refused_by_nam
     m = _Module()
     with pytest.raises(InvalidInput, match="fused optimizer FusedAdam"):
         _check(m, fused(m.parameters()))
-    for flag in ("sequence_parallel", "fp8", "moe_router_enable_expert_bias"):
+    for flag in ("sequence_parallel", "fp8"):
         m = _Module(**{flag: True})
         with pytest.raises(InvalidInput, match=f"Megatron's {flag}"):
             _check(m)
@@ -314,7 +318,10 @@ def test_the_parallel_state_decides_what_is_reduced_and_over_which_ranks(monkeyp
         _check(_Module())
     mddp = [object()]  # (what adopt accepted: Megatron's DDP)
     adam = [torch.optim.AdamW(_Module().parameters())]
-    assert megatron.check(_Module(), adam, True, mddp) == (True, megatron.DPGroup("dp-group", (1, 3)))
+    assert megatron.check(_Module(), adam, True, mddp) == (
+        True,
+        megatron.DPGroup("dp-group", (1, 3)),
+    )
     # Experts: Megatron's DDP reduces them over their own replicas; Leto's would not.
     sizes.update(tp=1, dp=2, pp=1, ep=2)
     with pytest.raises(InvalidInput, match="expert parallel size 2.* needs Megatron's Dist"):
@@ -329,7 +336,10 @@ def test_the_parallel_state_decides_what_is_reduced_and_over_which_ranks(monkeyp
     with pytest.raises(InvalidInput, match="schedule has 2 model chunks a stage, and leto.Run "):
         _check(_Module())
     two = [object(), object()]
-    assert megatron.check(_Module(), adam, True, two) == (True, megatron.DPGroup("dp-group", (1, 3)))
+    assert megatron.check(_Module(), adam, True, two) == (
+        True,
+        megatron.DPGroup("dp-group", (1, 3)),
+    )
 
 
 def test_a_frozen_parameter_is_one_the_main_copies_do_not_restore(monkeypatch):
@@ -346,6 +356,26 @@ def test_a_frozen_parameter_is_one_the_main_copies_do_not_restore(monkeypatch):
     assert megatron.unrestored(model, observed) == "lin.bias"
     assert observed.unsafe.startswith("lin.bias is frozen"), observed.unsafe
     assert megatron.unrestored(model, None) == "lin.bias"  # (a promoted trainer: no verdict)
+
+
+def test_a_routers_expert_bias_is_retained_per_iteration_and_never_broadcast():
+    from leto.trainer.buffer_state import RetainedBuffers
+
+    router = type(
+        "TopKRouter", (torch.nn.Module,), {"__module__": "megatron.core.transformer.moe.router"}
+    )
+    model = _Module()
+    model.router = router()
+    model.router.enable_expert_bias = True
+    model.router.register_buffer("expert_bias", torch.zeros(4))
+    model.norm = torch.nn.BatchNorm1d(2)
+    got = RetainedBuffers(model, torch.device("cpu"))
+    assert got.stats[-1] == "router.expert_bias" and "router.expert_bias" not in got.broadcast_stats
+    model.router.expert_bias.add_(1.0)  # what finalize_model_grads does: not a constant
+    assert torch.equal(got.state_dict()["router.expert_bias"], torch.ones(4))
+    del model.norm
+    with pytest.raises(InvalidInput, match="router.expert_bias is written in training .* on cuda"):
+        RetainedBuffers(model, torch.device("cuda"))
 
 
 def test_the_rng_tracker_is_retained_with_the_global_generators(monkeypatch):

@@ -65,6 +65,12 @@ def main() -> None:
     )
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     ap.add_argument(
+        "--expert-bias",
+        action="store_true",
+        help="with --experts: load balancing by the routers' expert bias (DeepSeek-V3's, "
+        "sigmoid scores) instead of the auxiliary loss",
+    )
+    ap.add_argument(
         "--untie-embeddings-and-output-weights", action="store_true",
         help="an output layer of its own (Megatron-LM's flag; tied by default, as there)",
     )
@@ -136,7 +142,10 @@ def main() -> None:
         hidden_dropout=0.1, attention_dropout=0.1, use_cpu_initialization=True,
         bf16=args.bf16, fp16=args.fp16, params_dtype=half or torch.float32,
         pipeline_dtype=half or torch.float32,
-        num_moe_experts=args.experts or None, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+        num_moe_experts=args.experts or None, moe_router_topk=2,
+        moe_aux_loss_coeff=0.0 if args.expert_bias else 1e-2,
+        moe_router_enable_expert_bias=args.expert_bias, moe_router_bias_update_rate=1e-2,
+        moe_router_score_function="sigmoid" if args.expert_bias else "softmax",
         moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
         add_bias_linear=not args.experts,  # (MoE models have none: OLMoE, Mixtral)
         virtual_pipeline_model_parallel_size=vpp,

@@ -6,12 +6,16 @@ Runs in a trainer, made by ``leto.Run``. A persistent buffer is in the model's s
 dict, so a script expects it to survive as its parameters do. Two kinds:
 
 * **running statistics** (``running_mean``, ``running_var``, ``num_batches_tracked`` of
-  BatchNorm and InstanceNorm layers that track them): forward writes them. They travel in
-  the data records (``leto.trainer.data_state``: two parity-protected slots, one per
+  BatchNorm and InstanceNorm layers that track them): forward writes them — and, alike,
+  the ``expert_bias`` of Megatron's MoE routers (``moe_router_enable_expert_bias``:
+  updated in ``finalize_model_grads`` from the iteration's token counts, before the
+  optimizer step, the same on every rank that routes alike, so never broadcast). They
+  travel in the data records (``leto.trainer.data_state``: two parity-protected slots, one per
   iteration parity, carried by checkpoints), written when an iteration commits — after
   its forwards — and loaded at a recovery's resume, so an iteration redone after a
   failure starts from the statistics its first attempt started from (nothing applied
-  twice);
+  twice), and an update a recovery finishes has them as they were after its own
+  forwards (an iteration's record is written at its step);
 * **every other persistent buffer** (llm.c's causal mask, a position table): the script
   computes it when it builds the model, and a promoted trainer builds it again, equal.
   One that training writes anyway is refused when the iteration that wrote it commits,
@@ -23,7 +27,7 @@ state); ``run.model`` does the same for the running statistics — the only buff
 can differ between ranks — so a BatchNorm model's statistics are DDP's bit for bit
 (``tests/test_buffers_integ.py``).
 
-Not covered: running statistics on a CUDA device (refused at ``leto.Run``: their record
+Not covered: running statistics and expert biases on a CUDA device (refused at ``leto.Run``: their record
 is a device-to-host copy at every commit, not yet run on a GPU); buffers of models that
 are not data parallel (FSDP2, tensor and pipeline parallel: refused as before).
 """
@@ -37,6 +41,17 @@ from leto.errors import InvalidInput
 
 # Pickle's framing of a tensor beside its bytes (the data record's size).
 PER_TENSOR_BYTES = 1024
+
+
+def _expert_biases(model: torch.nn.Module) -> list[str]:
+    """Megatron's MoE routers' ``expert_bias`` buffers, where their config updates them."""
+    return [
+        f"{mn}.expert_bias"
+        for mn, m in model.named_modules()
+        if type(m).__module__.startswith("megatron.")
+        and getattr(m, "enable_expert_bias", False)
+        and getattr(m, "expert_bias", None) is not None
+    ]
 
 
 def _stats_modules(model: torch.nn.Module):
@@ -53,21 +68,26 @@ class RetainedBuffers:
         self.model, self.world = model, world
         persistent = set(model.state_dict(keep_vars=True).keys())
         buffers = dict(model.named_buffers())
-        self.stats = [
+        # Broadcast from rank 0 as DDP does (they can differ between ranks) ...
+        self.broadcast_stats = [
             f"{mn}.{bn}" if mn else bn
             for mn, m in _stats_modules(model)
             for bn, b in m.named_buffers(recurse=False)
             if b is not None
         ]
+        # ... and every buffer training writes that is retained per iteration.
+        self.stats = [*self.broadcast_stats, *_expert_biases(model)]
         self.constants = {
             n: b._version for n, b in buffers.items() if n in persistent and n not in self.stats
         }
         if self.stats and device.type != "cpu":
             raise InvalidInput(
-                f"buffer {self.stats[0]} holds running statistics on {device.type}: Leto "
-                f"retains them on the CPU build only so far (their per-iteration record "
-                f"is not yet run on a GPU); use track_running_stats=False, or train on "
-                f"the CPU — nothing was retained"
+                f"buffer {self.stats[0]} is written in training (running statistics, or a "
+                f"Megatron router's expert bias) on {device.type}: Leto retains such buffers "
+                f"on the CPU build only so far (their per-iteration record is not yet run "
+                f"on a GPU); use track_running_stats=False (or an auxiliary load-balancing "
+                f"loss instead of moe_router_enable_expert_bias), or train on the CPU — "
+                f"nothing was retained"
             )
 
     def record_bytes(self) -> int:
@@ -98,5 +118,5 @@ class RetainedBuffers:
     def broadcast(self) -> None:
         """Rank 0's running statistics to every rank, as DDP's forward does."""
         with torch.no_grad():
-            for n in self.stats:
+            for n in self.broadcast_stats:
                 dist.broadcast(self.model.get_buffer(n), src=0)

@@ -58,7 +58,7 @@ class DDPShaped(torch.nn.Module):
         )
         # Plain attributes (Run is no Module): not part of state_dict or parameters.
         self._run = run
-        self._stats = buffers if buffers is not None and buffers.stats else None
+        self._stats = buffers if buffers is not None and buffers.broadcast_stats else None
         self.require_backward_grad_sync = True
         # DDP's require_forward_param_sync: rank 0's buffers are broadcast before a
         # forward that follows one with gradient synchronization (and before the first).

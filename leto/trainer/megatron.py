@@ -35,6 +35,8 @@ Where Megatron's optimizer keeps fp32 main copies (the ``DistributedOptimizer``'
 each rank its own; the Float16 optimizer's copies) those are what is retained
 (``MainShards``), and after a resume every rank casts them into the parameters (under the
 ``DistributedOptimizer`` into Megatron's parameter buffer, all-gathered: ``rebuild``).
+The routers' expert bias (``moe_router_enable_expert_bias``) is retained per iteration
+with the running statistics (``leto.trainer.buffer_state``; the CPU build only so far).
 With fp16 parameters its loss scaler skips an update whose gradients hold inf/NaN;
 ``leto.trainer.megatron_scaler`` tells ``leto.Run`` of each skip and retains the scaler.
 
@@ -43,7 +45,7 @@ yet, rather than a run that is silently wrong: Megatron's ``DistributedDataParal
 with a torch optimizer (its gradients live in ``main_grad``: the optimizer would update
 nothing), Megatron FSDP, several optimizer instances (docs/megatron-distopt.md); ``Float16Module`` without Megatron's optimizer; apex's and
 TransformerEngine's fused optimizers; TransformerEngine layers; sequence parallelism,
-fp8/fp4, the routers' expert bias (``moe_router_enable_expert_bias``); without
+fp8/fp4; without
 Megatron's DDP the interleaved pipeline schedule (a DDP object a chunk),
 pipeline or expert parallelism with data-parallel replicas (its no_sync handling, its
 expert buffers); context parallelism; RNG trackers other than
@@ -331,15 +333,6 @@ def _refuse_layers_and_configs(model: torch.nn.Module) -> None:
                     f"leto.Run: Megatron's {flag} ({name or 'the model'}'s config) is not "
                     "supported under Leto yet" + _NOTHING
                 )
-        if getattr(config, "moe_router_enable_expert_bias", False):
-            # Written in finalize_model_grads from the iteration's token counts, before
-            # the optimizer step: a recovery that finishes the update has neither.
-            raise InvalidInput(
-                f"leto.Run: Megatron's moe_router_enable_expert_bias ({name or 'the model'}'s "
-                "config): the routers' expert bias is updated from each iteration's token "
-                "counts before the optimizer step, and Leto does not retain it yet (a "
-                "recovery would lose it) — use an auxiliary load-balancing loss" + _NOTHING
-            )
 
 
 def _tracker():

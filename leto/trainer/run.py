@@ -295,11 +295,11 @@ class Run:
         self.loop = self.job.loop = self.job.up.loop
         early = self._data is not None
         self._data = self._data or data_state.DataState(ctx.pool, data, extra)
-        if self._buffers.stats and not (
+        if self._buffers.broadcast_stats and not (
             (self.job.replicated and self.job.dp.whole_world) or ctx.world_size == 1
         ):
             raise InvalidInput(
-                f"buffer {self._buffers.stats[0]} holds running statistics in a model that is "
+                f"buffer {self._buffers.broadcast_stats[0]} holds running statistics in a model that is "
                 f"not data parallel over every rank (sharded, tensor or pipeline parallel): "
                 f"Leto retains them in data-parallel models only; nothing was retained"
             )
