@@ -130,11 +130,24 @@ def test_a_megatron_pipeline_is_bit_identical_to_torchrun_after_a_kill(
 
 @pytest.mark.integ
 @pytest.mark.timeout(420)
-def test_megatrons_fp16_loss_scaler_skips_and_scales_as_under_torchrun_after_a_kill(tmp_path):
-    # Killed in iteration 5's update, the one after which the scale grows: the recovery
-    # finishes it, and iteration 6 starts from the scale Megatron's own update gives
-    # (replayed from 5's record), so 6 and 7 skip as under torchrun.
-    norms = _bit_identical_after_a_kill(tmp_path, [], 2, "cpu", "megatron-fp16", at=5, iters=8)
+@pytest.mark.parametrize(
+    "point, at",
+    [
+        # in iteration 5's update, the one after which the scale grows: the recovery
+        # finishes it, and iteration 6 starts from the scale Megatron's own update gives
+        # (replayed from 5's step record), so 6 and 7 skip as under torchrun;
+        ("update.optimizer", 5),
+        # in iteration 7's backward, after the skipped 6: redone from 6's end record
+        # (the scale backed off, no update, the scheduler not stepped).
+        ("compute.backward", 7),
+    ],
+)  # fmt: skip
+def test_megatrons_fp16_loss_scaler_skips_and_scales_as_under_torchrun_after_a_kill(
+    tmp_path, point, at
+):
+    norms = _bit_identical_after_a_kill(
+        tmp_path, [], 2, "cpu", "megatron-fp16", at=at, iters=8, point=point
+    )
     assert [n is None for n in norms] == [True] * 3 + [False] * 3 + [True] * 2, norms
 
 
@@ -160,8 +173,9 @@ def test_a_megatron_mixture_of_experts_is_bit_identical_to_torchrun_after_a_kill
 
 
 def _bit_identical_after_a_kill(
-    tmp_path, layout: list[str], world: int, device: str, ddp: str, at: int = 3, iters=ITERS
-):
+    tmp_path, layout: list[str], world: int, device: str, ddp: str, at: int = 3, iters=ITERS,
+    point: str = "update.optimizer",
+):  # fmt: skip
     ref = tmp_path / "torchrun"
     args = [*layout, "--iterations", str(iters)]
     args += {
@@ -187,7 +201,7 @@ def _bit_identical_after_a_kill(
     lose = 4 if device == "cpu" else 2
     gpu = {"device": "cuda", "pool": CUDA_POOL} if device == "cuda" else {}
     got = run_job(
-        world, TrainConfig(), out, [JobFault(world - 1, f"update.optimizer@{at}#1", lose_pages=lose)],
+        world, TrainConfig(), out, [JobFault(world - 1, f"{point}@{at}#1", lose_pages=lose)],
         script=LETO, script_args=[*args, "--out", str(out / "train")], timeout_s=300, **gpu,
     )  # fmt: skip
     assert got["injections"] == 1, got["recoveries"]
@@ -200,7 +214,7 @@ def _bit_identical_after_a_kill(
     have = (out / "train" / "iterations.jsonl").read_text().splitlines()
     assert have in (want, [x for x in want if json.loads(x)["iteration"] != at]), (want, have)
     norms = [json.loads(x)["grad_norm"] for x in want]  # (None: the loss scaler skipped)
-    assert all(n is None or n > 0 for n in norms) and norms[at] is not None, want
+    assert all(n is None or n > 0 for n in norms), want
     return norms
 
 
@@ -356,6 +370,19 @@ def test_a_frozen_parameter_is_one_the_main_copies_do_not_restore(monkeypatch):
     assert megatron.unrestored(model, observed) == "lin.bias"
     assert observed.unsafe.startswith("lin.bias is frozen"), observed.unsafe
     assert megatron.unrestored(model, None) == "lin.bias"  # (a promoted trainer: no verdict)
+
+
+def test_several_megatron_optimizers_each_scaling_the_loss_are_refused():
+    from leto.trainer import megatron_scaler
+
+    def scaling():
+        opt = SimpleNamespace(grad_scaler=SimpleNamespace(), prepare_grads=lambda: False)
+        return SimpleNamespace(chained_optimizers=[opt], prepare_grads=lambda: False)
+
+    assert megatron_scaler.of([SimpleNamespace(grad_scaler=None)], print) is None
+    assert megatron_scaler.of([scaling()], print) is not None
+    with pytest.raises(InvalidInput, match="2 Megatron optimizers scale the loss"):
+        megatron_scaler.of([scaling(), scaling()], print)
 
 
 def test_a_routers_expert_bias_is_retained_per_iteration_and_never_broadcast():

@@ -42,6 +42,9 @@ ENV_PREMAP = "LETO_PREMAP"
 ENV_TRAIN_DIR = "LETO_TRAIN_DIR"
 # leto run --undo: where the update's undo copies come from (leto.update.rmu.UNDO_MODES).
 ENV_UNDO = "LETO_UNDO"
+# leto run --hang-timeout-s: a trainer that waits on purpose (a fault plan's ``when:
+# parked``) gives up well before the agent would call it hung.
+ENV_HANG_TIMEOUT_S = "LETO_HANG_TIMEOUT_S"
 UNDO_MODES = ("chunk", "ahead")
 
 LEVELS = ("off", "L1", "L2", "L3")
@@ -93,6 +96,7 @@ class TrainerEnv:
     train_dir: str = ""  # a Run's output; "" is <log_dir>/train
     premap: bool = True  # parked L2/L3 shadows map the pool ahead of a promotion
     undo: str = "chunk"  # leto run --undo
+    hang_timeout_s: float = 60.0  # leto run --hang-timeout-s
 
     @classmethod
     def from_environ(cls, env=None) -> TrainerEnv:
@@ -141,6 +145,7 @@ class TrainerEnv:
             log_dir=e.get(ENV_LOG_DIR, "leto-run"),
             train_dir=e.get(ENV_TRAIN_DIR, ""),
             undo=e.get(ENV_UNDO, "chunk"),
+            hang_timeout_s=float(e.get(ENV_HANG_TIMEOUT_S, "60")),
         )
 
 

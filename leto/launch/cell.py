@@ -26,6 +26,7 @@ from leto.job.config import (
     ENV_DEVICE,
     ENV_ERROR_FILE,
     ENV_GENERATION,
+    ENV_HANG_TIMEOUT_S,
     ENV_HOF_RATIO,
     ENV_LOG_DIR,
     ENV_MTTF_S,
@@ -99,6 +100,7 @@ class Cell:
                 ENV_LOSS_GUARD: "1" if cfg.loss_guard else "0",
                 ENV_REPLAY_EVERY: str(cfg.replay_every),
                 ENV_UNDO: cfg.undo,
+                ENV_HANG_TIMEOUT_S: str(cfg.hang_timeout_s),
             }
         )
         env.update(self.extra_env)

@@ -276,7 +276,9 @@ class Context:
 
     def wait_successors_parked(self, timeout_s: float) -> bool:
         """Block until every rank's shadow of the next generation has parked, or
-        ``timeout_s`` passed (False): a fault plan's ``when: parked`` waits here."""
+        ``timeout_s`` passed (False): a fault plan's ``when: parked`` waits here. Not
+        covered: a shadow replaced after it parked (its record stays, so the wait may
+        return while the replacement still starts)."""
         from leto.preinit.guard import parked_key
 
         want = [parked_key(self.generation + 1, r) for r in range(self.world_size)]
@@ -614,5 +616,7 @@ def init(prepare=None, warmup=None) -> Context:
 
 def _install_parked_wait(ctx: Context) -> None:
     """What a fault plan's ``when: parked`` waits for (``leto.plugins.wait_parked``):
-    every rank's next shadow parked, within the job's wait limit."""
-    plugins.install_parked_wait(lambda: ctx.wait_successors_parked(ctx.env.timeout_s))
+    every rank's next shadow parked, within half the hang limit (the agent must not take
+    the waiting trainer for a hung one: the planned fault strikes, late, instead)."""
+    limit = min(ctx.env.timeout_s, ctx.env.hang_timeout_s / 2)
+    plugins.install_parked_wait(lambda: ctx.wait_successors_parked(limit))

@@ -25,6 +25,8 @@ import copy
 
 import torch
 
+from leto.errors import InvalidInput
+
 
 class MegatronLossScaler:
     def __init__(self, outer: list, on_prepared):
@@ -106,10 +108,21 @@ def _tensors(sc, sd: dict) -> dict:
 
 
 def of(outer: list, on_prepared) -> MegatronLossScaler | None:
-    """The loss scaler of Megatron's optimizers ``outer``, or None where none scales."""
-    scales = any(
-        getattr(part, "grad_scaler", None) is not None
+    """The loss scaler of Megatron's optimizers ``outer``, or None where none scales.
+    Several of them scaling, each deciding its own skip, is refused: Leto's update is
+    one transaction (Megatron-LM's get_megatron_optimizer gives one, chained)."""
+    scaling = [
+        opt
         for opt in outer
-        for part in getattr(opt, "chained_optimizers", [opt])
-    )
-    return MegatronLossScaler(outer, on_prepared) if scales else None
+        if any(
+            getattr(part, "grad_scaler", None) is not None
+            for part in getattr(opt, "chained_optimizers", [opt])
+        )
+    ]
+    if len(scaling) > 1:
+        raise InvalidInput(
+            f"leto.Run: {len(scaling)} Megatron optimizers scale the loss (fp16), each "
+            "deciding its own skips: give leto.Run one (get_megatron_optimizer chains the "
+            "model's parts into one); nothing was retained"
+        )
+    return MegatronLossScaler(outer, on_prepared) if scaling else None

@@ -607,14 +607,9 @@ class Run:
             return
         if skip and not self._reported:
             self._reported = True
-            who = (
-                "Megatron's loss scaler"
-                if isinstance(self.scaler, megatron_scaler.MegatronLossScaler)
-                else "the GradScaler"
-            )
             rank_log.say(
                 self.ctx.rank,
-                f"iteration {t}: {who} skipped the step of optimizer(s) "
+                f"iteration {t}: the GradScaler skipped the step of optimizer(s) "
                 f"{sorted(skip)} (inf/NaN gradients)",
             )
         if len(skip) == n:
@@ -703,6 +698,11 @@ class Run:
         self._seen |= every
         if found_inf:
             self._inf |= every
+            rank_log.say(
+                self.ctx.rank,
+                f"iteration {self._t}: Megatron's loss scaler found inf/NaN gradients: its "
+                "update is skipped",
+            )
 
     def _watch_scaler(self, scaler) -> None:
         """Note, as ``scaler.step(opt)`` begins, whether it will skip ``opt``'s step: a
