@@ -79,3 +79,20 @@ def test_a_slow_first_iteration_does_not_hold_the_successors_past_the_cap(monkey
     time.sleep(0.25)
     _poll(sh, monitor)
     assert [c.started for c in cells] == [[(2, "L2")], [(2, "L2")]]
+
+
+def test_a_trainer_waiting_for_parked_successors_has_them_started_at_once():
+    # A fault plan's ``when: parked``: the trainer waits at the point, in its first
+    # iteration, for shadows the agent holds back until its second — it asks for them
+    # (``wait_successors_parked``), and the agent starts them at its next poll.
+    sh, monitor, cells, trainers = _job()
+    sh.after_recovery(1)
+    for t in trainers:
+        t.heartbeat(7)
+    _poll(sh, monitor)
+    assert all(c.started == [] for c in cells)
+    trainers[1].generation = 1
+    assert trainers[1].wait_successors_parked(0.05) is False  # (none parked: it gives up)
+    sh._wanted_checked = 0.0  # (the agent asks the store at most every 0.25 s)
+    _poll(sh, monitor)
+    assert [c.started for c in cells] == [[(2, "L2")], [(2, "L2")]]
