@@ -137,15 +137,13 @@ class Shadows:
             dead = crashed
         if self.level != "L3" and self.levels is None:
             for cl in dead:
-                self.restarts += 1
-                cl.start_shadow(cl.shadow_generation, self.level)
+                self._restart(cl, cl.shadow_generation)
             return
         if dead and self.level == "L3":
             self.store.add(key, 1)
         elif dead:  # below L3 a crashed shadow is replaced alone
             for cl in dead:
-                self.restarts += 1
-                cl.start_shadow(cl.shadow_generation, self.level)
+                self._restart(cl, cl.shadow_generation)
         n = job_store.counter(self.store, key)
         if n > self._reshadows.get(gen + 1, 0):
             self._reshadows[gen + 1] = n
@@ -156,9 +154,17 @@ class Shadows:
             if not self.on:
                 return  # the controller found no level that fits: none until a recovery
             for cl in self.cells:
-                self.restarts += 1
                 cl.pg_attempt = f"{cl.fallbacks}.{n}"
-                cl.start_shadow(gen + 1, self.level)
+                self._restart(cl, gen + 1)
+
+    def _restart(self, cl: Cell, generation: int) -> None:
+        """A shadow in place of one that was dropped or died: its parked record goes
+        first, so whoever waits for this rank's shadow to park (a fault plan's ``when:
+        parked``, the preinitialization guard) waits for the new one."""
+        self.restarts += 1
+        if self.store is not None:
+            self.store.delete_key(keys.parked(generation, cl.rank))
+        cl.start_shadow(generation, self.level)
 
     def _classify_dead(self, gen: int, dead: list[Cell]) -> tuple[list[Cell], list[Cell]]:
         """(crashed, reclaimed) among dead shadows; one not yet known either way (its

@@ -276,9 +276,8 @@ class Context:
 
     def wait_successors_parked(self, timeout_s: float) -> bool:
         """Block until every rank's shadow of the next generation has parked, or
-        ``timeout_s`` passed (False): a fault plan's ``when: parked`` waits here. Not
-        covered: a shadow replaced after it parked (its record stays, so the wait may
-        return while the replacement still starts)."""
+        ``timeout_s`` passed (False): a fault plan's ``when: parked`` waits here (the
+        agent deletes a replaced shadow's record before it starts the new one)."""
         from leto.preinit.guard import parked_key
 
         want = [parked_key(self.generation + 1, r) for r in range(self.world_size)]
