@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|user-recovery|pin-stall|megatron|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|certify-1b|user-recovery|pin-stall|megatron|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -373,6 +373,16 @@ if [[ $what == certify ]]; then
     --batch 4 --iterations 10 --deterministic > "$OUT/certify_cuda.json" 2> "$OUT/certify_cuda.txt" || rc=1
   tail -c 1500 "$OUT/certify_cuda.txt"; python3 -c "import json,sys; v=json.load(open(sys.argv[1])); print(v['verdict'], [(r['phase'], r['exact']) for r in v['faults']], v['first_divergence'], round(v['total_s']))" "$OUT/certify_cuda.json"
 fi
+if [[ $what == certify-1b ]]; then
+  # Issue 57 item 4: faultkit certify of the 1.1 B plain port (16 K tokens an iteration,
+  # deterministic), one rank killed at every phase with pages lost; each fault now meets
+  # parked shadows (when: parked). Compare its total with the runs' time under leto run.
+  timeout ${LETO_CERTIFY_TIMEOUT:-590} python3 -m faultkit.cli certify --device cuda --json \
+    -- examples/porting/gpt_leto.py --n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 \
+    --seq 1024 --batch 16 --iterations ${LETO_CERTIFY_ITERS:-24} --deterministic \
+    > "$OUT/certify_1b.json" 2> "$OUT/certify_1b.txt" || rc=1
+  tail -c 1500 "$OUT/certify_1b.txt"; python3 -c "import json,sys; v=json.load(open(sys.argv[1])); print(v['verdict'], [(r['phase'], r['exact'], r['recovery_s']) for r in v['faults']], round(v['reference_run_s']), round(v['total_s']))" "$OUT/certify_1b.json"
+fi
 if [[ $what == titan* ]]; then
   # torchtitan 0.2.2 under Leto (issue 45). torchtitan and what it needs beyond the
   # machine's packages travel as wheels in .whl (docs/porting.md, "torchtitan"):
@@ -484,9 +494,13 @@ if [[ $what == undo-ahead ]]; then
   # tests (the kernel with the copy on the copy stream, crashes), then the user path at
   # 16 K and 128 K tokens — torchrun, leto run's defaults and --undo ahead side by side,
   # deterministic (bytes compared) — and the breakdown of --undo ahead at 16 K.
-  timeout 200 python3 -m pytest -p no:cacheprovider -q -rfEs -m gpu tests/test_undo_ahead.py \
-    2>&1 | tail -5 | tee "$OUT/undo_ahead_tests.txt" || rc=1
+  # One 600 s call does not hold all of it: LETO_UA_PARTS picks (default all, in order)
+  # tests, h200-1b (16 K), h200-1b-128k, breakdown.
+  parts=${LETO_UA_PARTS:-tests h200-1b h200-1b-128k breakdown}
+  [[ " $parts " == *" tests "* ]] && { timeout 200 python3 -m pytest -p no:cacheprovider -q -rfEs \
+    -m gpu tests/test_undo_ahead.py 2>&1 | tail -5 | tee "$OUT/undo_ahead_tests.txt" || rc=1; }
   for preset in h200-1b h200-1b-128k; do
+    [[ " $parts " == *" $preset "* ]] || continue
     iters=8; [[ $preset == *128k ]] && iters=6
     timeout 400 python3 -m bench.user_path --preset $preset --iterations $iters --skip 3 \
       --timeout-s 200 --script-args="--deterministic --tokens zipf" \
@@ -494,10 +508,12 @@ if [[ $what == undo-ahead ]]; then
       > "$OUT/undo_ahead_$preset.txt" 2>&1 || rc=1
     tail -c 2500 "$OUT/undo_ahead_$preset.txt"
   done
-  timeout 300 python3 -m bench.update_breakdown --preset h200-1b --leto-flags="--undo ahead" \
-    --window 4:3 --script-args="--deterministic --tokens zipf" --json "$OUT/undo_ahead_breakdown.json" \
-    > "$OUT/undo_ahead_breakdown.txt" 2>&1 || rc=1
-  tail -c 3000 "$OUT/undo_ahead_breakdown.txt"
+  if [[ " $parts " == *" breakdown "* ]]; then
+    timeout 300 python3 -m bench.update_breakdown --preset h200-1b --leto-flags="--undo ahead" \
+      --window 4:3 --script-args="--deterministic --tokens zipf" --json "$OUT/undo_ahead_breakdown.json" \
+      > "$OUT/undo_ahead_breakdown.txt" 2>&1 || rc=1
+    tail -c 3000 "$OUT/undo_ahead_breakdown.txt"
+  fi
 fi
 if [[ $what == user-recovery ]]; then
   # Issue 57: recovery as the user lives it, the paper's measure (I + R: failure until the
