@@ -18,6 +18,7 @@ from leto.update.rmu import Updater, UpdaterConfig
 from tests import rmu_harness as h
 from tests import test_user_optim as u
 from tests.pool_helpers import small_config
+from tests.test_chunk_pass import same_bytes
 from tests.test_rmu import ITERS
 
 # Several units a chunk and chunks a group (test_chunk_pass's shape).
@@ -32,28 +33,19 @@ def pool():
     sm.stop()
 
 
-@pytest.fixture
-def small_pool():
-    sm = start_state_manager(small_config(data_pages=8, tier1_pages=2))
-    yield sm
-    sm.stop()
-
-
-def same(got: dict, want: dict, what: str) -> None:
-    keys = [k for k in want if k != "chunk pass"]
-    assert keys == [k for k in got if k != "chunk pass"], what
-    u.assert_same({k: got[k] for k in keys}, {k: want[k] for k in keys}, what)
+def _per_chunk(kind: str) -> dict:
+    """``kind`` trained fault-free with per-chunk undo copies: what every ahead run must
+    give, byte for byte (state and both parity tiers)."""
+    sm = start_state_manager(small_config(data_pages=12, tier1_pages=3))
+    try:
+        return u.train(sm, kind, None, **KW)
+    finally:
+        sm.stop()
 
 
 @pytest.fixture(scope="module")
 def fused_reference():
-    """The fused pass with per-chunk undo copies, fault-free: what every ahead run must
-    give, byte for byte (state and both parity tiers)."""
-    sm = start_state_manager(small_config(data_pages=12, tier1_pages=3))
-    try:
-        return u.train(sm, "adamw-fused", None, **KW)
-    finally:
-        sm.stop()
+    return _per_chunk("adamw-fused")
 
 
 # "update.undo" #1 is the whole-state copy in iteration 2's compute phase (the fused
@@ -71,16 +63,12 @@ def test_the_fused_pass_with_the_undo_taken_ahead_resumes_exactly_from_every_poi
 ):
     got = u.train(pool, "adamw-fused", crash, undo="ahead", **KW)
     assert got["chunk pass"] == "CPU twin"
-    same(got, fused_reference, f"--undo ahead, crash at {crash}")
+    same_bytes(got, fused_reference, f"--undo ahead, crash at {crash}")
 
 
 @pytest.fixture(scope="module")
 def unfused_reference():
-    sm = start_state_manager(small_config(data_pages=12, tier1_pages=3))
-    try:
-        return u.train(sm, "adam-fused", None, **KW)
-    finally:
-        sm.stop()
+    return _per_chunk("adam-fused")
 
 
 UNFUSED_CRASHES = [(p, 2, 1) for p in h.POINTS] + [
@@ -98,11 +86,11 @@ def test_an_update_the_fused_pass_cannot_take_copies_each_chunk_into_the_same_pl
     # "update.undo" #1 is the whole copy in the compute phase, #2 the first chunk's.
     got = u.train(pool, "adam-fused", crash, undo="ahead", **KW)
     assert got["chunk pass"].startswith("unfused steps (parameter group 0: Adam with weight")
-    same(got, unfused_reference, f"--undo ahead, unfused, crash at {crash}")
+    same_bytes(got, unfused_reference, f"--undo ahead, unfused, crash at {crash}")
 
 
-def test_where_no_update_can_take_the_fused_pass_the_copy_ahead_is_not_taken(small_pool):
-    client = PoolClient.connect(small_pool.socket_path, small_pool.token)
+def test_where_no_update_can_take_the_fused_pass_the_copy_ahead_is_not_taken(pool):
+    client = PoolClient.connect(pool.socket_path, pool.token)
     try:
         up = Updater(client, h.build_model(), h.SCHEDULE, UpdaterConfig(undo="ahead"))
         assert not up.ahead and Updater.AHEAD_NAME not in client._maps
@@ -162,17 +150,13 @@ def _crash_lose_resume(pool, crash, lost_ahead, lost_data=(), then=None):
         tr.client.close()
 
 
-def _in_flight_units(up, gi: int = 0, j: int = 0):
-    return up.state.chunks(gi)[j]
-
-
 def test_copy_pages_lost_outside_the_in_flight_chunk_are_taken_again(pool, fused_reference):
     # Iteration 2's first chunk is in flight (half updated, no UNDO_DONE written): its
     # copy reverts it; every other page of the copy is lost, and the resumed update
     # copies the whole state again before a later chunk needs it — the third chunk,
     # in flight when a second crash strikes the resumed update.
     def every_other_chunk(up):
-        mine = set(up.ahead_pages_of(_in_flight_units(up)))
+        mine = set(up.ahead_pages_of(up.state.chunks(0)[0]))
         return [p for p in range(len(up._ahead_pages)) if p not in mine]
 
     got = _crash_lose_resume(
@@ -197,7 +181,7 @@ def test_copy_pages_lost_in_the_compute_phase_are_taken_again(pool, fused_refere
 
 def test_the_in_flight_chunks_copy_lost_is_a_fatal_failure_naming_it(pool):
     def its_first_page(up):
-        return up.ahead_pages_of(_in_flight_units(up))[:1]
+        return up.ahead_pages_of(up.state.chunks(0)[0])[:1]
 
     with pytest.raises(RetainedStateLost, match=r"undo copy of chunk 0 of group \d+ lost"):
         _crash_lose_resume(pool, ("update.optimizer", 2, 1), its_first_page)
@@ -270,7 +254,7 @@ def test_on_the_gpu_the_copy_beside_compute_gives_the_per_chunk_bytes(crash):
         finally:
             sm.stop()
     assert out["ahead"]["chunk pass"] == "cuda kernel"
-    same(out["ahead"], out["chunk"], f"--undo ahead on CUDA, crash {crash}")
+    same_bytes(out["ahead"], out["chunk"], f"--undo ahead on CUDA, crash {crash}")
 
 
 def test_a_pool_that_cannot_hold_the_copy_is_a_clear_error_at_start(pool, monkeypatch):

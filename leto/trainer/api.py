@@ -482,7 +482,8 @@ def init(prepare=None, warmup=None) -> Context:
                 )
             watch = ahead_imports.ImportWatch().start()
             if msg.get("fault_at"):
-                plugins.arm(msg["fault_at"], msg.get("fault_mode", "kill"), msg.get("fault_when", "now"))
+                when = msg.get("fault_when", "now")
+                plugins.arm(msg["fault_at"], msg.get("fault_mode", "kill"), when)
         client = report = None
         if premap is not None and premap.client is not None:
             # Premapped (the device is up): take the pool over and localize before the

@@ -10,8 +10,8 @@ dict, so a script expects it to survive as its parameters do. Two kinds:
   the ``expert_bias`` of Megatron's MoE routers (``moe_router_enable_expert_bias``:
   updated in ``finalize_model_grads`` from the iteration's token counts, before the
   optimizer step, the same on every rank that routes alike, so never broadcast). They
-  travel in the data records (``leto.trainer.data_state``: two parity-protected slots, one per
-  iteration parity, carried by checkpoints), written when an iteration commits — after
+  travel in the data records (``leto.trainer.data_state``: two parity-protected slots,
+  one per iteration parity, carried by checkpoints), written when an iteration commits — after
   its forwards — and loaded at a recovery's resume, so an iteration redone after a
   failure starts from the statistics its first attempt started from (nothing applied
   twice), and an update a recovery finishes has them as they were after its own
@@ -27,9 +27,10 @@ state); ``run.model`` does the same for the running statistics — the only buff
 can differ between ranks — so a BatchNorm model's statistics are DDP's bit for bit
 (``tests/test_buffers_integ.py``).
 
-Not covered: running statistics and expert biases on a CUDA device (refused at ``leto.Run``: their record
-is a device-to-host copy at every commit, not yet run on a GPU); buffers of models that
-are not data parallel (FSDP2, tensor and pipeline parallel: refused as before).
+Not covered: running statistics and expert biases on a CUDA device (refused at
+``leto.Run``: their record is a device-to-host copy at every commit, not yet run on a
+GPU); running statistics of models that are not data parallel (FSDP2, tensor and
+pipeline parallel: refused as before).
 """
 
 from __future__ import annotations

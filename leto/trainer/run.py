@@ -299,8 +299,9 @@ class Run:
             (self.job.replicated and self.job.dp.whole_world) or ctx.world_size == 1
         ):
             raise InvalidInput(
-                f"buffer {self._buffers.broadcast_stats[0]} holds running statistics in a model that is "
-                f"not data parallel over every rank (sharded, tensor or pipeline parallel): "
+                f"buffer {self._buffers.broadcast_stats[0]} holds running statistics in a "
+                f"model that is not data parallel over every rank (sharded, tensor or pipeline "
+                f"parallel): "
                 f"Leto retains them in data-parallel models only; nothing was retained"
             )
         self._data.bind(self.job.up.views if early else None)
