@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|certify-1b|user-recovery|pin-stall|megatron|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|certify-1b|user-recovery|fresh-start|pin-stall|megatron|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -543,6 +543,20 @@ if [[ $what == megatron ]]; then
   python3 -m pytest -p no:cacheprovider -q tests/test_megatron.py -k cuda 2>&1 | tee "$OUT/megatron_tests.txt" || rc=1
   timeout 500 python3 -m faultkit.cli certify --device cuda --nproc-per-node 1 \
     -- examples/megatron/gpt_leto.py --iterations 9 2>&1 | tail -30 | tee "$OUT/megatron_certify.txt" || rc=1
+fi
+if [[ $what == fresh-start ]]; then
+  # Issue 57: a fresh job's time from its launch to its first completed iteration, the
+  # 1.1 B plain port under torchrun and under leto run's defaults, twice each (the second
+  # pair in reverse order: the first leto run on a fresh machine builds the kernel caches),
+  # with the first trainer's way to its first iteration profiled (LETO_PROFILE_RECOVERY).
+  timeout ${LETO_FS_TIMEOUT:-300} env LETO_PROFILE_RECOVERY="$OUT/fresh_prof" python3 -m bench.user_path \
+    --preset h200-1b --iterations 4 --skip 2 --repeats ${LETO_FS_REPEATS:-2} --timeout-s 140 \
+    ${LETO_FS_VARIANT:+--leto-variant="$LETO_FS_VARIANT"} \
+    --json "$OUT/fresh_start.json" > "$OUT/fresh_start.txt" 2>&1 || rc=1
+  tail -c 3500 "$OUT/fresh_start.txt"
+  grep -H "to the end of the first iteration\|started" /tmp/leto-user-path-*/rep*/*/leto-run/rank0.gen0.active.log 2>/dev/null
+  mkdir -p "$OUT/fresh_prof" && for f in /tmp/leto-user-path-*/rep*/*/leto-run/rank0.gen0.active.log; do
+    cp "$f" "$OUT/fresh_prof/$(basename $(dirname $(dirname $(dirname $f))))_$(basename $f)"; done
 fi
 if [[ $what == pin-stall ]]; then
   # Issue 57: what making a checkpoint's pinned staging buffers (13 GB at 1.1 B) in the

@@ -15,7 +15,9 @@ Reported per run, from the script's own ``iterations.jsonl`` (rank 0; each itera
 timed end to end with the device waited for, so whatever Leto does between two
 iterations is in the next one's time): the median and max iteration time over the steady
 iterations (after ``--skip``), every iteration's time (a stall shows), the ratio of the
-median to torchrun's, the time outside the loop (start-up, the final save, shutdown),
+median to torchrun's, the time from the launch until the first iteration had ended (a
+fresh job's wait, where the script logs ``done_at``), the time outside the loop
+(start-up, the final save, shutdown),
 the script's ``torch.cuda.max_memory_allocated`` and the device-wide used memory
 (``nvidia-smi`` sampled every 0.2 s; None on the CPU). Only the device-wide figure
 compares the two: Leto's retained state (parameters, gradients, optimizer state, parity
@@ -322,7 +324,7 @@ def run_one(
            "env": dict(launch.env),
            "command": shlex.join(cmd), "work": str(work), "timed_out": False}  # fmt: skip
     with open(work / "stdout.txt", "w") as so, open(work / "stderr.txt", "w") as se:
-        t0 = time.perf_counter()
+        t0, res["launched_at"] = time.perf_counter(), time.time()
         p = subprocess.Popen(cmd, cwd=work, env=env, stdout=so, stderr=se, start_new_session=True)
         try:
             p.wait(timeout=timeout_s)
@@ -369,13 +371,18 @@ def read_iterations(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def summarize(records: list[dict], skip: int) -> dict:
+def summarize(records: list[dict], skip: int, launched_at: float | None = None) -> dict:
     """Iteration times of one run: the median, max and mean over the iterations after the
     first ``skip`` (warm-up: allocator growth, cuDNN/cuBLAS choices, lazy set-up), and
-    every iteration's time. A run with no steady iteration has None for the three."""
+    every iteration's time. A run with no steady iteration has None for the three.
+    ``first_done_s``: from the launch (``launched_at``) until the first iteration had
+    ended, where the script logs ``done_at`` (a fresh job's wait for its first step)."""
     times = [r["wall_s"] for r in records]
     steady = times[skip:]
+    first_done = records[0].get("done_at") if records else None
     return {
+        "first_done_s": None if first_done is None or launched_at is None
+        else first_done - launched_at,
         "iterations": len(times),
         "steady_iterations": len(steady),
         "median_s": statistics.median(steady) if steady else None,
@@ -469,8 +476,8 @@ def print_table(res: dict) -> None:
         f"{res['parameters'] / 1e6:.1f} M parameters, {res['tokens_per_iteration']} tokens "
         f"per iteration; median and max of iterations {res['skip']}+"
     )
-    cols = ("run", "median ms", "max ms", "x torchrun", "outside loop s", "peak alloc GiB",
-            "device GiB", "params", "losses")  # fmt: skip
+    cols = ("run", "median ms", "max ms", "x torchrun", "to 1st iteration s",
+            "outside loop s", "peak alloc GiB", "device GiB", "params", "losses")  # fmt: skip
     for c in cols:
         t.add_column(c)
     for r in res["runs"]:
@@ -480,6 +487,7 @@ def print_table(res: dict) -> None:
             _ms(r.get("median_s")),
             _ms(r.get("max_s")),
             "-" if r.get("ratio") is None else f"{r['ratio']:.3f}",
+            "-" if r.get("first_done_s") is None else f"{r['first_done_s']:.1f}",
             "-" if r.get("outside_loop_s") is None else f"{r['outside_loop_s']:.1f}",
             _gib(r.get("peak_allocated_bytes")) if res["device"] == "cuda" else "-",
             "-" if mem is None else f"{mem['peak_mib'] / 1024:.1f}",
@@ -538,7 +546,7 @@ def run_all(
             )
             _prune(Path(r["work"]))
             r["repeat"] = rep
-            r.update(summarize(r.pop("records"), skip))
+            r.update(summarize(r.pop("records"), skip, r.get("launched_at")))
             r["outside_loop_s"] = r["wall_s"] - r["loop_s"] if r["iterations"] else None
             if r["iterations"] != iterations and "error" not in r:
                 r["error"] = f"logged {r['iterations']} of {iterations} iterations"

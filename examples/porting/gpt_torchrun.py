@@ -111,7 +111,9 @@ def main() -> None:
         if log is not None:
             peak = torch.cuda.max_memory_allocated(device) if cuda else 0
             line = {"iteration": it, "wall_s": t_end - t_prev, "loss": loss_value}
-            log.write(json.dumps({**line, "peak_allocated_bytes": peak}) + "\n")
+            # (done_at: when it ended, for the time from the job's launch to its first iteration)
+            line.update(done_at=time.time(), peak_allocated_bytes=peak)
+            log.write(json.dumps(line) + "\n")
             log.flush()
     if log is not None:
         log.close()

@@ -582,8 +582,10 @@ def init(prepare=None, warmup=None) -> Context:
             runner.start()
             _install_parked_wait(ctx)
             return ctx
-    elif generation > 0:
-        profile_recovery()  # a trainer restarted cold
+    else:
+        # A trainer restarted cold, or a fresh start's way to its first iteration (the
+        # kernels' builds, the pool's first pages: what a new job waits for).
+        profile_recovery()
 
     client, report, watch, clock = promoted(msg)
     # The script's model set-up from here to leto.Run: parameters the retained state
