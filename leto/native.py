@@ -8,6 +8,9 @@ anew and an unchanged one is reused; the file appears atomically, so ranks build
 once never load a partial one. A failed build raises ``InvalidInput`` with the command
 and the compiler's message.
 
+``cached_bytes`` keeps any other build product the same way (a kernel NVRTC compiles at
+run time), read back by later processes.
+
 Not covered: Python extension modules (``torch.utils.cpp_extension`` builds those);
 cleaning old builds out of the cache.
 """
@@ -19,7 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from leto.errors import InvalidInput
@@ -65,3 +68,30 @@ def build_shared(
             )
         os.replace(out, lib)  # atomic: a concurrent build never loads a partial file
     return lib
+
+
+def cached_bytes(stem: str, inputs: bytes, make: Callable[[], bytes], suffix: str = "bin") -> bytes:
+    """What ``make()`` returns for ``inputs`` (everything the result depends on), kept
+    under the build dir as ``<stem>-<hash>.<suffix>`` and read back in later processes:
+    a kernel compiled at run time (NVRTC) is compiled once per machine, not once per
+    trainer and shadow. A cache that cannot be written is no error (the bytes are
+    returned, and the next process makes them again)."""
+    digest = hashlib.sha256(inputs).hexdigest()[:16]
+    root = Path(os.environ.get(ENV_BUILD_DIR, Path.home() / ".cache" / "leto"))
+    path = root / f"{stem}-{digest}.{suffix}"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    data = make()
+    tmp = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=f".{stem}-", delete=False) as f:
+            tmp = f.name
+            f.write(data)
+        os.replace(tmp, path)  # atomic: a concurrent reader never sees a partial file
+    except OSError:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+    return data

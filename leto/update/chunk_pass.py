@@ -42,6 +42,7 @@ from importlib import resources
 import numpy as np
 import torch
 
+from leto import native
 from leto.erasure import horner
 from leto.erasure.codec import ReedSolomon
 from leto.erasure.kernels import by_name, for_device
@@ -273,17 +274,27 @@ def _module():
     keeps it — the parameters still equal torch's (its square root is far below eps), the
     optimizer state did not, and the update recheck rightly said so (the issue "Real
     models on the GPU")."""
-    from cupy.cuda import compiler, function
+    import cupy
+    from cupy.cuda import compiler, function, nvrtc
 
     src = resources.files("leto.update").joinpath("chunk_pass.cu").read_text()
     kernels = resources.files("leto.erasure.kernels")  # gf_horner.cuh
     opts = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "-fmad=true",
             f"-I{tripwire.include_dir()}", f"-I{kernels}")  # fmt: skip
-    binary = compiler.compile_using_nvrtc(src, options=opts)
-    if isinstance(binary, tuple):  # (binary, name mapping) in CuPy >= 13
-        binary = binary[0]
+
+    def compile_() -> bytes:
+        binary = compiler.compile_using_nvrtc(src, options=opts)
+        if isinstance(binary, tuple):  # (binary, name mapping) in CuPy >= 13
+            binary = binary[0]
+        return binary if isinstance(binary, bytes) else binary.encode()
+
+    # Compiled once per machine, not in every trainer and shadow (NVRTC builds for the
+    # current device's architecture: it is in the key, with what the source includes).
+    headers = [kernels.joinpath("gf_horner.cuh"), resources.files("nvbit_tools") / "tripwire.cuh"]
+    key = "\0".join([src, *(h.read_text() for h in headers), *opts, cupy.__version__,
+                     str(nvrtc.getVersion()), str(torch.cuda.get_device_capability())])  # fmt: skip
     module = function.Module()
-    module.load(binary if isinstance(binary, bytes) else binary.encode())
+    module.load(native.cached_bytes("chunk_pass", key.encode(), compile_, suffix="nvrtc"))
     return _Module(module)
 
 
