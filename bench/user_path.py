@@ -35,6 +35,9 @@ table, writes ``--json``; the exit code is nonzero if any run failed.
         --leto-variant "no-shadow=--shadow-level off"
     python -m bench.user_path --job moe --device cpu --nproc-per-node 2 --iterations 30
 
+``--job megatron`` runs the Megatron-Core pair (``examples/megatron``; its shape from
+``--script-args``, e.g. ``--layers 20 --hidden 2048 --heads 16 --vocab 50304 --seq 1024
+--micro-batch 16 --micro-batches 1 --megatron-ddp --distributed-optimizer --bf16``).
 ``--job moe`` runs the mixture-of-experts pair instead (``examples/parallel/gpt_moe.py``
 under torchrun, ``gpt_moe_leto.py`` under leto run: experts sharded over the ranks,
 all-to-all dispatch); its model is fixed (no shape flags), so the presets' shapes do not
@@ -74,7 +77,9 @@ PARALLEL = REPO / "examples" / "parallel"
 JOBS = {
     "gpt": (TORCHRUN_SCRIPT, LETO_SCRIPT),
     "moe": (PARALLEL / "gpt_moe.py", PARALLEL / "gpt_moe_leto.py"),
-}
+    "megatron": (REPO / "examples" / "megatron" / "gpt_torchrun.py",
+                 REPO / "examples" / "megatron" / "gpt_leto.py"),
+}  # fmt: skip
 TORCHRUN = "torchrun"
 LETO = "leto run"
 
@@ -189,6 +194,21 @@ def moe_size(nproc: int) -> dict:
     return {
         "parameters": sum(p.numel() for p in whole.parameters()),
         "tokens_per_iteration": nproc * mod.BATCH * mod.SEQ,
+    }
+
+
+def megatron_size(nproc: int, script_args: list[str]) -> dict:
+    """Tokens per iteration of the Megatron-Core example as ``script_args`` shape it (its
+    own defaults otherwise); its parameter count is not derived here (None)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    for flag, default in (("--tp", 1), ("--pp", 1), ("--seq", 32), ("--micro-batch", 4),
+                          ("--micro-batches", 2)):  # fmt: skip
+        ap.add_argument(flag, type=int, default=default)
+    ns, _ = ap.parse_known_args(script_args)
+    data_parallel = nproc // (ns.tp * ns.pp)
+    return {
+        "parameters": None,
+        "tokens_per_iteration": data_parallel * ns.micro_batches * ns.micro_batch * ns.seq,
     }
 
 
@@ -473,7 +493,7 @@ def print_table(res: dict) -> None:
 
     t = Table(
         title=f"The user path: {res['nproc_per_node']} rank(s) on {res['device']}, "
-        f"{res['parameters'] / 1e6:.1f} M parameters, {res['tokens_per_iteration']} tokens "
+        f"{_params_text(res)}, {res['tokens_per_iteration']} tokens "
         f"per iteration; median and max of iterations {res['skip']}+"
     )
     cols = ("run", "median ms", "max ms", "x torchrun", "to 1st iteration s",
@@ -505,6 +525,11 @@ def print_table(res: dict) -> None:
                 print(f"  {why.split('_')[0]} differ from {r['compared_with']}: {r[why]}")
         if r.get("error"):
             print(f"  FAILED: {r['error']}", file=sys.stderr)
+
+
+def _params_text(res: dict) -> str:
+    n = res.get("parameters")
+    return f"{n / 1e6:.1f} M parameters" if n else f"the {res['job']} job"
 
 
 def _verdict(ok: bool | None, word: str) -> str:
@@ -595,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(JOBS),
         default="gpt",
         help="gpt: the nanoGPT-style pair (examples/porting); moe: the mixture-of-experts "
-        "pair (examples/parallel/gpt_moe*.py; its model is fixed: no preset or shape flags)",
+        "pair (examples/parallel/gpt_moe*.py; its model is fixed: no preset or shape flags); "
+        "megatron: the Megatron-Core pair (examples/megatron; shaped by --script-args)",
     )
     ap.add_argument(
         "--device", choices=("cpu", "cuda"), help="default: the preset's, else cuda if seen"
@@ -654,8 +680,11 @@ def main(argv: list[str] | None = None) -> int:
     iterations = args.iterations or preset.get("iterations", 10)
     if args.skip >= iterations:
         ap.error(f"--skip {args.skip} leaves none of {iterations} iterations to measure")
-    if args.job == "moe" and args.preset:
-        ap.error("--job moe has a fixed model: give --device, --nproc-per-node, not --preset")
+    if args.job != "gpt" and args.preset:
+        ap.error(
+            f"--job {args.job} has its own model flags: give --device, --nproc-per-node and "
+            "--script-args, not --preset"
+        )
     shapes = {**SHAPE, **preset.get("shape", {})} if args.job == "gpt" else {}
     shape, passthrough = split_script_args(args.script_args, shapes)
     script_args = [*shape_flags(shape), "--iterations", str(iterations), *passthrough]
@@ -689,6 +718,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             if args.job == "gpt"
             else moe_size(nproc)
+            if args.job == "moe"
+            else megatron_size(nproc, passthrough)
         ),
         "iterations": iterations,
         "skip": args.skip,
@@ -696,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     print(
-        f"{res['parameters'] / 1e6:.1f} M parameters, {res['tokens_per_iteration']} tokens per "
+        f"{_params_text(res)}, {res['tokens_per_iteration']} tokens per "
         f"iteration, {nproc} rank(s) on {args.device}; runs in {work}",
         flush=True,
     )

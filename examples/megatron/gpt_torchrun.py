@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -238,6 +239,7 @@ def main() -> None:
 
         return out, loss_func
 
+    t_end = time.perf_counter()
     for it in range(args.iterations):
         if args.megatron_ddp:
             for c in each:  # Megatron's gradient buffers, zeroed as Megatron-LM does
@@ -286,10 +288,12 @@ def main() -> None:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if writer:
+            line = {"iteration": it, "loss": loss.item(), "grad_norm": norm}  # (waits)
+            # When it ended, and how long it took (bench.user_path's figures).
+            t_prev, t_end = t_end, time.perf_counter()
+            line.update(wall_s=t_end - t_prev, done_at=time.time())
             with open(os.path.join(args.out, "iterations.jsonl"), "a") as f:
-                f.write(
-                    json.dumps({"iteration": it, "loss": loss.item(), "grad_norm": norm}) + "\n"
-                )
+                f.write(json.dumps(line) + "\n")
     saved = {}
     for i, c in enumerate(each):
         unwrapped, where = getattr(c, "module", c), f"chunk{i}." if vpp else ""
