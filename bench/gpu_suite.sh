@@ -566,10 +566,12 @@ if [[ $what == fresh-start ]]; then
   # Issue 57: a fresh job's time from its launch to its first completed iteration, the
   # 1.1 B plain port under torchrun and under leto run's defaults, twice each (the second
   # pair in reverse order: the first leto run on a fresh machine builds the kernel caches),
-  # with the first trainer's way to its first iteration profiled (LETO_PROFILE_RECOVERY).
+  # with the first trainer's way to its first iteration profiled (LETO_PROFILE_RECOVERY);
+  # beside them leto run without shadows (LETO_FS_VARIANT: what the parked shadow's
+  # start, beside the first trainer's, costs it).
   timeout ${LETO_FS_TIMEOUT:-300} env LETO_PROFILE_RECOVERY="$OUT/fresh_prof" python3 -m bench.user_path \
     --preset h200-1b --iterations 4 --skip 2 --repeats ${LETO_FS_REPEATS:-2} --timeout-s 140 \
-    ${LETO_FS_VARIANT:+--leto-variant="$LETO_FS_VARIANT"} \
+    --leto-variant="${LETO_FS_VARIANT:-no shadows=--shadow-level off}" \
     --json "$OUT/fresh_start.json" > "$OUT/fresh_start.txt" 2>&1 || rc=1
   tail -c 3500 "$OUT/fresh_start.txt"
   grep -H "to the end of the first iteration\|started" /tmp/leto-user-path-*/rep*/*/leto-run/rank0.gen0.active.log 2>/dev/null
