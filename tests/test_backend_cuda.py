@@ -202,6 +202,32 @@ def test_a_page_of_three_granules_maps_shares_and_zeroes():
             owner.release(h)
 
 
+def test_pages_made_together_come_zeroed_across_batches(owner, monkeypatch):
+    # create_many zeroes a batch at a time: 7 pages in batches of 3 (3, 3, 1), made
+    # where pages full of a pattern were just released (the driver may hand back the
+    # same HBM with its old bytes).
+    from leto.memory.backends import cuda as backend
+
+    old = [owner.create() for _ in range(7)]
+    mapping = owner.map(old)
+    mapping.tensor.fill_(0xA5)
+    torch.cuda.synchronize()
+    owner.unmap(mapping)
+    for h in old:
+        owner.release(h)
+    monkeypatch.setattr(backend, "ZERO_BATCH", 3)
+    handles = owner.create_many(7)
+    mapping = owner.map(handles)
+    try:
+        for i in range(7):
+            page = mapping.tensor[i * PAGE : (i + 1) * PAGE]
+            assert int(page.count_nonzero()) == 0, f"page {i} of 7 is not zeroed"
+    finally:
+        owner.unmap(mapping)
+        for h in handles:
+            owner.release(h)
+
+
 def test_a_host_range_with_a_lost_page_is_refused_pinning_and_torch_goes_on():
     # A pool's host parity with a lost page (a truncated memfd, as faultkit loses one)
     # cannot be page-locked. The refusal is returned, not left behind as the CUDA

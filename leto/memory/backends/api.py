@@ -65,6 +65,19 @@ class PageOwner(abc.ABC):
     def create(self) -> object:
         """A new zeroed physical page."""
 
+    def create_many(self, n: int) -> list:
+        """``n`` new zeroed pages, or none: those made before a failure are released (a
+        backend may zero them together)."""
+        pages: list = []
+        try:
+            for _ in range(n):
+                pages.append(self.create())
+        except BaseException:
+            for h in pages:
+                self.release(h)
+            raise
+        return pages
+
     @abc.abstractmethod
     def export_fd(self, handle: object) -> int:
         """A new file descriptor for the page; the caller closes it after sending."""

@@ -208,6 +208,9 @@ def allocation_granularity(device_index: int = 0) -> int:
     return _Device(device_index).granularity
 
 
+ZERO_BATCH = 256  # new pages zeroed together (CudaPageOwner.create_many): 512 MiB of 2 MiB
+
+
 class CudaPage:
     """One ``cuMemCreate`` allocation; ``handle`` is None once released. ``fd`` is its
     exported POSIX fd, kept open so each attach only dups it."""
@@ -257,6 +260,39 @@ class CudaPageOwner(_OnDevice, PageOwner):
             d.cuMemRelease(handle)
             raise
         return CudaPage(handle)
+
+    def create_many(self, n: int) -> list[CudaPage]:
+        # Zeroed together, a batch at a time: one mapping, memset and wait per batch, not
+        # per page (a 1 B-parameter job's first allocation is ~8,800 pages).
+        d = self._dev.d
+        self._dev.make_current()
+        handles: list = []
+        try:
+            for _ in range(n):
+                handles.append(_call("cuMemCreate", d.cuMemCreate, self.page_bytes, self._dev.prop, 0))
+            for i in range(0, n, ZERO_BATCH):
+                self._zero_batch(handles[i : i + ZERO_BATCH])
+        except BaseException:
+            for h in handles:
+                d.cuMemRelease(h)
+            raise
+        return [CudaPage(h) for h in handles]
+
+    def _zero_batch(self, handles: list) -> None:
+        d, pb, n = self._dev.d, self.page_bytes, len(handles)
+        base = int(_call(f"reserving {n} pages to zero", d.cuMemAddressReserve, n * pb, 0, 0, 0))
+        mapped = 0
+        try:
+            for h in handles:
+                _call("mapping a new page to zero it", d.cuMemMap, base + mapped * pb, pb, 0, h, 0)
+                mapped += 1
+            _call("cuMemSetAccess on new pages", d.cuMemSetAccess, base, n * pb, self._dev.access, 1)
+            _call("zeroing new pages", d.cuMemsetD8, base, 0, n * pb)
+            _call("waiting for the zeroing", d.cuCtxSynchronize)  # before the unmaps below
+        finally:
+            for i in range(mapped):
+                d.cuMemUnmap(base + i * pb, pb)
+            d.cuMemAddressFree(base, n * pb)
 
     def _zero(self, handle) -> None:
         # cuMemCreate hands back whatever the HBM last held, and parity assumes zeroed pages.

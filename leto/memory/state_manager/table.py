@@ -68,15 +68,7 @@ class Group:
 def _create(owner: PageOwner, n: int) -> list:
     """``n`` fresh pages, or none: those made before a failure are released (a pool of
     memfd pages holds an open file per page, and the limit can end an allocation)."""
-    pages: list = []
-    try:
-        for _ in range(n):
-            pages.append(owner.create())
-    except BaseException:
-        for h in pages:
-            owner.release(h)
-        raise
-    return pages
+    return owner.create_many(n)
 
 
 def _timed(fn, *args):
