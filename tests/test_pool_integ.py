@@ -23,7 +23,13 @@ import torch
 from leto.erasure import TooManyErasures
 from leto.memory.client import PoolClient
 from leto.memory.config import AllocationKind
-from leto.memory.errors import AllocationMismatch, FencedError, PoolAuthError, PoolOwnedError
+from leto.memory.errors import (
+    AllocationMismatch,
+    FencedError,
+    PoolAuthError,
+    PoolError,
+    PoolOwnedError,
+)
 from leto.memory.launch import private_dir, start_state_manager
 from leto.proc import alive
 from tests.pool_helpers import (
@@ -400,3 +406,25 @@ def test_a_state_manager_outlives_no_launcher_killed_outright():
         time.sleep(0.05)
     assert not alive(pid), "the state manager outlived its SIGKILLed launcher"
     assert not d.exists(), f"{d} was left behind"
+
+
+def test_a_first_trainer_connects_while_its_state_manager_starts():
+    # leto run starts the first trainers beside their state managers: the trainer's
+    # connect (starting=True) waits for the socket; the launcher waits for READY after.
+    sm = start_state_manager(small_config(), wait=False)
+    try:
+        with PoolClient.connect(sm.socket_path, sm.token, starting=True, timeout_s=30) as c:
+            assert int(c.attach("w", PAGE).count_nonzero()) == 0
+        sm.wait_ready()
+    finally:
+        assert sm.stop() == 0
+
+
+def test_a_state_manager_that_never_listens_is_a_clear_error_either_way(tmp_path):
+    path = tmp_path / "pool.sock"
+    t0 = time.monotonic()
+    with pytest.raises(PoolError, match="no state manager at .* within 0.3 s"):
+        PoolClient.connect(path, "token", starting=True, timeout_s=0.3)
+    assert 0.25 <= time.monotonic() - t0 < 5
+    with pytest.raises(PoolError, match="no state manager at"):  # not starting: at once
+        PoolClient.connect(path, "token", timeout_s=30)

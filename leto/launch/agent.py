@@ -193,6 +193,8 @@ class Agent:
             shadows.setup(store)
             for cell in cells:
                 cell.start_active(0, recovery.fault(0, cell.rank))
+            for cell in cells:  # started together, beside the trainers' own start-up
+                cell.sm.wait_ready()
             log.info(
                 "started ranks %s (world %d, %s), shadows %s; their pools: leto pool status "
                 "--log-dir %s --rank R",

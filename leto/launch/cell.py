@@ -51,7 +51,9 @@ class Cell:
         self.cfg, self.local_rank, self.rank, self.command = cfg, local_rank, rank, command
         self.zygote = None  # the node's (leto.launch.zygote), set by the agent
         self.pool = pool
-        self.sm = start_state_manager(pool)
+        # Not waited for here: the agent starts every local rank's, then their first
+        # trainers (whose connect waits for the socket), then waits for each to listen.
+        self.sm = start_state_manager(pool, wait=False)
         self.active: subprocess.Popen | None = None
         self.active_generation = -1
         self.active_role = "active"

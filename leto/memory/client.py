@@ -33,6 +33,8 @@ from leto.memory.backends.host import HostPageImporter
 from leto.memory.config import AllocationKind, PoolConfig
 from leto.memory.errors import PoolError, PoolProtocolError, PoolTimeout
 
+CONNECT_RETRY_S = 0.02  # between connects to a state manager still starting
+
 
 @dataclass
 class GroupView:
@@ -86,20 +88,39 @@ class PoolClient:
         role: str = "trainer",
         takeover: bool = False,
         timeout_s: float = 10.0,
+        starting: bool = False,
     ) -> PoolClient:
+        """``starting``: the state manager may not listen yet (a first trainer, started
+        beside it): no socket, or a refused connection, is tried again until the
+        timeout."""
         fdlimit.raise_limit()  # replies carry an fd per page (a 5 B model: ~40,000)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.settimeout(timeout_s)
-        try:
-            sock.connect(str(socket_path))
-        except TimeoutError:
-            sock.close()
-            raise PoolTimeout(
-                f"could not connect to the state manager at {socket_path} within {timeout_s} s"
-            ) from None
-        except OSError as e:
-            sock.close()
-            raise PoolError(f"no state manager at {socket_path}: {e.strerror}") from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.settimeout(timeout_s)
+            try:
+                sock.connect(str(socket_path))
+                break
+            except TimeoutError:
+                sock.close()
+                raise PoolTimeout(
+                    f"could not connect to the state manager at {socket_path} within "
+                    f"{timeout_s} s"
+                ) from None
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                # Not listening yet: leto run starts trainers while their state managers
+                # start (CONNECT_RETRY_S apart, until the timeout).
+                sock.close()
+                if not starting:
+                    raise PoolError(f"no state manager at {socket_path}: {e.strerror}") from None
+                if time.monotonic() + CONNECT_RETRY_S > deadline:
+                    raise PoolError(
+                        f"no state manager at {socket_path} within {timeout_s} s: {e.strerror}"
+                    ) from None
+                time.sleep(CONNECT_RETRY_S)
+            except OSError as e:
+                sock.close()
+                raise PoolError(f"no state manager at {socket_path}: {e.strerror}") from None
         try:
             welcome, _ = P.request(
                 sock, P.Hello(P.PROTOCOL_VERSION, token, role, takeover), P.Welcome

@@ -3,7 +3,8 @@
 Runs in the parent (launcher/agent or test). The state manager is a separate process
 started with ``python -m leto.memory.state_manager``: it must outlive trainers, so it
 is never a child of one. Readiness is the line READY on its stdout, awaited with a
-timeout; the job token travels in the environment, not on the command line.
+timeout (at once, or later by ``wait_ready``); the job token travels in the environment,
+not on the command line.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class StateManagerProcess:
     config: PoolConfig
     owns_dir: bool = False  # the socket directory was made for it: removed by stop()
     lifeline: int | None = None  # write end of its lifeline pipe (see start_state_manager)
+    ready: bool = False  # it said READY (wait_ready)
 
     @property
     def socket_path(self) -> Path:
@@ -40,10 +42,35 @@ class StateManagerProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Wait for its READY line (it listens from then on); if none comes within
+        ``timeout_s`` it is killed, its directory removed, and ``PoolTimeout`` raised."""
+        if self.ready:
+            return
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline().strip() if ready else b""
+        if line != b"READY":
+            self.proc.kill()
+            self.proc.wait(5)
+            self.proc.stdout.close()
+            if self.lifeline is not None:
+                os.close(self.lifeline)
+                self.lifeline = None
+            if self.owns_dir:
+                shutil.rmtree(self.socket_dir, ignore_errors=True)
+            raise PoolTimeout(
+                f"state manager did not report READY within {timeout_s} s (exit code "
+                f"{self.proc.returncode}); see its stderr above"
+            )
+        self.ready = True
+
     def stop(self, timeout_s: float = 10.0) -> int:
-        """Shut down cleanly (SHUTDOWN as admin), SIGKILL if it does not exit in time."""
+        """Shut down cleanly (SHUTDOWN as admin), SIGKILL if it does not exit in time;
+        one that never said READY is terminated at once."""
         if self.proc.poll() is None:
             try:
+                if not self.ready:
+                    raise RuntimeError("not listening")
                 from leto.memory.client import PoolClient
 
                 with PoolClient.connect(
@@ -79,7 +106,11 @@ def start_state_manager(
     socket_dir: Path | None = None,
     token: str | None = None,
     timeout_s: float = 30.0,
+    wait: bool = True,
 ) -> StateManagerProcess:
+    """Start a state manager; with ``wait``, return once it listens (else the caller
+    calls ``wait_ready``: ``leto run`` starts every local rank's, then their trainers,
+    then waits — a trainer's connect waits for the socket meanwhile)."""
     owns_dir = socket_dir is None
     socket_dir = Path(socket_dir) if socket_dir else private_dir()
     token = token or secrets.token_hex(16)
@@ -112,17 +143,7 @@ def start_state_manager(
         raise
     finally:
         os.close(life_r)
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    line = proc.stdout.readline().strip() if ready else b""
-    if line != b"READY":
-        proc.kill()
-        proc.wait(5)
-        proc.stdout.close()
-        os.close(life_w)
-        if owns_dir:
-            shutil.rmtree(socket_dir, ignore_errors=True)
-        raise PoolTimeout(
-            f"state manager did not report READY within {timeout_s} s (exit code {proc.returncode}); "
-            "see its stderr above"
-        )
-    return StateManagerProcess(proc, socket_dir, token, config, owns_dir=owns_dir, lifeline=life_w)
+    sm = StateManagerProcess(proc, socket_dir, token, config, owns_dir=owns_dir, lifeline=life_w)
+    if wait:
+        sm.wait_ready(timeout_s)
+    return sm

@@ -446,8 +446,9 @@ def init(prepare=None, warmup=None) -> Context:
         client = premap.promote() if premap else None
         if client is None:
             client = PoolClient.connect(
-                env.pool_socket, env.pool_token, takeover=True, timeout_s=timeout_s
-            )
+                env.pool_socket, env.pool_token, takeover=True, timeout_s=timeout_s,
+                starting=generation == 0,  # (its state manager may still be starting)
+            )  # fmt: skip
         t_localize = time.time()
         # A premapped client maps again what was replaced, and leaves the host parity
         # scan running until its report is first read (Context.report).
