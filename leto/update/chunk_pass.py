@@ -275,7 +275,8 @@ def _module():
     optimizer state did not, and the update recheck rightly said so (the issue "Real
     models on the GPU")."""
     import cupy
-    from cupy.cuda import compiler, function, nvrtc
+    from cupy.cuda import compiler, function
+    from cupy_backends.cuda.libs import nvrtc  # (as cupy.cuda.compiler imports it)
 
     src = resources.files("leto.update").joinpath("chunk_pass.cu").read_text()
     kernels = resources.files("leto.erasure.kernels")  # gf_horner.cuh
