@@ -70,19 +70,23 @@ def build_shared(
     return lib
 
 
-def cached_bytes(stem: str, inputs: bytes, make: Callable[[], bytes], suffix: str = "bin") -> bytes:
+def cached_bytes(
+    stem: str, inputs: bytes, make: Callable[[], bytes], suffix: str = "bin", fresh: bool = False
+) -> bytes:
     """What ``make()`` returns for ``inputs`` (everything the result depends on), kept
     under the build dir as ``<stem>-<hash>.<suffix>`` and read back in later processes:
     a kernel compiled at run time (NVRTC) is compiled once per machine, not once per
     trainer and shadow. A cache that cannot be written is no error (the bytes are
-    returned, and the next process makes them again)."""
+    returned, and the next process makes them again). ``fresh``: made and kept again
+    (the caller found the kept bytes unusable)."""
     digest = hashlib.sha256(inputs).hexdigest()[:16]
     root = Path(os.environ.get(ENV_BUILD_DIR, Path.home() / ".cache" / "leto"))
     path = root / f"{stem}-{digest}.{suffix}"
-    try:
-        return path.read_bytes()
-    except OSError:
-        pass
+    if not fresh:
+        try:
+            return path.read_bytes()
+        except OSError:
+            pass
     data = make()
     tmp = None
     try:

@@ -21,6 +21,10 @@ def test_made_once_then_read_back_and_a_changed_input_makes_it_anew(tmp_path, mo
     assert native.cached_bytes("k", b"source 1", make(2)) == b"binary 1"  # read back
     assert native.cached_bytes("k", b"source 2", make(3)) == b"binary 3"  # another key
     assert made == [1, 3]
+    # fresh: made and kept again (the kept bytes were unusable to the caller).
+    assert native.cached_bytes("k", b"source 1", make(4), fresh=True) == b"binary 4"
+    assert native.cached_bytes("k", b"source 1", make(5)) == b"binary 4"
+    assert made == [1, 3, 4]
     # One file per key, no temporary file left behind.
     assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["k", "k"]
 
@@ -41,3 +45,66 @@ def test_a_cache_that_cannot_be_written_still_gives_the_bytes(tmp_path, monkeypa
         assert len(calls) == 2  # nothing kept: made each time, no error
     finally:
         os.chmod(root, 0o700)
+
+
+def _fake_cupy(monkeypatch, compiled: list, refuse: set, version=(12, 8)):
+    """Stand-ins for the CuPy pieces ``chunk_pass._module`` uses: a compiler that
+    counts its calls and a module loader that refuses the binaries in ``refuse``."""
+    import sys
+    import types
+
+    def compile_using_nvrtc(src, options=()):
+        compiled.append(options)
+        return f"ptx {len(compiled)}"  # PTX comes back as text
+
+    class Module:
+        def load(self, binary):
+            if binary in refuse:
+                raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+            self.binary = binary
+
+    def get_version():
+        if version is None:
+            raise AttributeError("getVersion")
+        return version
+
+    cupy = types.ModuleType("cupy")
+    cupy.__version__ = "14.0.0"
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.compiler = types.SimpleNamespace(compile_using_nvrtc=compile_using_nvrtc)
+    cuda.function = types.SimpleNamespace(Module=Module)
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    libs.nvrtc = types.SimpleNamespace(getVersion=get_version)
+    for name, mod in {"cupy": cupy, "cupy.cuda": cuda, "cupy_backends": types.ModuleType("x"),
+                      "cupy_backends.cuda": types.ModuleType("y"),
+                      "cupy_backends.cuda.libs": libs}.items():  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (9, 0))
+
+
+def test_the_chunk_pass_kernel_is_compiled_once_a_machine(tmp_path, monkeypatch):
+    # The logic of leto.update.chunk_pass._module, on the CPU: compiled by the first
+    # process (each _module() call here stands for one), read back by later ones; a kept
+    # binary the driver refuses is compiled and kept again; an NVRTC whose version is
+    # unknown compiles every time and keeps nothing.
+    from leto.update import chunk_pass
+
+    monkeypatch.setenv(native.ENV_BUILD_DIR, str(tmp_path))
+    compiled, refuse = [], set()
+    _fake_cupy(monkeypatch, compiled, refuse)
+
+    def build():
+        chunk_pass._module.cache_clear()
+        return chunk_pass._module().module.binary
+
+    first = build()
+    assert (first, len(compiled)) == (b"ptx 1", 1)
+    assert "-ftz=false" in compiled[0]  # IEEE denormals, as torch's kernels
+    assert build() == b"ptx 1" and len(compiled) == 1  # read back, not compiled
+    refuse.add(b"ptx 1")  # a damaged kept file
+    assert build() == b"ptx 2" and len(compiled) == 2
+    assert build() == b"ptx 2" and len(compiled) == 2  # kept again
+    chunk_pass._module.cache_clear()
+    _fake_cupy(monkeypatch, compiled, refuse, version=None)
+    assert build() == b"ptx 3" and build() == b"ptx 4"
+    chunk_pass._module.cache_clear()

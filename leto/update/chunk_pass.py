@@ -276,7 +276,6 @@ def _module():
     models on the GPU")."""
     import cupy
     from cupy.cuda import compiler, function
-    from cupy_backends.cuda.libs import nvrtc  # (as cupy.cuda.compiler imports it)
 
     src = resources.files("leto.update").joinpath("chunk_pass.cu").read_text()
     kernels = resources.files("leto.erasure.kernels")  # gf_horner.cuh
@@ -289,13 +288,25 @@ def _module():
             binary = binary[0]
         return binary if isinstance(binary, bytes) else binary.encode()
 
+    module = function.Module()
+    try:
+        from cupy_backends.cuda.libs import nvrtc  # (as cupy.cuda.compiler imports it)
+
+        nvrtc_version = str(nvrtc.getVersion())
+    except Exception:  # NVRTC's version unknown: nothing kept, compiled here as before
+        module.load(compile_())
+        return _Module(module)
     # Compiled once per machine, not in every trainer and shadow (NVRTC builds for the
     # current device's architecture: it is in the key, with what the source includes).
     headers = [kernels.joinpath("gf_horner.cuh"), resources.files("nvbit_tools") / "tripwire.cuh"]
     key = "\0".join([src, *(h.read_text() for h in headers), *opts, cupy.__version__,
-                     str(nvrtc.getVersion()), str(torch.cuda.get_device_capability())])  # fmt: skip
-    module = function.Module()
-    module.load(native.cached_bytes("chunk_pass", key.encode(), compile_, suffix="nvrtc"))
+                     nvrtc_version, str(torch.cuda.get_device_capability())]).encode()  # fmt: skip
+    try:
+        module.load(native.cached_bytes("chunk_pass", key, compile_, suffix="nvrtc"))
+    except Exception:
+        # A kept binary the driver refuses (a damaged file): compiled again, kept again.
+        module = function.Module()
+        module.load(native.cached_bytes("chunk_pass", key, compile_, suffix="nvrtc", fresh=True))
     return _Module(module)
 
 
