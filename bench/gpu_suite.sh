@@ -565,18 +565,25 @@ fi
 if [[ $what == fresh-start ]]; then
   # Issue 57: a fresh job's time from its launch to its first completed iteration, the
   # 1.1 B plain port under torchrun and under leto run's defaults, twice each (the second
-  # pair in reverse order: the first leto run on a fresh machine builds the kernel caches),
-  # with the first trainer's way to its first iteration profiled (LETO_PROFILE_RECOVERY);
-  # beside them leto run without shadows (LETO_FS_VARIANT: what the parked shadow's
-  # start, beside the first trainer's, costs it).
-  timeout ${LETO_FS_TIMEOUT:-300} env LETO_PROFILE_RECOVERY="$OUT/fresh_prof" python3 -m bench.user_path \
+  # pair in reverse order: the first leto run on a fresh machine builds the kernel caches);
+  # beside them leto run without shadows (LETO_FS_VARIANT: what the parked shadows' start,
+  # beside the first trainer's, costs it). None of them profiled; then one more leto run,
+  # its first trainer's way to its first iteration profiled (LETO_PROFILE_START=1).
+  timeout ${LETO_FS_TIMEOUT:-300} python3 -m bench.user_path \
     --preset h200-1b --iterations 4 --skip 2 --repeats ${LETO_FS_REPEATS:-2} --timeout-s 140 \
     --leto-variant="${LETO_FS_VARIANT:-no shadows=--shadow-level off}" \
     --json "$OUT/fresh_start.json" > "$OUT/fresh_start.txt" 2>&1 || rc=1
   tail -c 3500 "$OUT/fresh_start.txt"
-  grep -H "to the end of the first iteration\|started" /tmp/leto-user-path-*/rep*/*/leto-run/rank0.gen0.active.log 2>/dev/null
-  mkdir -p "$OUT/fresh_prof" && for f in /tmp/leto-user-path-*/rep*/*/leto-run/rank0.gen0.active.log; do
-    cp "$f" "$OUT/fresh_prof/$(basename $(dirname $(dirname $(dirname $f))))_$(basename $f)"; done
+  mkdir -p "$OUT/fresh_prof"
+  for f in /tmp/leto-user-path-*/rep*/*/leto-run/rank0.gen0.active.log; do
+    run=${f#/tmp/leto-user-path-*/}; cp "$f" "$OUT/fresh_prof/$(echo "${run%%/leto-run/*}" | tr / _).log"
+  done
+  grep -H "to the end of the first iteration" "$OUT"/fresh_prof/*.log
+  w=$(mktemp -d); (cd "$w" && timeout 120 env LETO_PROFILE_RECOVERY="$OUT/fresh_prof" LETO_PROFILE_START=1 \
+    LETO_PROFILE_WINDOW=99:1 python3 -m leto.cli run --nproc-per-node 1 "$OLDPWD/examples/porting/gpt_leto.py" \
+    --n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 --seq 1024 --batch 16 --iterations 2 --out out \
+    > /dev/null 2>&1) || rc=1
+  head -45 "$OUT/fresh_prof/rank0.gen0.profile.txt" 2>/dev/null
 fi
 if [[ $what == pin-stall ]]; then
   # Issue 57: what making a checkpoint's pinned staging buffers (13 GB at 1.1 B) in the

@@ -31,6 +31,10 @@ ENV_PROFILE_RECOVERY = "LETO_PROFILE_RECOVERY"
 # With it, a first-generation trainer's profiled iterations: "FIRST:COUNT" (iterations
 # counted from 1 as they start; default "3:1"), traced for bench.update_breakdown.
 ENV_PROFILE_WINDOW = "LETO_PROFILE_WINDOW"
+# With LETO_PROFILE_RECOVERY: a fresh trainer (generation 0) profiled too, from leto.init()
+# to the end of its first iteration (off by default: the benchmarks that profile
+# recoveries time generation 0's iterations).
+ENV_PROFILE_START = "LETO_PROFILE_START"
 # Where a trainer writes its uncaught exception (type, message, traceback) before it
 # dies; the agent puts it in the failure's record (as torch elastic's error files).
 ENV_ERROR_FILE = "LETO_ERROR_FILE"
@@ -91,6 +95,7 @@ class TrainerEnv:
     preinit: str | None = None  # the guard's JSON configuration (--shadow-level auto)
     profile_recovery: str | None = None
     profile_window: str = "3:1"
+    profile_start: bool = False
     error_file: str | None = None
     log_dir: str = "leto-run"
     train_dir: str = ""  # a Run's output; "" is <log_dir>/train
@@ -140,6 +145,7 @@ class TrainerEnv:
             preinit=e.get(ENV_PREINIT) or None,
             profile_recovery=e.get(ENV_PROFILE_RECOVERY) or None,
             profile_window=e.get(ENV_PROFILE_WINDOW) or "3:1",
+            profile_start=e.get(ENV_PROFILE_START, "0") == "1",
             error_file=e.get(ENV_ERROR_FILE) or None,
             premap=e.get(ENV_PREMAP, "1") != "0",
             log_dir=e.get(ENV_LOG_DIR, "leto-run"),

@@ -583,9 +583,9 @@ def init(prepare=None, warmup=None) -> Context:
             runner.start()
             _install_parked_wait(ctx)
             return ctx
-    else:
-        # A trainer restarted cold, or a fresh start's way to its first iteration (the
-        # kernels' builds, the pool's first pages: what a new job waits for).
+    elif generation > 0 or env.profile_start:
+        # A trainer restarted cold, or (LETO_PROFILE_START=1) a fresh start's way to its
+        # first iteration: the kernels' builds, the pool's first pages.
         profile_recovery()
 
     client, report, watch, clock = promoted(msg)

@@ -3,8 +3,9 @@
 
 Runs in a trainer. Two profiles per process, written under DIR:
 
-* ``rank<r>.gen<g>.profile.txt`` — cProfile from promotion (or a cold restart, or a
-  fresh start's ``leto.init()``) until the end of the trainer's first iteration (the stages of ``leto.trainer.first_iteration``);
+* ``rank<r>.gen<g>.profile.txt`` — cProfile from promotion (or a cold restart, or, with
+  ``LETO_PROFILE_START=1``, a fresh start's ``leto.init()``) until the end of the
+  trainer's first iteration (the stages of ``leto.trainer.first_iteration``);
 * ``rank<r>.gen<g>.iteration.txt`` — one whole iteration (beat to beat: compute,
   update, the verifiers' record), by cProfile and by torch.profiler with CUDA activity
   (the CUDA runtime calls — allocations, module loads, synchronizations — and kernels):
