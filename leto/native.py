@@ -71,22 +71,33 @@ def build_shared(
 
 
 def cached_bytes(
-    stem: str, inputs: bytes, make: Callable[[], bytes], suffix: str = "bin", fresh: bool = False
+    stem: str,
+    inputs: bytes,
+    make: Callable[[], bytes],
+    suffix: str = "bin",
+    use: Callable[[bytes], None] | None = None,
 ) -> bytes:
     """What ``make()`` returns for ``inputs`` (everything the result depends on), kept
     under the build dir as ``<stem>-<hash>.<suffix>`` and read back in later processes:
     a kernel compiled at run time (NVRTC) is compiled once per machine, not once per
     trainer and shadow. A cache that cannot be written is no error (the bytes are
-    returned, and the next process makes them again). ``fresh``: made and kept again
-    (the caller found the kept bytes unusable)."""
+    returned, and the next process makes them again). ``use``: the caller's use of the
+    bytes (loading them); kept bytes it raises on (a damaged file) are made and kept
+    again, and bytes just made are used once, its error raised."""
     digest = hashlib.sha256(inputs).hexdigest()[:16]
     root = Path(os.environ.get(ENV_BUILD_DIR, Path.home() / ".cache" / "leto"))
     path = root / f"{stem}-{digest}.{suffix}"
-    if not fresh:
+    try:
+        kept = path.read_bytes()
+    except OSError:
+        kept = None
+    if kept is not None:
         try:
-            return path.read_bytes()
-        except OSError:
-            pass
+            if use is not None:
+                use(kept)
+            return kept
+        except Exception:
+            pass  # made again below
     data = make()
     tmp = None
     try:
@@ -98,4 +109,6 @@ def cached_bytes(
     except OSError:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+    if use is not None:
+        use(data)
     return data

@@ -216,7 +216,10 @@ def test_pages_made_together_come_zeroed_across_batches(owner, monkeypatch):
     for h in old:
         owner.release(h)
     monkeypatch.setattr(backend, "ZERO_BATCH", 3)
+    batches, zero_batch = [], owner._zero_batch
+    monkeypatch.setattr(owner, "_zero_batch", lambda hs: batches.append(len(hs)) or zero_batch(hs))
     handles = owner.create_many(7)
+    assert batches == [3, 3, 1]
     mapping = owner.map(handles)
     try:
         for i in range(7):

@@ -3,6 +3,8 @@ binary) made once per machine and read back by later processes."""
 
 import os
 
+import pytest
+
 from leto import native
 
 
@@ -21,10 +23,6 @@ def test_made_once_then_read_back_and_a_changed_input_makes_it_anew(tmp_path, mo
     assert native.cached_bytes("k", b"source 1", make(2)) == b"binary 1"  # read back
     assert native.cached_bytes("k", b"source 2", make(3)) == b"binary 3"  # another key
     assert made == [1, 3]
-    # fresh: made and kept again (the kept bytes were unusable to the caller).
-    assert native.cached_bytes("k", b"source 1", make(4), fresh=True) == b"binary 4"
-    assert native.cached_bytes("k", b"source 1", make(5)) == b"binary 4"
-    assert made == [1, 3, 4]
     # One file per key, no temporary file left behind.
     assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == ["k", "k"]
 
@@ -47,7 +45,31 @@ def test_a_cache_that_cannot_be_written_still_gives_the_bytes(tmp_path, monkeypa
         os.chmod(root, 0o700)
 
 
-def _fake_cupy(monkeypatch, compiled: list, refuse: set, version=(12, 8)):
+def test_kept_bytes_the_caller_cannot_use_are_made_again_and_fresh_ones_raise(tmp_path, monkeypatch):
+    monkeypatch.setenv(native.ENV_BUILD_DIR, str(tmp_path))
+    made, used = [], []
+
+    def make(tag):
+        return lambda: made.append(tag) or f"binary {tag}".encode()
+
+    def use(data):
+        if data == b"binary 1":  # as a driver refuses a damaged file
+            raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+        used.append(data)
+
+    assert native.cached_bytes("k", b"src", make(1)) == b"binary 1"  # kept, not used
+    assert native.cached_bytes("k", b"src", make(2), use=use) == b"binary 2"
+    assert native.cached_bytes("k", b"src", make(3), use=use) == b"binary 2"  # kept again
+    assert made == [1, 2] and used == [b"binary 2", b"binary 2"]
+
+    def refuse(data):
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):  # just made: the caller's error
+        native.cached_bytes("k", b"other", make(4), use=refuse)
+
+
+def _fake_cupy(monkeypatch, compiled: list, refuse: set, version=(12, 8), arch="90"):
     """Stand-ins for the CuPy pieces ``chunk_pass._module`` uses: a compiler that
     counts its calls and a module loader that refuses the binaries in ``refuse``."""
     import sys
@@ -73,13 +95,14 @@ def _fake_cupy(monkeypatch, compiled: list, refuse: set, version=(12, 8)):
     cuda = types.ModuleType("cupy.cuda")
     cuda.compiler = types.SimpleNamespace(compile_using_nvrtc=compile_using_nvrtc)
     cuda.function = types.SimpleNamespace(Module=Module)
+    cuda.Device = lambda: types.SimpleNamespace(compute_capability=arch)
+    cupy.cuda = cuda
     libs = types.ModuleType("cupy_backends.cuda.libs")
     libs.nvrtc = types.SimpleNamespace(getVersion=get_version)
     for name, mod in {"cupy": cupy, "cupy.cuda": cuda, "cupy_backends": types.ModuleType("x"),
                       "cupy_backends.cuda": types.ModuleType("y"),
                       "cupy_backends.cuda.libs": libs}.items():  # fmt: skip
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (9, 0))
 
 
 def test_the_chunk_pass_kernel_is_compiled_once_a_machine(tmp_path, monkeypatch):
@@ -104,7 +127,13 @@ def test_the_chunk_pass_kernel_is_compiled_once_a_machine(tmp_path, monkeypatch)
     refuse.add(b"ptx 1")  # a damaged kept file
     assert build() == b"ptx 2" and len(compiled) == 2
     assert build() == b"ptx 2" and len(compiled) == 2  # kept again
-    chunk_pass._module.cache_clear()
+    # What the binary depends on, each in the key: another architecture, NVRTC, output.
+    _fake_cupy(monkeypatch, compiled, refuse, arch="100")
+    assert build() == b"ptx 3"
+    _fake_cupy(monkeypatch, compiled, refuse, version=(13, 0))
+    assert build() == b"ptx 4"
+    monkeypatch.setenv("CUPY_COMPILE_WITH_PTX", "1")
+    assert build() == b"ptx 5" and build() == b"ptx 5"
     _fake_cupy(monkeypatch, compiled, refuse, version=None)
-    assert build() == b"ptx 3" and build() == b"ptx 4"
+    assert build() == b"ptx 6" and build() == b"ptx 7"
     chunk_pass._module.cache_clear()

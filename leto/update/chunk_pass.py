@@ -288,25 +288,30 @@ def _module():
             binary = binary[0]
         return binary if isinstance(binary, bytes) else binary.encode()
 
-    module = function.Module()
     try:
         from cupy_backends.cuda.libs import nvrtc  # (as cupy.cuda.compiler imports it)
 
         nvrtc_version = str(nvrtc.getVersion())
     except Exception:  # NVRTC's version unknown: nothing kept, compiled here as before
+        module = function.Module()
         module.load(compile_())
         return _Module(module)
-    # Compiled once per machine, not in every trainer and shadow (NVRTC builds for the
-    # current device's architecture: it is in the key, with what the source includes).
+    # Compiled once per machine, not in every trainer and shadow. NVRTC builds for CuPy's
+    # current device's architecture, as a cubin or (CUPY_COMPILE_WITH_PTX) PTX: both in
+    # the key, with what the source includes.
     headers = [kernels.joinpath("gf_horner.cuh"), resources.files("nvbit_tools") / "tripwire.cuh"]
     key = "\0".join([src, *(h.read_text() for h in headers), *opts, cupy.__version__,
-                     nvrtc_version, str(torch.cuda.get_device_capability())]).encode()  # fmt: skip
-    try:
-        module.load(native.cached_bytes("chunk_pass", key, compile_, suffix="nvrtc"))
-    except Exception:
-        # A kept binary the driver refuses (a damaged file): compiled again, kept again.
-        module = function.Module()
-        module.load(native.cached_bytes("chunk_pass", key, compile_, suffix="nvrtc", fresh=True))
+                     nvrtc_version, str(cupy.cuda.Device().compute_capability),
+                     os.environ.get("CUPY_COMPILE_WITH_PTX", "")]).encode()  # fmt: skip
+    loaded = []
+
+    def load(binary: bytes) -> None:
+        m = function.Module()
+        m.load(binary)
+        loaded.append(m)
+
+    native.cached_bytes("chunk_pass", key, compile_, suffix="nvrtc", use=load)
+    module = loaded[-1]
     return _Module(module)
 
 

@@ -281,7 +281,7 @@ class CudaPageOwner(_OnDevice, PageOwner):
     def _zero_batch(self, handles: list) -> None:
         d, pb, n = self._dev.d, self.page_bytes, len(handles)
         base = int(_call(f"reserving {n} pages to zero", d.cuMemAddressReserve, n * pb, 0, 0, 0))
-        mapped = 0
+        mapped, zeroed = 0, False
         try:
             for h in handles:
                 _call("mapping a new page to zero it", d.cuMemMap, base + mapped * pb, pb, 0, h, 0)
@@ -289,10 +289,18 @@ class CudaPageOwner(_OnDevice, PageOwner):
             _call("cuMemSetAccess on new pages", d.cuMemSetAccess, base, n * pb, self._dev.access, 1)
             _call("zeroing new pages", d.cuMemsetD8, base, 0, n * pb)
             _call("waiting for the zeroing", d.cuCtxSynchronize)  # before the unmaps below
+            zeroed = True
         finally:
-            for i in range(mapped):
-                d.cuMemUnmap(base + i * pb, pb)
-            d.cuMemAddressFree(base, n * pb)
+            # Every page unmapped again: a mapping left here would keep a page's memory
+            # after its loss is injected (unmap + release in the owner's pool mapping).
+            failed = [(f"unmapping zeroed page {i}", err) for i in range(mapped)
+                      if (err := d.cuMemUnmap(base + i * pb, pb)[0]) != d.CUresult.CUDA_SUCCESS]
+            (err,) = d.cuMemAddressFree(base, n * pb)
+            if err != d.CUresult.CUDA_SUCCESS:
+                failed.append(("freeing the zeroing range", err))
+            if zeroed and failed:  # (else the first error is already on its way out)
+                what, err = failed[0]
+                raise CudaError(err, f"{what} ({len(failed)} cleanup call(s) failed)")
 
     def _zero(self, handle) -> None:
         # cuMemCreate hands back whatever the HBM last held, and parity assumes zeroed pages.
