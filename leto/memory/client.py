@@ -97,9 +97,10 @@ class PoolClient:
         deadline = time.monotonic() + timeout_s
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            sock.settimeout(timeout_s)
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))  # what is left of it
             try:
                 sock.connect(str(socket_path))
+                sock.settimeout(timeout_s)  # each request's own limit from here on
                 break
             except TimeoutError:
                 sock.close()
