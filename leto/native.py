@@ -40,6 +40,11 @@ def compiler(env_var: str, names: Sequence[str], what: str) -> str:
     )
 
 
+def build_dir() -> Path:
+    """Where builds are kept: ``$LETO_BUILD_DIR``, default ``~/.cache/leto``."""
+    return Path(os.environ.get(ENV_BUILD_DIR, Path.home() / ".cache" / "leto"))
+
+
 def build_shared(
     source: Path,
     stem: str,
@@ -52,7 +57,7 @@ def build_shared(
     """Compile ``source`` to ``<build dir>/<stem>-<hash>.so`` once; returns its path."""
     key = source.read_bytes() + " ".join([*flags, *link]).encode() + depends_on
     digest = hashlib.sha256(key).hexdigest()[:16]
-    root = Path(os.environ.get(ENV_BUILD_DIR, Path.home() / ".cache" / "leto"))
+    root = build_dir()
     lib = root / f"{stem}-{digest}.so"
     if lib.exists():
         return lib
@@ -85,7 +90,7 @@ def cached_bytes(
     bytes (loading them); kept bytes it raises on (a damaged file) are made and kept
     again, and bytes just made are used once, its error raised."""
     digest = hashlib.sha256(inputs).hexdigest()[:16]
-    root = Path(os.environ.get(ENV_BUILD_DIR, Path.home() / ".cache" / "leto"))
+    root = build_dir()
     path = root / f"{stem}-{digest}.{suffix}"
     try:
         kept = path.read_bytes()

@@ -68,14 +68,21 @@ def test_successors_start_once_every_trainer_finished_its_first_iteration_after_
     assert [len(c.started) for c in cells] == [1, 1]  # started once
 
 
-def test_a_slow_first_iteration_does_not_hold_the_successors_past_the_cap(monkeypatch):
-    monkeypatch.setattr(shadows_mod, "DEFER_MAX_S", 0.2)
+def _held_back():
+    """A job after a recovery whose trainers are in their first iteration: the
+    successors' shadows held back."""
     sh, monitor, cells, trainers = _job()
     sh.after_recovery(1)
     for t in trainers:
         t.heartbeat(7)
     _poll(sh, monitor)
     assert all(c.started == [] for c in cells)
+    return sh, monitor, cells, trainers
+
+
+def test_a_slow_first_iteration_does_not_hold_the_successors_past_the_cap(monkeypatch):
+    monkeypatch.setattr(shadows_mod, "DEFER_MAX_S", 0.2)
+    sh, monitor, cells, trainers = _held_back()
     time.sleep(0.25)
     _poll(sh, monitor)
     assert [c.started for c in cells] == [[(2, "L2")], [(2, "L2")]]
@@ -85,12 +92,7 @@ def test_a_trainer_waiting_for_parked_successors_has_them_started_at_once():
     # A fault plan's ``when: parked``: the trainer waits at the point, in its first
     # iteration, for shadows the agent holds back until its second — it asks for them
     # (``wait_successors_parked``), and the agent starts them at its next poll.
-    sh, monitor, cells, trainers = _job()
-    sh.after_recovery(1)
-    for t in trainers:
-        t.heartbeat(7)
-    _poll(sh, monitor)
-    assert all(c.started == [] for c in cells)
+    sh, monitor, cells, trainers = _held_back()
     trainers[1].generation = 1
     assert trainers[1].wait_successors_parked(0.05) is False  # (none parked: it gives up)
     sh._wanted_checked = 0.0  # (the agent asks the store at most every 0.25 s)

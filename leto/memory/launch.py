@@ -52,12 +52,7 @@ class StateManagerProcess:
         if line != b"READY":
             self.proc.kill()
             self.proc.wait(5)
-            self.proc.stdout.close()
-            if self.lifeline is not None:
-                os.close(self.lifeline)
-                self.lifeline = None
-            if self.owns_dir:
-                shutil.rmtree(self.socket_dir, ignore_errors=True)
+            self._release()
             raise PoolTimeout(
                 f"state manager did not report READY within {timeout_s} s (exit code "
                 f"{self.proc.returncode}); see its stderr above"
@@ -68,22 +63,30 @@ class StateManagerProcess:
         """Shut down cleanly (SHUTDOWN as admin), SIGKILL if it does not exit in time;
         one that never said READY is terminated at once."""
         if self.proc.poll() is None:
-            try:
-                if not self.ready:
-                    raise RuntimeError("not listening")
-                from leto.memory.client import PoolClient
-
-                with PoolClient.connect(
-                    self.socket_path, self.token, role="admin", timeout_s=timeout_s
-                ) as c:
-                    c.shutdown()
-            except Exception:
+            if not (self.ready and self._ask_shutdown(timeout_s)):
                 self.proc.terminate()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout_s)
+        self._release()
+        return self.proc.returncode
+
+    def _ask_shutdown(self, timeout_s: float) -> bool:
+        from leto.memory.client import PoolClient
+
+        try:
+            with PoolClient.connect(
+                self.socket_path, self.token, role="admin", timeout_s=timeout_s
+            ) as c:
+                c.shutdown()
+        except Exception:
+            return False
+        return True
+
+    def _release(self) -> None:
+        """What the launcher holds of it: its stdout, its lifeline, its directory."""
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         if self.lifeline is not None:
@@ -93,7 +96,6 @@ class StateManagerProcess:
             # Only its socket lived there; left behind, every job added an empty
             # leto-pool-* directory to /tmp.
             shutil.rmtree(self.socket_dir, ignore_errors=True)
-        return self.proc.returncode
 
 
 def private_dir(prefix: str = "leto-pool-") -> Path:

@@ -247,23 +247,15 @@ class CudaPageOwner(_OnDevice, PageOwner):
         # Built now: a state manager without a C compiler fails as it starts, not in
         # the middle of a recovery's localization.
         self._dev.scanner()
-        self._scratch: int | None = None  # one page of address space for zeroing new pages
         self._cached = 0  # exported fds kept open (export_fd)
 
     def create(self) -> CudaPage:
-        d, pb = self._dev.d, self.page_bytes
-        self._dev.make_current()
-        handle = _call("cuMemCreate", d.cuMemCreate, pb, self._dev.prop, 0)
-        try:
-            self._zero(handle)
-        except BaseException:
-            d.cuMemRelease(handle)
-            raise
-        return CudaPage(handle)
+        return self.create_many(1)[0]
 
     def create_many(self, n: int) -> list[CudaPage]:
-        # Zeroed together, a batch at a time: one mapping, memset and wait per batch, not
-        # per page (a 1 B-parameter job's first allocation is ~8,800 pages).
+        # cuMemCreate hands back whatever the HBM last held, and parity assumes zeroed
+        # pages. Zeroed together, a batch at a time: one mapping, memset and wait per
+        # batch, not per page (a 1 B-parameter job's first allocation is ~8,800 pages).
         d = self._dev.d
         self._dev.make_current()
         handles: list = []
@@ -301,20 +293,6 @@ class CudaPageOwner(_OnDevice, PageOwner):
             if zeroed and failed:  # (else the first error is already on its way out)
                 what, err = failed[0]
                 raise CudaError(err, f"{what} ({len(failed)} cleanup call(s) failed)")
-
-    def _zero(self, handle) -> None:
-        # cuMemCreate hands back whatever the HBM last held, and parity assumes zeroed pages.
-        d, pb = self._dev.d, self.page_bytes
-        if self._scratch is None:
-            self._scratch = int(_call("reserving scratch", d.cuMemAddressReserve, pb, 0, 0, 0))
-        s = self._scratch
-        _call("mapping a new page to zero it", d.cuMemMap, s, pb, 0, handle, 0)
-        try:
-            _call("cuMemSetAccess on a new page", d.cuMemSetAccess, s, pb, self._dev.access, 1)
-            _call("zeroing a new page", d.cuMemsetD8, s, 0, pb)
-            _call("waiting for the zeroing", d.cuCtxSynchronize)  # before the unmap below
-        finally:
-            _call("unmapping scratch", d.cuMemUnmap, s, pb)
 
     def check_exportable(self, handle: CudaPage) -> None:
         _live(handle)
