@@ -265,6 +265,8 @@ class Context:
         from leto.preinit.guard import parked_key
 
         key = parked_key(self.generation + 1, self.rank)
+        # (held back until this generation's second iteration otherwise: start_due)
+        self.store.set(keys.shadows_wanted(self.generation), "1")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.store.check([key]):
