@@ -119,6 +119,11 @@ def trial(args, out: Path, level: str, at: str, flags: str = "") -> dict:
         "steady_iteration_s": rec.get("steady_iteration_s"),
         "stages": slow.get("stages", {}),
         "to_run_s": rec.get("recovery_s"),
+        # The agent's part of I (from the failure seen): fenced, then (faultkit's emulated
+        # page loss, no real failure's cost) and the shadows promoted.
+        "fencing_s": rec.get("fencing_s"),
+        "losing_s": rec.get("losing_s"),
+        "promotion_s": rec.get("promotion_s"),
         "promoted_imports": {r: t.get("promoted_imports", []) for r, t in tr.items()},
         "promoted_imports_s": max(t.get("promoted_imports_s", 0.0) for t in tr.values()),
         "imports_warmup_s": max(t.get("imports_warmup_s", 0.0) for t in tr.values()),
@@ -217,7 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     Console(width=160).print(t)
     for r in rows:
         said = ", ".join(f"{k} {v:.3f}" for k, v in r["stages"].items())
-        print(f"trial {r['trial']} {r['level']} {r['at']} {r['leto_flags']}: stages (s) {said}")
+        agent = ", ".join(
+            f"{k[:-2]} {r[k]:.3f}" for k in ("fencing_s", "losing_s", "promotion_s")
+            if r.get(k) is not None
+        )  # fmt: skip
+        print(f"trial {r['trial']} {r['level']} {r['at']} {r['leto_flags']}: the agent, from "
+              f"the failure seen (s): {agent or '-'} (losing: the fault plan's emulated page "
+              f"loss); the promoted trainer's stages (s): {said}")  # fmt: skip
     for level in args.shadow_level.split(","):
         for at in args.at.split(","):
             got = [

@@ -295,9 +295,13 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
         )
         said = ", ".join(f"{v} {slow[k]:.2f} s" for k, v in steps.items() if k in slow)
         if said:
+            losing = r.get("losing_s")
             notes.append(
                 f"failure {n}: fenced in {r['fencing_s'] * 1e3:.0f} ms, shadows promoted in "
-                f"{r['promotion_s'] * 1e3:.0f} ms; the slowest trainer's steps: {said}"
+                f"{r['promotion_s'] * 1e3:.0f} ms"
+                + (f" (of which {losing * 1e3:.0f} ms the fault plan's page loss, emulated)"
+                   if losing is not None else "")
+                + f"; the slowest trainer's steps: {said}"
             )
         first = max(tr, key=lambda x: x.get("first_iteration_end", 0), default={})
         if first.get("stages"):

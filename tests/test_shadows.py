@@ -1,7 +1,8 @@
-"""The agent's shadows at a fresh start and after a recovery: the next generation's start
-is held back until every local trainer has finished its first iteration (or finished the
-job), so their start-up does not compete with the trainers' own — and never longer than
-``DEFER_MAX_S``, nor once a trainer asks for them.
+"""The agent's shadows: at a fresh start beside the first trainers; after a recovery the
+successors' start is held back until every local trainer of the new generation has
+finished its first iteration after the recovery (or finished the job), so their start-up
+does not compete with the recovered trainers — and never longer than ``DEFER_MAX_S``,
+nor once a trainer asks for them.
 
 Real store (torch's HashStore), the real monitor and the trainers' own heartbeat code;
 cells are stand-ins that record which shadows they were asked to start."""
@@ -69,33 +70,25 @@ def test_successors_start_once_every_trainer_finished_its_first_iteration_after_
     assert [len(c.started) for c in cells] == [1, 1]  # started once
 
 
-def test_a_fresh_jobs_shadows_start_once_every_first_trainer_finished_its_first_iteration():
+def test_a_fresh_jobs_shadows_start_beside_the_first_trainers():
+    # Not held back: a failure in a job's first seconds must meet a parked shadow.
     sh, monitor, cells, trainers = _job(generation=0)
     sh.start_first()
-    _poll(sh, monitor, gen=0)
-    assert all(c.started == [] for c in cells)  # starting: no beat yet
-    for t in trainers:
-        t.heartbeat(0)
-    _poll(sh, monitor, gen=0)
-    assert all(c.started == [] for c in cells)  # in the first iteration
-    trainers[0].heartbeat(1)
-    _poll(sh, monitor, gen=0)
-    assert all(c.started == [] for c in cells)  # rank 1 still in it
-    trainers[1].heartbeat(1)
-    _poll(sh, monitor, gen=0)
     assert [c.started for c in cells] == [[(1, "L2")], [(1, "L2")]]
 
 
 def test_a_trainer_waiting_for_its_own_shadow_has_the_shadows_started_at_once():
     # Context.wait_shadow_parked (a script or faultkit's pressure job) in the first
-    # iteration of a fresh job, whose shadows the agent holds back until the second.
-    sh, monitor, cells, trainers = _job(generation=0)
-    sh.start_first()
-    trainers[0].heartbeat(0)
+    # iteration after a recovery, whose successors the agent holds back until the second.
+    sh, monitor, cells, trainers = _job()
+    sh.after_recovery(1)
+    trainers[0].heartbeat(7)
+    _poll(sh, monitor)
+    assert all(c.started == [] for c in cells)
     assert trainers[0].wait_shadow_parked(0.05) is None  # (none parked: it gives up)
     sh._wanted_checked = 0.0
-    _poll(sh, monitor, gen=0)
-    assert [c.started for c in cells] == [[(1, "L2")], [(1, "L2")]]
+    _poll(sh, monitor)
+    assert [c.started for c in cells] == [[(2, "L2")], [(2, "L2")]]
 
 
 def _held_back():

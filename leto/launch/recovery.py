@@ -46,6 +46,9 @@ class RecoveryRecord:
     local_ranks: list[int]
     all_nodes_fenced_s: float | None = None  # HOF: until every node had fenced
     pages_lost: dict | None = None  # HOF: what the fault plan lost
+    # HOF: the time this node's agent took to lose those pages (faultkit's emulation of
+    # the hardware's loss, inside promotion_s and I; a real loss costs no such time)
+    losing_s: float | None = None
     older_checkpoints: int | None = None  # FF: newest checkpoints passed over
     repeats: list[int] | None = None  # generations that failed the same way before
     # Set once known: what the failure was, where Leto could not tell at the time (a
@@ -105,6 +108,7 @@ class Recovery:
                  t_fenced - t0, time.time() - t0)  # fmt: skip
         t_all = time.time()
         lost = self.lose(gen)
+        t_lost = time.time()
         if lost.get("device") or lost.get("host"):
             log.info("generation %d: %s", gen, said_lost(lost))
         new = gen + 1
@@ -132,6 +136,7 @@ class Recovery:
             level=promoted,
             local_ranks=[cl.rank for cl in self.cells],
             pages_lost=lost,
+            losing_s=(t_lost - t_all) if lost.get("device") or lost.get("host") else None,
         )
 
     def fallback(self, gen: int, detected_at: float, skip: int = 0) -> RecoveryRecord:

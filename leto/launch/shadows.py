@@ -22,8 +22,8 @@ from leto.job import store as job_store
 from leto.job.config import ENV_PREINIT, RunConfig
 from leto.launch.cell import Cell
 
-# The longest held-back shadows (a fresh start's, a recovery's successors) wait for their
-# trainers' first iteration (seconds).
+# The longest a recovery's successor shadows wait for the recovered trainers' first
+# iteration (seconds).
 DEFER_MAX_S = 30.0
 
 
@@ -69,15 +69,14 @@ class Shadows:
             cl.extra_env[ENV_PREINIT] = guard
 
     def start_first(self) -> None:
-        """The shadows of generation 1, held back as after a recovery (``start_due``):
-        until every first trainer has finished its first iteration. Started beside them,
-        their imports, CUDA contexts and run-ahead set-up competed with the first
-        trainers' own start (launch to first iteration on the 2-core CI machine: 6.3 s
-        against 5.5 s without shadows), and they park knowing the modules that first
-        iteration imported. A failure before then meets a shadow started on the spot."""
+        """The shadows of generation 1, once generation 0's trainers started: beside
+        them, not held back as after a recovery. Held back until the first iteration,
+        a failure in a job's first seconds met a cold successor (the CPU's ETTR bench:
+        Leto's I 0.85 s against torchrun's 0.70 s), for a fresh start 0.5 s faster on
+        two cores (docs/benchmarks.md#fresh-start-2026-12-05)."""
         if self.levels is not None:
             self.level = self.levels.start(1, self.cfg.timeout_s)
-        self._due = (0, time.monotonic(), {})
+        self.start(1)
 
     def start(self, generation: int) -> None:
         """Park a shadow for ``generation`` in every cell (if shadows are on)."""
@@ -99,9 +98,9 @@ class Shadows:
         self._due = (new, time.monotonic(), {})
 
     def start_due(self) -> None:
-        """Start the shadows ``start_first`` or ``after_recovery`` held back, once every
-        local trainer of the generation beat a second iteration (its first one is done)
-        or finished, or a trainer asked for them (``shadows_wanted``), or after
+        """Start the shadows ``after_recovery`` held back, once every local trainer of
+        the new generation beat a second iteration (its first one after regaining is
+        done) or finished, or a trainer asked for them (``shadows_wanted``), or after
         ``DEFER_MAX_S`` (a slow iteration must not leave the job without shadows for
         long)."""
         if self._due is None:
