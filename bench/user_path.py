@@ -37,7 +37,7 @@ table, writes ``--json``; the exit code is nonzero if any run failed.
 
 ``--job megatron`` runs the Megatron-Core pair (``examples/megatron``; its shape from
 ``--script-args``, e.g. ``--layers 20 --hidden 2048 --heads 16 --vocab 50304 --seq 1024
---micro-batch 16 --micro-batches 1 --megatron-ddp --distributed-optimizer --bf16``).
+--micro-batch 4 --micro-batches 4 --megatron-ddp --distributed-optimizer --bf16``).
 ``--job moe`` runs the mixture-of-experts pair instead (``examples/parallel/gpt_moe.py``
 under torchrun, ``gpt_moe_leto.py`` under leto run: experts sharded over the ranks,
 all-to-all dispatch); its model is fixed (no shape flags), so the presets' shapes do not
