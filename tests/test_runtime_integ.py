@@ -106,6 +106,12 @@ def test_two_failures_recover_exactly_at_each_shadow_level(reference, tmp_path, 
                 assert set(t["stages"]) == set(STAGES), t["stages"]
                 if t["resumed_by"] == "finish":
                     assert rec["recompute_s"] == 0 or len(rec["trainers"]) > 1, rec
+        # The fault plan's emulated page loss timed on its own, inside the promotion
+        # (a real loss costs no such time); none when nothing was lost.
+        if sum(rec.get("pages_lost", {}).get(k, 0) for k in ("device", "host")):
+            assert 0 < rec["losing_s"] <= rec["promotion_s"], rec
+        else:
+            assert "losing_s" not in rec, rec
         # The script's warm-up (one block's step) ran in each L2/L3 shadow while it
         # parked, and cleanly; an L1 shadow parks before the device is up: none.
         # So did the tools' (the verifiers' digest: hashing threads, staging buffers).
