@@ -415,7 +415,11 @@ def test_a_first_trainer_connects_while_its_state_manager_starts():
     try:
         with PoolClient.connect(sm.socket_path, sm.token, starting=True, timeout_s=30) as c:
             assert int(c.attach("w", PAGE).count_nonzero()) == 0
+            # (a fresh interpreter listens after ~0.1 s: the wait is measured, and said)
+            assert c.waited_s > 0
         sm.wait_ready()
+        with PoolClient.connect(sm.socket_path, sm.token, starting=True, timeout_s=30) as c:
+            assert c.waited_s == 0.0  # listening already: no wait
     finally:
         assert sm.stop() == 0
 

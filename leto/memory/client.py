@@ -63,6 +63,7 @@ class PoolClient:
         self._parity: list[tuple[object, Mapping]] = []
         self._codes: dict[tuple[int, int, int], TwoTierCode] = {}
         self._sets: dict[tuple[str, ...], P.AllocatedSet] = {}
+        self.waited_s = 0.0  # (set by connect: its wait for the state manager to listen)
         self._registered: dict[
             int, int
         ] = {}  # page-locked host ranges (cuMemHostRegister): ptr -> bytes
@@ -94,7 +95,9 @@ class PoolClient:
         beside it): no socket, or a refused connection, is tried again until the
         timeout."""
         fdlimit.raise_limit()  # replies carry an fd per page (a 5 B model: ~40,000)
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        waited = False
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             sock.settimeout(max(deadline - time.monotonic(), 0.001))  # what is left of it
@@ -119,6 +122,7 @@ class PoolClient:
                         f"no state manager at {socket_path} within {timeout_s} s: {e.strerror}"
                     ) from None
                 time.sleep(CONNECT_RETRY_S)
+                waited = True
             except OSError as e:
                 sock.close()
                 raise PoolError(f"no state manager at {socket_path}: {e.strerror}") from None
@@ -129,7 +133,11 @@ class PoolClient:
         except BaseException:
             sock.close()
             raise
-        return cls(sock, welcome, role)
+        client = cls(sock, welcome, role)
+        # How long a starting trainer waited for its state manager to listen (0: it
+        # already did): the state manager's start on this trainer's way, if above 0.
+        client.waited_s = time.monotonic() - t0 if waited else 0.0
+        return client
 
     def __enter__(self) -> PoolClient:
         return self

@@ -451,6 +451,12 @@ def init(prepare=None, warmup=None) -> Context:
                 env.pool_socket, env.pool_token, takeover=True, timeout_s=timeout_s,
                 starting=generation == 0,  # (its state manager may still be starting)
             )  # fmt: skip
+            if client.waited_s:
+                # The state manager's start on this trainer's way (leto run starts them
+                # together): part of its ``init`` stage, said apart.
+                timings["pool_wait_s"] = client.waited_s
+                rank_log.say(rank, f"waited {client.waited_s:.3f} s for its state manager to "
+                             "listen (started beside this trainer)")  # fmt: skip
         t_localize = time.time()
         # A premapped client maps again what was replaced, and leaves the host parity
         # scan running until its report is first read (Context.report).
