@@ -20,3 +20,16 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def started_at(pid: int | str = "self") -> float | None:
+    """When ``pid`` started, wall clock (``/proc``: its start in clock ticks after boot,
+    plus the boot time); None where ``/proc`` does not say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from leto.launch.zygote import Zygote
+from leto.proc import started_at
 
 pytestmark = [pytest.mark.integ, pytest.mark.timeout(120)]
 
@@ -84,6 +85,18 @@ def test_exit_codes_are_the_interpreters(zygote, tmp_path, body, code):
         assert "ValueError: boom" in log.read_text()  # sys.excepthook's traceback
     if "reason" in body:
         assert "a reason" in log.read_text()
+
+
+def test_the_zygote_says_when_it_was_ready_after_its_start(zygote, tmp_path):
+    # (leto run's start-up line: the zygote ready, measured from a process's start)
+    p, _ = _spawn(zygote, tmp_path, "pass")
+    assert p.wait(30) == 0
+    began = started_at(zygote.proc.pid)
+    assert began is not None and zygote.ready_at is not None
+    # Its torch import lies between (a tick of /proc's clock is 10 ms).
+    assert began - 0.02 < zygote.ready_at <= time.time(), (began, zygote.ready_at)
+    assert abs(started_at() - began) < 3600  # this process's start, same clock
+    assert started_at(2**22 + 12345) is None  # no such process: not said
 
 
 def test_a_killed_child_reports_the_signal_and_waits_time_out(zygote, tmp_path):

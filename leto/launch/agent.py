@@ -54,6 +54,7 @@ from leto.launch.shadows import Shadows
 from leto.launch.zygote import Zygote
 from leto.launch.zygote import enabled as zygote_enabled
 from leto.memory.config import PoolConfig
+from leto.proc import started_at
 
 log = logging.getLogger("leto.agent")
 
@@ -148,6 +149,19 @@ class Agent:
         self._stopping = True
         raise SignalStop(signum)
 
+    def _said_start(self, zygote, t_forked: float) -> None:
+        """Where a fresh job's start went before its trainers' own (their rank logs say
+        the rest, to the end of their first iteration), from this process's start."""
+        began = started_at()
+        if began is None:
+            return
+        parts = []
+        if zygote is not None and zygote.ready_at is not None:
+            parts.append(f"the zygote ready (torch imported) {zygote.ready_at - began:.2f} s")
+        parts.append(f"the first trainers started {t_forked - began:.2f} s")
+        parts.append(f"the state managers READY {time.time() - began:.2f} s")
+        log.info("start-up, after leto run's process started: %s", ", ".join(parts))
+
     def _connect(self):
         c = self.cfg
         try:
@@ -193,8 +207,10 @@ class Agent:
             shadows.setup(store)
             for cell in cells:
                 cell.start_active(0, recovery.fault(0, cell.rank))
+            t_forked = time.time()
             for cell in cells:  # started together, beside the trainers' own start-up
                 cell.sm.wait_ready()
+            self._said_start(zygote, t_forked)
             log.info(
                 "started ranks %s (world %d, %s), shadows %s; their pools: leto pool status "
                 "--log-dir %s --rank R",

@@ -284,6 +284,7 @@ class Zygote:
         self._exits: dict[int, int] = {}
         self._lost = False
         self._ready = threading.Event()
+        self.ready_at: float | None = None  # wall clock: torch imported, forks served
         threading.Thread(target=self._read, name="leto-zygote", daemon=True).start()
 
     def _read(self) -> None:
@@ -300,6 +301,7 @@ class Zygote:
                     return
                 m = json.loads(msg)
                 if "ready" in m:
+                    self.ready_at = time.time()
                     self._ready.set()
                 elif "exit" in m:
                     self._exits[m["exit"]] = m["code"]
