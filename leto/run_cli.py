@@ -24,6 +24,8 @@ from leto.errors import InvalidInput
 from leto.job.config import DEFAULT_SHADOW_LEVEL
 from leto.job.config import REPLAY_EVERY_DEFAULT as DEFAULT_REPLAY_EVERY
 
+NVIDIA_DRIVER = "/proc/driver/nvidia"  # present where NVIDIA's kernel driver is loaded
+
 ENV_OMP = "OMP_NUM_THREADS"
 
 
@@ -56,6 +58,24 @@ def _missing_module(name: str) -> str | None:
     return None
 
 
+def default_device() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu`` — asked of the driver, not of torch
+    where it can be: this process imports torch after the zygote has started
+    (``cmd_run``), so the two imports overlap; asking torch first put one after the other
+    on every run that gives no ``--device``. Without cuda-python: no NVIDIA driver, no
+    GPU (``/proc/driver/nvidia``); with one, torch decides, as before."""
+    from leto.memory.backends.cuda import visible_gpus
+
+    n = visible_gpus()
+    if n is None:
+        if not os.path.exists(NVIDIA_DRIVER):
+            return "cpu"
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if n > 0 else "cpu"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from leto.job import fault_plan
     from leto.job.config import ENV_FAULT_PLAN, RunConfig
@@ -64,11 +84,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     device_note = None
     if args.device is None:
-        import torch
-
         # As a torchrun user expects: the GPU when there is one (training on the CPU of
         # a GPU machine by default would be silent and slow).
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        args.device = default_device()
         seen = "a GPU is" if args.device == "cuda" else "no GPU is"
         device_note = f"--device {args.device} ({seen} visible; --device sets it)"
     try:

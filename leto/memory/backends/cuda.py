@@ -46,6 +46,24 @@ def _driver():
     return driver
 
 
+def visible_gpus() -> int | None:
+    """How many GPUs the driver shows this process (``CUDA_VISIBLE_DEVICES`` applied),
+    without torch and without a CUDA context (``cuInit`` only); None without cuda-python.
+    No driver, or a driver that finds none: 0."""
+    try:
+        d = _driver()
+    except ImportError:
+        return None
+    try:
+        (err,) = d.cuInit(0)
+        if err != d.CUresult.CUDA_SUCCESS:
+            return 0  # e.g. CUDA_ERROR_NO_DEVICE
+        err, n = d.cuDeviceGetCount()
+    except Exception:  # (cuda-python without a libcuda to load raises on the first call)
+        return 0
+    return int(n) if err == d.CUresult.CUDA_SUCCESS else 0
+
+
 def _error_name(result) -> str:
     _, name = _driver().cuGetErrorName(result)
     return name.decode() if name else f"CUresult {int(result)}"

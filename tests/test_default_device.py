@@ -1,0 +1,100 @@
+"""``leto run`` without ``--device``: the GPU when the driver shows one, else the CPU —
+decided without importing torch where it can be, so the CLI's own torch import comes
+after the zygote has started (they overlap) instead of before it.
+
+Each case runs in a fresh interpreter (torch must not be imported yet), with a stand-in
+``cuda.bindings.driver`` on its path where the case needs the driver API."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import leto.run_cli as rc
+    if len(sys.argv) > 1:
+        rc.NVIDIA_DRIVER = sys.argv[1]  # (where this machine's driver would be)
+    got = rc.default_device()
+    print(json.dumps({"device": got, "torch": "torch" in sys.modules}))
+    """
+)
+
+STUB = textwrap.dedent(
+    """
+    import enum, os
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_NO_DEVICE = 100
+
+    def cuInit(flags):
+        if os.environ.get("STUB_CUINIT") == "raise":
+            raise RuntimeError('Function "cuInit" not found')
+        return (CUresult[os.environ.get("STUB_CUINIT", "CUDA_SUCCESS")],)
+
+    def cuDeviceGetCount():
+        return (CUresult.CUDA_SUCCESS, int(os.environ.get("STUB_COUNT", "0")))
+    """
+)
+
+
+def _probe(tmp_path, stub: bool, env: dict | None = None, driver_path: str | None = None):
+    path = []
+    if stub:
+        pkg = tmp_path / "stub" / "cuda" / "bindings"
+        pkg.mkdir(parents=True)
+        (tmp_path / "stub" / "cuda" / "__init__.py").write_text("")
+        (pkg / "__init__.py").write_text("")
+        (pkg / "driver.py").write_text(STUB)
+        path.append(str(tmp_path / "stub"))
+    code = f"import sys; sys.path[:0] = {path!r}\n" + PROBE
+    out = subprocess.run(
+        [sys.executable, "-c", code, *([driver_path] if driver_path else [])],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "env, device",
+    [
+        ({"STUB_COUNT": "2"}, "cuda"),
+        ({"STUB_COUNT": "0"}, "cpu"),
+        ({"STUB_CUINIT": "CUDA_ERROR_NO_DEVICE"}, "cpu"),  # e.g. CUDA_VISIBLE_DEVICES=""
+        ({"STUB_CUINIT": "raise"}, "cpu"),  # cuda-python without a libcuda
+    ],
+)
+def test_the_driver_decides_without_torch(tmp_path, env, device):
+    got = _probe(tmp_path, stub=True, env=env)
+    assert got == {"device": device, "torch": False}, got
+
+
+def test_without_cuda_python_and_without_nvidias_driver_it_is_the_cpu_without_torch(tmp_path):
+    if _has_cuda_python():
+        pytest.skip("cuda-python is installed here")
+    got = _probe(tmp_path, stub=False, driver_path=str(tmp_path / "no-such-driver"))
+    assert got == {"device": "cpu", "torch": False}, got
+
+
+def test_without_cuda_python_but_with_nvidias_driver_torch_decides(tmp_path):
+    if _has_cuda_python():
+        pytest.skip("cuda-python is installed here")
+    (tmp_path / "driver").mkdir()
+    got = _probe(tmp_path, stub=False, driver_path=str(tmp_path / "driver"))
+    import torch
+
+    assert got == {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch": True}
+
+
+def _has_cuda_python() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("cuda") is not None
