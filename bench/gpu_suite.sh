@@ -583,6 +583,7 @@ if [[ $what == fresh-start ]]; then
     run=${f#/tmp/leto-user-path-*/}; cp "$f" "$OUT/fresh_prof/$(echo "${run%%/leto-run/*}" | tr / _).log"
   done
   grep -H "to the end of the first iteration\|for its state manager to listen" "$OUT"/fresh_prof/*.log
+  grep -H "start-up, after" /tmp/leto-user-path-*/rep*/leto_run*/stderr.txt  # (the agent's part)
   w=$(mktemp -d); (cd "$w" && timeout 120 env LETO_PROFILE_RECOVERY="$OUT/fresh_prof" LETO_PROFILE_START=1 \
     LETO_PROFILE_WINDOW=99:1 python3 -m leto.cli run --nproc-per-node 1 "$OLDPWD/examples/porting/gpt_leto.py" \
     --n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 --seq 1024 --batch 16 --iterations 2 --out out \
