@@ -73,7 +73,20 @@ def default_device() -> str:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return "cuda" if n > 0 else "cpu"
+    # (a CPU build of torch on a GPU machine sees no GPU, as torch.cuda.is_available())
+    return "cuda" if n > 0 and torch_builds_cuda() else "cpu"
+
+
+def torch_builds_cuda() -> bool:
+    """Whether the installed torch is a CUDA build (its ``libtorch_cuda`` library is
+    there), without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    lib = Path(spec.submodule_search_locations[0]) / "lib"
+    return any(lib.glob("libtorch_cuda*"))
 
 
 def cmd_run(args: argparse.Namespace) -> int:

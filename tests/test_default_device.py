@@ -19,8 +19,10 @@ PROBE = textwrap.dedent(
     """
     import json, sys
     import leto.run_cli as rc
-    if len(sys.argv) > 1:
+    if len(sys.argv) > 1 and sys.argv[1]:
         rc.NVIDIA_DRIVER = sys.argv[1]  # (where this machine's driver would be)
+    if len(sys.argv) > 2:
+        rc.torch_builds_cuda = lambda: sys.argv[2] == "cuda-build"
     got = rc.default_device()
     print(json.dumps({"device": got, "torch": "torch" in sys.modules}))
     """
@@ -45,7 +47,7 @@ STUB = textwrap.dedent(
 )
 
 
-def _probe(tmp_path, stub: bool, env: dict | None = None, driver_path: str | None = None):
+def _probe(tmp_path, stub: bool, env=None, driver_path: str = "", build: str | None = None):
     path = []
     if stub:
         pkg = tmp_path / "stub" / "cuda" / "bindings"
@@ -56,7 +58,7 @@ def _probe(tmp_path, stub: bool, env: dict | None = None, driver_path: str | Non
         path.append(str(tmp_path / "stub"))
     code = f"import sys; sys.path[:0] = {path!r}\n" + PROBE
     out = subprocess.run(
-        [sys.executable, "-c", code, *([driver_path] if driver_path else [])],
+        [sys.executable, "-c", code, driver_path, *([build] if build else [])],
         capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -73,8 +75,21 @@ def _probe(tmp_path, stub: bool, env: dict | None = None, driver_path: str | Non
     ],
 )
 def test_the_driver_decides_without_torch(tmp_path, env, device):
-    got = _probe(tmp_path, stub=True, env=env)
+    got = _probe(tmp_path, stub=True, env=env, build="cuda-build")
     assert got == {"device": device, "torch": False}, got
+
+
+def test_a_cpu_build_of_torch_sees_no_gpu_where_the_driver_shows_one(tmp_path):
+    got = _probe(tmp_path, stub=True, env={"STUB_COUNT": "1"}, build="cpu-build")
+    assert got == {"device": "cpu", "torch": False}, got
+
+
+def test_this_machines_torch_build_is_told_from_its_libraries():
+    import torch
+
+    from leto.run_cli import torch_builds_cuda
+
+    assert torch_builds_cuda() == (torch.version.cuda is not None)
 
 
 def test_without_cuda_python_and_without_nvidias_driver_it_is_the_cpu_without_torch(tmp_path):
