@@ -1,6 +1,7 @@
 """``leto run`` without ``--device``: the GPU when the driver shows one, else the CPU —
 decided without importing torch where it can be, so the CLI's own torch import comes
-after the zygote has started (they overlap) instead of before it.
+after the zygote has started (they overlap) instead of before it; and ``leto run`` as a
+whole starts its zygote before it imports torch.
 
 Each case runs in a fresh interpreter (torch must not be imported yet), with a stand-in
 ``cuda.bindings.driver`` on its path where the case needs the driver API."""
@@ -113,3 +114,38 @@ def _has_cuda_python() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("cuda") is not None
+
+
+def test_leto_run_starts_its_zygote_before_it_imports_torch(tmp_path):
+    # The zygote's import of torch is a fresh job's way to its first trainer: one in this
+    # process before it would come first, then the zygote's (not overlapping).
+    if _has_cuda_python():
+        pytest.skip("cuda-python is installed here")  # (the driver would be asked)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import leto.launch.zygote as z
+        from leto import cli
+
+        class Started(Exception):
+            pass
+
+        class Zygote:  # stands in for the real one: says what was imported by then
+            def __init__(self, *a, **k):
+                print("torch imported:", "torch" in sys.modules, flush=True)
+                raise Started
+
+        z.Zygote = Zygote
+        try:
+            cli.main(["run", "--nproc-per-node", "1", {str(script)!r}])
+        except Started:
+            pass
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "LETO_ZYGOTE": "1"},
+    )  # fmt: skip
+    assert "torch imported: False" in out.stdout, (out.stdout, out.stderr[-2000:])
