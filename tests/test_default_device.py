@@ -57,7 +57,9 @@ def _probe(tmp_path, stub: bool, env=None, driver_path: str = "", build: str | N
         (pkg / "__init__.py").write_text("")
         (pkg / "driver.py").write_text(STUB)
         path.append(str(tmp_path / "stub"))
-    code = f"import sys; sys.path[:0] = {path!r}\n" + PROBE
+    # Without the stand-in: no cuda-python, on any machine (None in sys.modules makes
+    # ``import cuda.bindings`` fail as an absent package does).
+    code = f"import sys; sys.path[:0] = {path!r}\n" + ("" if stub else "sys.modules['cuda'] = None\n") + PROBE
     out = subprocess.run(
         [sys.executable, "-c", code, driver_path, *([build] if build else [])],
         capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
@@ -94,15 +96,11 @@ def test_this_machines_torch_build_is_told_from_its_libraries():
 
 
 def test_without_cuda_python_and_without_nvidias_driver_it_is_the_cpu_without_torch(tmp_path):
-    if _has_cuda_python():
-        pytest.skip("cuda-python is installed here")
     got = _probe(tmp_path, stub=False, driver_path=str(tmp_path / "no-such-driver"))
     assert got == {"device": "cpu", "torch": False}, got
 
 
 def test_without_cuda_python_but_with_nvidias_driver_torch_decides(tmp_path):
-    if _has_cuda_python():
-        pytest.skip("cuda-python is installed here")
     (tmp_path / "driver").mkdir()
     got = _probe(tmp_path, stub=False, driver_path=str(tmp_path / "driver"))
     import torch
@@ -110,24 +108,20 @@ def test_without_cuda_python_but_with_nvidias_driver_torch_decides(tmp_path):
     assert got == {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch": True}
 
 
-def _has_cuda_python() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("cuda") is not None
-
-
 def test_leto_run_starts_its_zygote_before_it_imports_torch(tmp_path):
     # The zygote's import of torch is a fresh job's way to its first trainer: one in this
     # process before it would come first, then the zygote's (not overlapping).
-    if _has_cuda_python():
-        pytest.skip("cuda-python is installed here")  # (the driver would be asked)
     script = tmp_path / "train.py"
     script.write_text("")
     code = textwrap.dedent(
         f"""
         import sys
+        sys.modules["cuda"] = None  # (no cuda-python, and no NVIDIA driver, below)
         import leto.launch.zygote as z
+        import leto.run_cli as rc
         from leto import cli
+
+        rc.NVIDIA_DRIVER = {str(tmp_path / "no-such-driver")!r}
 
         class Started(Exception):
             pass
