@@ -193,3 +193,73 @@ def test_the_scripts_own_write_waits_also_when_leto_started_the_script(ahead, tm
     ahead.start()
     namespace["launch"](namespace["set_up"], str(target))
     assert ahead.promotions == [f"opens {target} for writing"]
+
+
+def _peers(world=2):
+    """``world`` Aheads of one job's shadows sharing a store, their promotions recorded."""
+    store = dist.HashStore()
+    out = []
+    for r in range(world):
+        a = run_ahead.Ahead(
+            r, None, store, world=world, key=keys.run_ahead(3, "0.0"),
+            settled_key=keys.ahead_settled(3, r),
+        )  # fmt: skip
+        a.promotions = []
+        a._promote = lambda a=a: a.promotions.append(a.stopped_at)
+        out.append(a)
+    return store, out
+
+
+def test_a_collective_every_ranks_shadow_reaches_runs_ahead():
+    # (The Ahead objects are driven directly: the collective is a stand-in call, made
+    # only where every shadow agreed.)
+    import threading
+
+    store, (a, b) = _peers()
+    made = []
+    t = threading.Thread(target=lambda: made.append(b.collective("new_group", lambda: 1, (), {})))
+    t.start()
+    assert a.collective("new_group", lambda: 0, (), {}) == 0
+    t.join(10)
+    assert made == [1] and a.promotions == b.promotions == [], "no promotion was awaited"
+    assert a.collectives == b.collectives == 1
+
+
+def test_a_collective_a_stopped_shadow_will_not_make_ahead_waits_for_the_promotion():
+    store, (a, b) = _peers()
+    a.reach("opens /x/train.log for writing")  # rank 0's shadow stopped first
+    assert store.get(keys.ahead_settled(3, 0)).decode().startswith("ran ahead: opens")
+    order = []
+    got = b.collective("all_reduce", lambda: order.append("made") or 2, (), {})
+    assert got == 2 and b.promotions == ["calls torch.distributed.all_reduce"]
+    assert order == ["made"], "made after the promotion, as the stopped shadow will"
+
+
+def test_a_collective_waits_for_the_promotion_when_it_comes_first():
+    store, (a, b) = _peers()
+    a.promoting = lambda: True  # the promotion is in its pipe: rank 1 never comes
+    assert a.collective("broadcast", lambda: 3, (), {}) == 3
+    assert a.promotions == ["calls torch.distributed.broadcast"]
+
+
+def test_a_trainers_pace_says_when_an_iteration_is_over():
+    import json as _json
+
+    from leto.trainer.first_iteration import Pace
+
+    p = Pace()
+    assert _json.loads(p.began(7))["done"] == 0
+    assert _json.loads(p.began(7))["done"] == 0  # (the same iteration again: a redo)
+    assert _json.loads(p.began(8))["done"] == 1
+
+
+def test_a_shadow_parked_mid_iteration_runs_ahead_once_its_trainer_finished_one():
+    # Parked while its trainer is in an iteration after its first (as a fault plan's
+    # "when: parked" meets it): that trainer's peak memory is known, no movement needed.
+    store = dist.HashStore()
+    a = _gate(store, 0, world=1)
+    store.set(keys.pace(2, 0), '{"iteration": 4, "done": 0}')
+    assert not a.open()
+    b = _gate(store, 0, world=1)
+    store.set(keys.pace(2, 0), '{"iteration": 5, "done": 1}')
+    assert b.open()

@@ -107,6 +107,13 @@ def run_ahead(gen: int, attempt: str) -> str:
     return f"leto/gen{gen}/run_ahead/{attempt}"
 
 
+def ahead_settled(gen: int, rank: int) -> str:
+    """Set by ``gen``'s L3 shadow of ``rank`` once it has run the script's set-up ahead to
+    where it waits for its promotion, or found it will not (the reason): a fault plan's
+    ``when: parked`` waits for it too (``leto.trainer.run_ahead``)."""
+    return f"leto/gen{gen}/rank{rank}/ahead_settled"
+
+
 def pace(gen: int, rank: int) -> str:
     """JSON: the iteration a trainer of ``gen`` has in progress, when it began and its
     steady iteration time (``leto.trainer.first_iteration.Pace``; written every beat)."""

@@ -279,10 +279,17 @@ class Context:
     def wait_successors_parked(self, timeout_s: float) -> bool:
         """Block until every rank's shadow of the next generation has parked, or
         ``timeout_s`` passed (False): a fault plan's ``when: parked`` waits here (the
-        agent deletes a replaced shadow's record before it starts the new one)."""
+        agent deletes a replaced shadow's record before it starts the new one). Where
+        they run the script's set-up ahead (L3), also until each has run it to where it
+        waits for its promotion, or found it will not: what a failure meets in a job that
+        has run a while. (Not in this process's first iteration: a shadow runs ahead only
+        once its trainer has finished one.)"""
         from leto.preinit.guard import parked_key
+        from leto.trainer import run_ahead
 
         want = [parked_key(self.generation + 1, r) for r in range(self.world_size)]
+        if run_ahead.wanted(self.level) and self.pace.done >= 1:
+            want += [keys.ahead_settled(self.generation + 1, r) for r in range(self.world_size)]
         # The agent holds the successors back until this generation's second iteration
         # (leto.launch.shadows.start_due), which a trainer waiting here never reaches.
         self.store.set(keys.shadows_wanted(self.generation), "1")
@@ -575,16 +582,22 @@ def init(prepare=None, warmup=None) -> Context:
                 got = promoted(pipe.park(tick))
                 ctx.pool, ctx.localization, ctx.imports, ctx.clock = got
                 ctx.timings.update(
-                    ran_ahead_to=runner.stopped_at, ran_ahead_s=runner.ran_s, **runner.warmup
-                )
+                    ran_ahead_to=runner.stopped_at, ran_ahead_s=runner.ran_s,
+                    ran_ahead_collectives=runner.collectives, **runner.warmup,
+                )  # fmt: skip
+                made = (f" ({runner.collectives} collective(s) made with the other ranks' "
+                        "shadows)" if runner.collectives else "")  # fmt: skip
                 rank_log.say(
                     rank,
-                    f"shadow: ran the script's set-up ahead in {runner.ran_s:.2f} s, to where "
-                    f"it {runner.stopped_at}; promoted",
+                    f"shadow: ran the script's set-up ahead in {runner.ran_s:.2f} s{made}, to "
+                    f"where it {runner.stopped_at}; promoted",
                 )
                 ctx.clock.mark("init")
 
-            runner = run_ahead.Ahead(rank, promote, store, device, pipe.waiting)
+            runner = run_ahead.Ahead(
+                rank, promote, store, device, pipe.waiting, world=world, key=gate.key,
+                settled_key=keys.ahead_settled(generation, rank),
+            )  # fmt: skip
             ctx.ahead = runner
             ctx.skip_init = skip_init.start(store, generation, rank)
             rank_log.say(rank, "shadow: running the script's set-up ahead of a promotion")

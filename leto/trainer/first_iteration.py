@@ -18,8 +18,8 @@ iteration is over: a steady iteration is never synchronized by it). Stages, in o
 * ``forward/backward``, ``update``, ``after step`` — the first iteration, its body
   until ``optimizer.step()``, the update, and the script's code after it.
 
-``Pace`` is written with every heartbeat: when the iteration in progress began and the
-generation's steady iteration time, so that a later generation can tell how much of the
+``Pace`` is written with every heartbeat: when the iteration in progress began, the
+generation's steady iteration time and how many iterations the process has finished, so that a later generation can tell how much of the
 interrupted iteration a fault-free run still had ahead (the agent's
 ``leto.launch.recovery.regained``).
 
@@ -98,13 +98,18 @@ class Pace:
     def __init__(self):
         self._began: tuple[int, float] | None = None
         self._times: list[float] = []
+        self.done = 0  # iterations this process finished (each began and another since)
 
     def began(self, iteration: int) -> str:
         """Iteration ``iteration`` begins now; returns the JSON to store for it."""
         now = time.time()
+        if self._began is not None and iteration != self._began[0]:
+            self.done += 1
         if self._began is not None and iteration == self._began[0] + 1:
             self._times = [*self._times[-(self.KEEP - 1) :], now - self._began[1]]
         self._began = (iteration, now)
         # The first iteration of a process is no steady one (warm-up, lazy set-up).
         steady = statistics.median(self._times[1:]) if len(self._times) > 1 else None
-        return json.dumps({"iteration": iteration, "began_at": now, "steady_s": steady})
+        return json.dumps(
+            {"iteration": iteration, "began_at": now, "steady_s": steady, "done": self.done}
+        )

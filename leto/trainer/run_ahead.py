@@ -14,8 +14,16 @@ at the first point where running ahead could change something outside this proce
   linked or made (``os.mkdir`` of a folder that exists goes ahead: it changes nothing) —
   the live trainer may own it (a log opened with ``"w"`` would be emptied);
 * a network connection or listening socket, a subprocess, ``os.fork``;
-* a ``torch.distributed`` collective or new group (its peers are shadows too, but one
-  that stopped earlier would leave it waiting).
+* a ``torch.distributed`` collective or new group that some rank's shadow will not
+  reach ahead. The shadows' process group is their own (the live trainers never see
+  it), so a collective that every rank's shadow reaches runs ahead: Megatron-Core's
+  set-up begins with ``initialize_model_parallel``'s dozens of ``new_group`` calls, and
+  its DDP and distributed optimizer broadcast and gather while they are built. Each
+  shadow counts its collectives; at its k-th it says so in the store and goes on once
+  every rank's shadow has reached its k-th (``Ahead._agree``). Where one has stopped
+  instead (at a file, at ``leto.Run``) or a promotion came, it waits for the promotion
+  there and then makes the call, as the stopped one will once promoted: no shadow is
+  ever left inside a collective its peers do not make.
 
 Those are Python's audit events (``sys.addaudithook``) raised by any code but Leto's,
 faultkit's and the verifiers' (a ``.pyc`` an import writes is ignored). The script's
@@ -41,6 +49,7 @@ heartbeat, names a script bound from ``torch.distributed`` before ``leto.init()`
 from __future__ import annotations
 
 import io
+import json
 import os
 import sys
 import sysconfig
@@ -166,16 +175,17 @@ class Gate:
             return False
         s = self.store
         if not self.paced:
-            # Its trainer began an iteration (the pool holds the state), and began another
-            # since: one iteration is over, so the device memory the trainer holds is its
-            # peak (its allocator keeps it), and what is free now is free for the set-up.
+            # Its trainer began an iteration (the pool holds the state), and has finished
+            # one (its pace says so, or moved since): the device memory the trainer holds
+            # is its peak (its allocator keeps it), and what is free now is free for the
+            # set-up.
             pace = keys.pace(self.generation - 1, self.rank)
             if not s.check([pace]):
                 return False
             now = s.get(pace)
             if self.first_pace is None:
                 self.first_pace = now
-            if now == self.first_pace:
+            if now == self.first_pace and json.loads(now).get("done", 0) < 1:
                 return False
             self.paced = True
         if s.check([keys.RUN_AHEAD_OFF]):
@@ -194,15 +204,22 @@ class Gate:
     def _no(self, why: str) -> None:
         self.said = why
         rank_log.say(self.rank, f"shadow: parks at leto.init() ({why})")
+        self.store.set(keys.ahead_settled(self.generation, self.rank), f"parks: {why}")
 
 
 class Ahead:
     """The script's set-up running ahead; ``reach(what)`` awaits the promotion."""
 
     def __init__(
-        self, rank: int, promote: Callable[[], None], store=None, device=None, promoting=None
-    ):
-        self.rank = rank
+        self, rank: int, promote: Callable[[], None], store=None, device=None, promoting=None,
+        world: int = 1, key: str | None = None, settled_key: str | None = None,
+    ):  # fmt: skip
+        self.rank, self.world = rank, world
+        self.settled_key = settled_key  # said once it waits for its promotion (or failed)
+        # Where the shadows agree on collectives (``key``: the Gate's; None: a collective
+        # always waits for the promotion).
+        self.key = key
+        self.collectives = 0  # made ahead (each agreed by every rank's shadow)
         self.promoting = promoting or (lambda: False)  # the promotion came: no warm-up
         self.store = store  # where a failure turns running ahead off for the job
         self.device = device  # where the script's model is warmed up (None: not)
@@ -214,6 +231,7 @@ class Ahead:
         self.promoted = False
         self._saved: dict = {}
         self._held = (_Held(sys.stdout), _Held(sys.stderr))
+        self._streams = None  # the script's own (``start``)
 
     def start(self) -> None:
         _state["ahead"] = self
@@ -253,6 +271,11 @@ class Ahead:
             if self.promoted:
                 return
             self.stopped_at = what
+            if self.store is not None and self.key is not None:
+                # Its peers' shadows must not wait for it at a collective it will make only
+                # once promoted.
+                self.store.set(self._stopped_key, f"rank {self.rank}: {what}")
+            self._settled(f"ran ahead: {what}")
             self.ran_s = time.time() - self.t0
             if self.device is not None:
                 # The script's model, once at its trainer's shapes, before waiting (the
@@ -272,11 +295,56 @@ class Ahead:
                 self._release()
             self.promoted = True
 
+    @property
+    def _stopped_key(self) -> str:
+        return f"{self.key}/stopped"
+
+    def collective(self, name: str, fn, args, kwargs):
+        """The script's ``torch.distributed.<name>`` while running ahead: made now when every
+        rank's shadow reaches it (``_agree``), else after the promotion."""
+        shape_warmup.refuse(f"calls torch.distributed.{name}")  # (inside the warm-up)
+        if not self.promoted and self._agree():
+            return fn(*args, **kwargs)
+        self.reach(f"calls torch.distributed.{name}")
+        return fn(*args, **kwargs)
+
+    POLL_S = 0.002  # between store reads while peers are on their way (up to 16x that)
+
+    def _agree(self) -> bool:
+        """Whether every rank's shadow reached this collective (its k-th) ahead: polled
+        until they have, or one stopped before it, or this shadow's promotion came. The
+        count is read before the stop, and only reaches the world size once every shadow
+        has counted itself there, so one shadow seeing it full means each will: none goes
+        in alone. (A shadow that counted itself and then stops makes the call after its
+        promotion, as the others do.)"""
+        if self.store is None or self.key is None:
+            return False
+        k = self.collectives
+        self.collectives += 1
+        here = f"{self.key}/collective/{k}"
+        s = self.store
+        s.add(here, 1)
+        poll = self.POLL_S
+        while True:
+            if int(s.add(here, 0)) >= self.world:
+                return True
+            # (one key a check: a store's check of several is true only if all are set)
+            stopped = s.check([self._stopped_key]) or s.check([keys.RUN_AHEAD_OFF])
+            if stopped or self.promoting():
+                return int(s.add(here, 0)) >= self.world
+            time.sleep(poll)
+            poll = min(poll * 2, 16 * self.POLL_S)
+
+    def _settled(self, how: str) -> None:
+        if self.store is not None and self.settled_key is not None:
+            self.store.set(self.settled_key, how)
+
     def failed(self, why: str) -> None:
         self._unhook()
         self._release()
         if self.store is not None:
             self.store.set(keys.RUN_AHEAD_OFF, f"rank {self.rank}: {why}")
+            self._settled(f"failed: {why}")
         rank_log.say(
             self.rank,
             f"shadow: running the script's set-up ahead failed ({why}); this job's next "
@@ -292,6 +360,8 @@ class Ahead:
         sys.excepthook = self._excepthook
 
     def _release(self) -> None:
+        if self._streams is None:  # (never started)
+            return
         if sys.stdout is self._held[0]:
             sys.stdout, sys.stderr = self._streams
         for held, stream in zip(self._held, self._streams, strict=True):
@@ -300,9 +370,7 @@ class Ahead:
 
 def _waits_for_promotion(ahead: Ahead, name: str, fn):
     def call(*args, **kwargs):
-        shape_warmup.refuse(f"calls torch.distributed.{name}")  # (inside the warm-up)
-        ahead.reach(f"calls torch.distributed.{name}")
-        return fn(*args, **kwargs)
+        return ahead.collective(name, fn, args, kwargs)
 
     call.__wrapped__ = fn
     return call
