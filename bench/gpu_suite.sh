@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|certify-1b|user-recovery|fresh-start|pin-stall|megatron|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|certify-1b|user-recovery|fresh-start|cold-start|pin-stall|megatron|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -589,6 +589,23 @@ if [[ $what == fresh-start ]]; then
     --n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 --seq 1024 --batch 16 --iterations 2 --out out \
     > /dev/null 2>&1) || rc=1
   head -45 "$OUT/fresh_prof/rank0.gen0.profile.txt" 2>/dev/null
+fi
+if [[ $what == cold-start ]]; then
+  # Issue 57: the first leto run on a machine (its native builds and kernel caches empty:
+  # LETO_BUILD_DIR and CUPY_CACHE_DIR fresh), its first trainer's way to its first
+  # iteration profiled, and the launch to the end of that iteration timed.
+  export LETO_BUILD_DIR=$(mktemp -d) CUPY_CACHE_DIR=$(mktemp -d)
+  mkdir -p "$OUT/cold_prof"; w=$(mktemp -d); t0=$(date +%s.%N)
+  (cd "$w" && timeout 200 env LETO_PROFILE_RECOVERY="$OUT/cold_prof" LETO_PROFILE_START=1 \
+    LETO_PROFILE_WINDOW=99:1 python3 -m leto.cli run --nproc-per-node 1 "$OLDPWD/examples/porting/gpt_leto.py" \
+    --n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 --seq 1024 --batch 16 --iterations 2 --out out \
+    > "$OUT/cold_prof/leto_run.txt" 2>&1) || rc=1
+  echo "cold leto run (2 iterations): $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
+  cp "$w"/leto-run/rank0.gen0.active.log "$OUT/cold_prof/" 2>/dev/null
+  grep -h "to the end of the first iteration\|start-up, after\|staging" "$w"/leto-run/*.log "$OUT/cold_prof/leto_run.txt" 2>/dev/null
+  grep -E "cumtime|build_shared|compile|nvrtc|_module|subprocess.py.*(run|communicate)|cupy" "$OUT/cold_prof/rank0.gen0.profile.txt" | head -30
+  ls -la "$LETO_BUILD_DIR" | head; du -sh "$CUPY_CACHE_DIR"
+  unset LETO_BUILD_DIR CUPY_CACHE_DIR
 fi
 if [[ $what == pin-stall ]]; then
   # Issue 57: what making a checkpoint's pinned staging buffers (13 GB at 1.1 B) in the
