@@ -402,3 +402,29 @@ def test_the_wait_for_parked_shadows_needs_every_ranks_next_shadow():
     assert ctx.wait_successors_parked(0.2) is False
     store.set(keys.parked(4, 1), "{}")
     assert ctx.wait_successors_parked(5.0) is True
+
+
+def test_the_wait_for_parked_shadows_waits_for_their_run_ahead_at_l3():
+    # What a failure meets in a job that has run a while: the L3 shadows' set-up run
+    # ahead to leto.Run (or their reason not to), once their trainer finished an iteration.
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from leto.job import keys
+    from leto.job.store import free_port
+    from leto.trainer.api import Context
+    from leto.trainer.first_iteration import Pace
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10))
+    ctx = Context.__new__(Context)
+    ctx.generation, ctx.world_size, ctx.store, ctx.pace = 3, 2, store, Pace()
+    for r in (0, 1):
+        store.set(keys.parked(4, r), '{"pid": 1, "level": "L3"}')
+    ctx.pace.began(7)  # in its first iteration: no shadow runs ahead yet
+    assert ctx.wait_successors_parked(1.0) is True
+    ctx.pace.began(8)
+    assert ctx.wait_successors_parked(0.3) is False, "parked, not yet run ahead"
+    store.set(keys.ahead_settled(4, 0), "ran ahead: reached leto.Run")
+    store.set(keys.ahead_settled(4, 1), "parks: no room")
+    assert ctx.wait_successors_parked(5.0) is True

@@ -287,16 +287,24 @@ class Context:
         from leto.preinit.guard import parked_key
         from leto.trainer import run_ahead
 
-        want = [parked_key(self.generation + 1, r) for r in range(self.world_size)]
-        if run_ahead.wanted(self.level) and self.pace.done >= 1:
-            want += [keys.ahead_settled(self.generation + 1, r) for r in range(self.world_size)]
+        parked = [parked_key(self.generation + 1, r) for r in range(self.world_size)]
+        settled = [keys.ahead_settled(self.generation + 1, r) for r in range(self.world_size)]
         # The agent holds the successors back until this generation's second iteration
         # (leto.launch.shadows.start_due), which a trainer waiting here never reaches.
         self.store.set(keys.shadows_wanted(self.generation), "1")
         deadline = time.monotonic() + timeout_s
+        want = parked
         while time.monotonic() < deadline:
             if self.store.check(want):
-                return True
+                if want is settled:
+                    return True
+                # Their level is in their records (this trainer's own is "off" where it
+                # started cold).
+                levels = {json.loads(self.store.get(k)).get("level") for k in parked}
+                if not (all(run_ahead.wanted(v) for v in levels) and self.pace.done >= 1):
+                    return True
+                want = settled
+                continue
             time.sleep(0.05)
         return False
 
