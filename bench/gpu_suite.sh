@@ -592,8 +592,10 @@ if [[ $what == fresh-start ]]; then
 fi
 if [[ $what == cold-start ]]; then
   # Issue 57: the first leto run on a machine (its native builds and kernel caches empty:
-  # LETO_BUILD_DIR and CUPY_CACHE_DIR fresh), its first trainer's way to its first
-  # iteration profiled, and the launch to the end of that iteration timed.
+  # LETO_BUILD_DIR and CUPY_CACHE_DIR fresh; leto run prebuilds Leto's NVRTC modules beside
+  # its zygote: leto.gpu_kernels), its first trainer's way to its first iteration profiled,
+  # and the launch to the end of that iteration timed.
+  python3 -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py 2>&1 | tail -2 | tee "$OUT/gpu_kernels_tests.txt" || rc=1
   export LETO_BUILD_DIR=$(mktemp -d) CUPY_CACHE_DIR=$(mktemp -d)
   mkdir -p "$OUT/cold_prof"; w=$(mktemp -d); t0=$(date +%s.%N)
   (cd "$w" && timeout 200 env LETO_PROFILE_RECOVERY="$OUT/cold_prof" LETO_PROFILE_START=1 \
@@ -602,7 +604,7 @@ if [[ $what == cold-start ]]; then
     > "$OUT/cold_prof/leto_run.txt" 2>&1) || rc=1
   echo "cold leto run (2 iterations): $(python3 -c "import time; print(round(time.time() - $t0, 1))") s"
   cp "$w"/leto-run/rank0.gen0.active.log "$OUT/cold_prof/" 2>/dev/null
-  grep -h "to the end of the first iteration\|start-up, after\|staging" "$w"/leto-run/*.log "$OUT/cold_prof/leto_run.txt" 2>/dev/null
+  grep -h "to the end of the first iteration\|start-up, after\|staging\|prebuild" "$w"/leto-run/*.log "$OUT/cold_prof/leto_run.txt" 2>/dev/null
   grep -E "cumtime|build_shared|compile|nvrtc|_module|subprocess.py.*(run|communicate)|cupy" "$OUT/cold_prof/rank0.gen0.profile.txt" | head -30
   ls -la "$LETO_BUILD_DIR" | head; du -sh "$CUPY_CACHE_DIR"
   unset LETO_BUILD_DIR CUPY_CACHE_DIR

@@ -75,6 +75,11 @@ def build_shared(
     return lib
 
 
+def kept_path(stem: str, inputs: bytes, suffix: str = "bin") -> Path:
+    """Where ``cached_bytes`` keeps what it makes for ``inputs``."""
+    return build_dir() / f"{stem}-{hashlib.sha256(inputs).hexdigest()[:16]}.{suffix}"
+
+
 def cached_bytes(
     stem: str,
     inputs: bytes,
@@ -89,9 +94,8 @@ def cached_bytes(
     returned, and the next process makes them again). ``use``: the caller's use of the
     bytes (loading them); kept bytes it raises on (a damaged file) are made and kept
     again, and bytes just made are used once, its error raised."""
-    digest = hashlib.sha256(inputs).hexdigest()[:16]
-    root = build_dir()
-    path = root / f"{stem}-{digest}.{suffix}"
+    path = kept_path(stem, inputs, suffix)
+    root = path.parent
     try:
         kept = path.read_bytes()
     except OSError:

@@ -90,6 +90,7 @@ def torch_builds_cuda() -> bool:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from leto import gpu_kernels
     from leto.job import fault_plan
     from leto.job.config import ENV_FAULT_PLAN, RunConfig
     from leto.launch.zygote import Zygote
@@ -191,11 +192,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     # each other (1.9 s sooner to the first trainer on an idle 2-core VM). Its
     # environment is final by now (OMP_NUM_THREADS above).
     zygote = Zygote(cfg.timeout_s) if zygote_enabled() else None
+    # On a GPU, Leto's run-time compiled kernels too, each in a process of its own, where
+    # this machine has not built them yet (21 s of NVRTC in a first trainer otherwise).
+    prebuilds = gpu_kernels.start_prebuilds(cfg.log_dir) if cfg.device == "cuda" else []
     try:
         return _run_agent(args, cfg, zygote)
     finally:
         if zygote is not None:
             zygote.close()  # (closed by the agent already, unless refused before it ran)
+        gpu_kernels.stop_prebuilds(prebuilds)
 
 
 def _run_agent(args: argparse.Namespace, cfg, zygote) -> int:
@@ -330,8 +335,11 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
             notes.append(
                 f"failure {n}: fenced in {r['fencing_s'] * 1e3:.0f} ms, shadows promoted in "
                 f"{r['promotion_s'] * 1e3:.0f} ms"
-                + (f" (of which {losing * 1e3:.0f} ms the fault plan's page loss, emulated)"
-                   if losing is not None else "")
+                + (
+                    f" (of which {losing * 1e3:.0f} ms the fault plan's page loss, emulated)"
+                    if losing is not None
+                    else ""
+                )
                 + f"; the slowest trainer's steps: {said}"
             )
         first = max(tr, key=lambda x: x.get("first_iteration_end", 0), default={})
@@ -361,7 +369,6 @@ def _print_summary(summary: dict, cfg, code: int) -> int:
     for line in [legend, *notes]:
         print(textwrap.fill(line, 78, initial_indent="  ", subsequent_indent="    "))
     return code
-
 
 
 def register(sub) -> None:

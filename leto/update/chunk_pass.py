@@ -37,12 +37,10 @@ from __future__ import annotations
 import bisect
 import functools
 import os
-from importlib import resources
 
 import numpy as np
 import torch
 
-from leto import native
 from leto.erasure import horner
 from leto.erasure.codec import ReedSolomon
 from leto.erasure.kernels import by_name, for_device
@@ -274,45 +272,18 @@ def _module():
     keeps it — the parameters still equal torch's (its square root is far below eps), the
     optimizer state did not, and the update recheck rightly said so (the issue "Real
     models on the GPU")."""
-    import cupy
-    from cupy.cuda import compiler, function
+    from cupy.cuda import function
 
-    src = resources.files("leto.update").joinpath("chunk_pass.cu").read_text()
-    kernels = resources.files("leto.erasure.kernels")  # gf_horner.cuh
-    opts = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "-fmad=true",
-            f"-I{tripwire.include_dir()}", f"-I{kernels}")  # fmt: skip
+    from leto import gpu_kernels
 
-    def compile_() -> bytes:
-        binary = compiler.compile_using_nvrtc(src, options=opts)
-        if isinstance(binary, tuple):  # (binary, name mapping) in CuPy >= 13
-            binary = binary[0]
-        return binary if isinstance(binary, bytes) else binary.encode()
-
-    try:
-        from cupy_backends.cuda.libs import nvrtc  # (as cupy.cuda.compiler imports it)
-
-        nvrtc_version = str(nvrtc.getVersion())
-    except Exception:  # NVRTC's version unknown: nothing kept, compiled here as before
-        module = function.Module()
-        module.load(compile_())
-        return _Module(module)
-    # Compiled once per machine, not in every trainer and shadow. NVRTC builds for CuPy's
-    # current device's architecture, as a cubin or (CUPY_COMPILE_WITH_PTX) PTX: both in
-    # the key, with what the source includes.
-    headers = [kernels.joinpath("gf_horner.cuh"), resources.files("nvbit_tools") / "tripwire.cuh"]
-    key = "\0".join([src, *(h.read_text() for h in headers), *opts, cupy.__version__,
-                     nvrtc_version, str(cupy.cuda.Device().compute_capability),
-                     os.environ.get("CUPY_COMPILE_WITH_PTX", "")]).encode()  # fmt: skip
-    loaded = []
-
-    def load(binary: bytes) -> None:
+    def load(path: str):
         m = function.Module()
-        m.load(binary)
-        loaded.append(m)
+        m.load_file(path)
+        return m
 
-    native.cached_bytes("chunk_pass", key, compile_, suffix="nvrtc", use=load)
-    module = loaded[-1]
-    return _Module(module)
+    # Compiled once per machine (or by the prebuild leto run starts: leto.gpu_kernels),
+    # not in every trainer and shadow.
+    return _Module(gpu_kernels.load("chunk_pass", load))
 
 
 class _Module:

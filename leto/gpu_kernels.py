@@ -1,0 +1,197 @@
+"""Leto's CUDA modules compiled at run time (NVRTC through CuPy), built once per machine
+and, on a machine that has not built them yet, ahead of the trainers.
+
+Runs in a trainer (``load``: the erasure codec's ``gf_matmul.cu``, the update's
+``chunk_pass.cu``) and in the processes ``leto run`` starts beside its zygote
+(``python -m leto.gpu_kernels NAME``, ``start_prebuilds``). No torch here: a prebuild
+must not spend its first seconds importing it.
+
+Each module's binary is kept under ``leto.native``'s build dir, named by a hash of what
+it depends on (its source and headers, NVRTC's options and version, CuPy's version, the
+device's architecture), so it is compiled once per machine. On an H100 (2026-12-05) the
+two took 21 s of NVRTC (the codec 15.9 s, the chunk pass 5.3 s) inside a first trainer's
+``leto.init()`` on a machine that had built neither. ``leto run`` (on a GPU) therefore
+starts one prebuild process per module as it starts: they compile while the zygote
+imports torch (8 s there), side by side. Whoever compiles a module holds its lock file
+(``flock``), so a trainer that needs it meanwhile waits for that build instead of
+compiling it again; where the binary is kept, a prebuild exits at once, having loaded
+nothing (no CUDA context).
+
+Not covered: machines whose GPUs differ in architecture (the prebuild compiles for
+device 0; a trainer on another compiles its own, as before); cleaning old binaries.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
+from leto import native
+
+MODULES = ("codec", "chunk_pass")
+LOCK_TIMEOUT_S = 300.0  # past it, a trainer compiles the module itself (and says so)
+ENV_PREBUILD = "LETO_PREBUILD"  # 0: leto run starts no prebuild
+
+
+def _spec(name: str) -> tuple[str, tuple[str, ...], list[str]]:
+    """(source, NVRTC options, the headers' texts) of module ``name``."""
+    kernels = resources.files("leto.erasure.kernels")  # gf_horner.cuh
+    tripwire = resources.files("nvbit_tools")  # tripwire.cuh (nvbit_tools.tripwire: torch)
+    headers = [kernels.joinpath("gf_horner.cuh"), tripwire / "tripwire.cuh"]
+    if name == "codec":
+        source = kernels.joinpath("gf_matmul.cu").read_text()
+        opts = ("-std=c++17", f"-I{tripwire}", f"-I{kernels}")
+    elif name == "chunk_pass":
+        # IEEE denormals (``-ftz=false``), as torch builds its kernels: why is in
+        # leto.update.chunk_pass.
+        source = resources.files("leto.update").joinpath("chunk_pass.cu").read_text()
+        opts = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true",
+                "-fmad=true", f"-I{tripwire}", f"-I{kernels}")  # fmt: skip
+    else:
+        raise ValueError(f"no CUDA module {name!r}: one of {', '.join(MODULES)}")
+    return source, opts, [h.read_text() for h in headers]
+
+
+def module_file(name: str, device: int | None = None, again: bool = False) -> Path:
+    """The file of module ``name`` compiled for ``device``'s architecture (default CuPy's
+    current device): kept, or compiled now under its lock (``again``: compiled anew, the
+    kept file having failed to load). A build dir that cannot be written gets a file of
+    this process's own."""
+    import cupy
+    from cupy.cuda import compiler
+
+    source, opts, headers = _spec(name)
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc_version = str(nvrtc.getVersion())
+    except Exception:  # NVRTC's version unknown: compiled here, nothing kept
+        nvrtc_version = "unknown"
+        again = True
+    if device is not None and device != cupy.cuda.Device().id:
+        raise ValueError(f"device {device} is not CuPy's current device")  # (NVRTC's arch)
+    cc = str(cupy.cuda.Device().compute_capability)  # (an attribute query: no context)
+    key = "\0".join([source, *headers, *opts, cupy.__version__, nvrtc_version, cc,
+                     os.environ.get("CUPY_COMPILE_WITH_PTX", "")]).encode()  # fmt: skip
+
+    def compile_() -> bytes:
+        # A cubin for that architecture, or PTX with CUPY_COMPILE_WITH_PTX (in the key).
+        out = compiler.compile_using_nvrtc(source, options=opts)
+        if isinstance(out, tuple):  # (binary, name mapping) in CuPy >= 13
+            out = out[0]
+        return out if isinstance(out, bytes) else out.encode()
+
+    path = native.kept_path(name, key, "nvrtc")
+    with _locked(f"{name}-sm{cc}", LOCK_TIMEOUT_S):
+        if again and path.exists():
+            path.unlink(missing_ok=True)
+        native.cached_bytes(name, key, compile_, suffix="nvrtc")
+    if path.exists():
+        return path
+    own = Path(tempfile.mkdtemp(prefix="leto-kernels-")) / path.name  # (not writable)
+    own.write_bytes(compile_())
+    return own
+
+
+def load(name: str, loader: Callable[[str], object]):
+    """``loader(path)`` of module ``name``'s file (CuPy's current device); a kept file it
+    cannot load (damaged) is compiled again once."""
+    try:
+        return loader(str(module_file(name)))
+    except ImportError:
+        raise
+    except Exception:
+        return loader(str(module_file(name, again=True)))
+
+
+class _locked:
+    """The module's lock file under the build dir, held while it is looked up or built;
+    waited for up to ``wait_s`` (then built without it: two builds of one binary are
+    wasteful, never wrong, its file appearing atomically)."""
+
+    def __init__(self, stem: str, wait_s: float):
+        self.stem, self.wait_s = stem, wait_s
+        self.fd: int | None = None
+
+    def __enter__(self):
+        root = native.build_dir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(root / f".{self.stem}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return self  # a build dir that cannot be written: no lock, nothing kept
+        deadline = time.monotonic() + self.wait_s
+        t0 = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    print(f"leto: {self.stem}: another process held its build for "
+                          f"{self.wait_s:g} s; compiling it here", file=sys.stderr)  # fmt: skip
+                    os.close(self.fd)
+                    self.fd = None
+                    return self
+                time.sleep(0.05)
+        self.waited_s = time.monotonic() - t0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # (the lock goes with it)
+
+
+def start_prebuilds(log_dir: str | Path) -> list[subprocess.Popen]:
+    """One process per module, compiling it for device 0 now (``leto run`` on a GPU, at
+    its start); their output in ``<log_dir>/prebuild.<name>.log``. Not waited for: a
+    trainer that needs a module waits for its lock instead. ``LETO_PREBUILD=0``: none."""
+    if os.environ.get(ENV_PREBUILD, "1") == "0":
+        return []
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    procs = []
+    for name in MODULES:
+        with open(Path(log_dir) / f"prebuild.{name}.log", "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "leto.gpu_kernels", name],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+    return procs
+
+
+def stop_prebuilds(procs: list[subprocess.Popen]) -> None:
+    """At the job's end: one still compiling is killed (its binary was not kept yet)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] not in MODULES:
+        print(f"usage: python -m leto.gpu_kernels {{{','.join(MODULES)}}}", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    try:
+        module_file(argv[0], device=0)
+    except ImportError as e:  # (no CuPy: the trainers say what they lack)
+        print(f"leto: prebuild of {argv[0]}: {e}; nothing built", flush=True)
+        return 0
+    print(f"leto: prebuild of {argv[0]}: kept in {time.time() - t0:.2f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
