@@ -596,6 +596,11 @@ if [[ $what == cold-start ]]; then
   # its zygote: leto.gpu_kernels), its first trainer's way to its first iteration profiled,
   # and the launch to the end of that iteration timed.
   python3 -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py 2>&1 | tail -2 | tee "$OUT/gpu_kernels_tests.txt" || rc=1
+  for s in 0 1; do  # NVRTC on one thread, then on every core (--split-compile=0, the default)
+    LETO_BUILD_DIR=$(mktemp -d) LETO_NVRTC_SPLIT=$s python3 -c "import time; from leto import gpu_kernels as g
+t = time.time(); g.module_file('codec'); a = time.time() - t; t = time.time(); g.module_file('chunk_pass')
+print('LETO_NVRTC_SPLIT=$s: codec %.2f s, chunk_pass %.2f s (one process, in turn)' % (a, time.time() - t))" || rc=1
+  done
   export LETO_BUILD_DIR=$(mktemp -d) CUPY_CACHE_DIR=$(mktemp -d)
   mkdir -p "$OUT/cold_prof"; w=$(mktemp -d); t0=$(date +%s.%N)
   (cd "$w" && timeout 200 env LETO_PROFILE_RECOVERY="$OUT/cold_prof" LETO_PROFILE_START=1 \

@@ -38,6 +38,7 @@ from leto import native
 MODULES = ("codec", "chunk_pass")
 LOCK_TIMEOUT_S = 300.0  # past it, a trainer compiles the module itself (and says so)
 ENV_PREBUILD = "LETO_PREBUILD"  # 0: leto run starts no prebuild
+ENV_SPLIT = "LETO_NVRTC_SPLIT"  # 0: NVRTC optimizes on one thread
 
 
 def _spec(name: str) -> tuple[str, tuple[str, ...], list[str]]:
@@ -79,11 +80,20 @@ def module_file(name: str, device: int | None = None, again: bool = False) -> Pa
         raise ValueError(f"device {device} is not CuPy's current device")  # (NVRTC's arch)
     cc = str(cupy.cuda.Device().compute_capability)  # (an attribute query: no context)
     key = "\0".join([source, *headers, *opts, cupy.__version__, nvrtc_version, cc,
-                     os.environ.get("CUPY_COMPILE_WITH_PTX", "")]).encode()  # fmt: skip
+                     os.environ.get("CUPY_COMPILE_WITH_PTX", ""),
+                     os.environ.get(ENV_SPLIT, "1")]).encode()  # fmt: skip
 
     def compile_() -> bytes:
         # A cubin for that architecture, or PTX with CUPY_COMPILE_WITH_PTX (in the key).
-        out = compiler.compile_using_nvrtc(source, options=opts)
+        # NVRTC's optimization passes on every core (--split-compile=0) where it takes
+        # the option; as one thread where it does not.
+        split = ("--split-compile=0",) if os.environ.get(ENV_SPLIT, "1") != "0" else ()
+        try:
+            out = compiler.compile_using_nvrtc(source, options=opts + split)
+        except compiler.CompileException:
+            if not split:
+                raise
+            out = compiler.compile_using_nvrtc(source, options=opts)
         if isinstance(out, tuple):  # (binary, name mapping) in CuPy >= 13
             out = out[0]
         return out if isinstance(out, bytes) else out.encode()
