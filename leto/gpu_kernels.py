@@ -15,7 +15,7 @@ starts one prebuild process per module as it starts: they compile while the zygo
 imports torch (8 s there), side by side. Whoever compiles a module holds its lock file
 (``flock``), so a trainer that needs it meanwhile waits for that build instead of
 compiling it again; where the binary is kept, a prebuild exits at once, having loaded
-nothing (no CUDA context).
+nothing onto the GPU (its memory use there was not measured).
 
 Not covered: machines whose GPUs differ in architecture (the prebuild compiles for
 device 0; a trainer on another compiles its own, as before); cleaning old binaries.
@@ -78,7 +78,7 @@ def module_file(name: str, device: int | None = None, again: bool = False) -> Pa
         again = True
     if device is not None and device != cupy.cuda.Device().id:
         raise ValueError(f"device {device} is not CuPy's current device")  # (NVRTC's arch)
-    cc = str(cupy.cuda.Device().compute_capability)  # (an attribute query: no context)
+    cc = str(cupy.cuda.Device().compute_capability)  # (an attribute query; nothing is loaded)
     key = "\0".join([source, *headers, *opts, cupy.__version__, nvrtc_version, cc,
                      os.environ.get("CUPY_COMPILE_WITH_PTX", ""),
                      os.environ.get(ENV_SPLIT, "1")]).encode()  # fmt: skip
