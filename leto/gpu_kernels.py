@@ -12,7 +12,7 @@ device's architecture), so it is compiled once per machine. On an H100 (2026-12-
 two took 21 s of NVRTC (the codec 15.9 s, the chunk pass 5.3 s) inside a first trainer's
 ``leto.init()`` on a machine that had built neither. ``leto run`` (on a GPU) therefore
 starts one prebuild process per module as it starts: they compile while the zygote
-imports torch (8 s there), side by side. Whoever compiles a module holds its lock file
+imports torch (7-8 s there; 12 s beside NVRTC on every core), side by side. Whoever compiles a module holds its lock file
 (``flock``), so a trainer that needs it meanwhile waits for that build instead of
 compiling it again; where the binary is kept, a prebuild exits at once, having loaded
 nothing onto the GPU (its memory use there was not measured).
@@ -63,8 +63,8 @@ def _spec(name: str) -> tuple[str, tuple[str, ...], list[str]]:
 def module_file(name: str, device: int | None = None, again: bool = False) -> Path:
     """The file of module ``name`` compiled for ``device``'s architecture (default CuPy's
     current device): kept, or compiled now under its lock (``again``: compiled anew, the
-    kept file having failed to load). A build dir that cannot be written gets a file of
-    this process's own."""
+    kept file having failed to load). A build dir that cannot be written, or an NVRTC
+    whose version is unknown (nothing kept), gets a file of this process's own."""
     import cupy
     from cupy.cuda import compiler
 
@@ -74,12 +74,11 @@ def module_file(name: str, device: int | None = None, again: bool = False) -> Pa
 
         nvrtc_version = str(nvrtc.getVersion())
     except Exception:  # NVRTC's version unknown: compiled here, nothing kept
-        nvrtc_version = "unknown"
-        again = True
+        nvrtc_version = None
     if device is not None and device != cupy.cuda.Device().id:
         raise ValueError(f"device {device} is not CuPy's current device")  # (NVRTC's arch)
     cc = str(cupy.cuda.Device().compute_capability)  # (an attribute query; nothing is loaded)
-    key = "\0".join([source, *headers, *opts, cupy.__version__, nvrtc_version, cc,
+    key = "\0".join([source, *headers, *opts, cupy.__version__, str(nvrtc_version), cc,
                      os.environ.get("CUPY_COMPILE_WITH_PTX", ""),
                      os.environ.get(ENV_SPLIT, "1")]).encode()  # fmt: skip
 
@@ -98,15 +97,18 @@ def module_file(name: str, device: int | None = None, again: bool = False) -> Pa
             out = out[0]
         return out if isinstance(out, bytes) else out.encode()
 
-    path = native.kept_path(name, key, "nvrtc")
-    with _locked(f"{name}-sm{cc}", LOCK_TIMEOUT_S):
-        if again and path.exists():
-            path.unlink(missing_ok=True)
-        native.cached_bytes(name, key, compile_, suffix="nvrtc")
-    if path.exists():
-        return path
-    own = Path(tempfile.mkdtemp(prefix="leto-kernels-")) / path.name  # (not writable)
-    own.write_bytes(compile_())
+    if nvrtc_version is None:
+        data = compile_()
+    else:
+        path = native.kept_path(name, key, "nvrtc")
+        with _locked(f"{name}-sm{cc}", LOCK_TIMEOUT_S):
+            if again:
+                path.unlink(missing_ok=True)
+            data = native.cached_bytes(name, key, compile_, suffix="nvrtc")
+        if path.exists():
+            return path
+    own = Path(tempfile.mkdtemp(prefix="leto-kernels-")) / f"{name}.nvrtc"
+    own.write_bytes(data)
     return own
 
 

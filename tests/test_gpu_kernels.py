@@ -107,3 +107,109 @@ def test_a_module_is_compiled_once_and_a_damaged_file_again(tmp_path, monkeypatc
         return m
 
     assert gpu_kernels.load("chunk_pass", load).get_function("chunk_pass_p1") is not None
+
+
+def _fake_cupy(monkeypatch, compiled: list, refuse: set, version=(12, 8), arch="90",
+               split_ok=True):  # fmt: skip
+    """Stand-ins for the CuPy pieces ``leto.gpu_kernels`` and its loaders use: a compiler
+    that counts its calls (and refuses ``--split-compile`` unless ``split_ok``) and a
+    module loader that refuses the binaries in ``refuse``."""
+    import types
+
+    class CompileException(Exception):
+        pass
+
+    def compile_using_nvrtc(src, options=()):
+        if not split_ok and "--split-compile=0" in options:
+            raise CompileException("nvrtc: error: unrecognized option --split-compile=0")
+        compiled.append(options)
+        return f"ptx {len(compiled)}"  # PTX comes back as text
+
+    class Module:
+        def load_file(self, path):
+            with open(path, "rb") as f:
+                binary = f.read()
+            if binary in refuse:
+                raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+            self.binary = binary
+
+    def get_version():
+        if version is None:
+            raise AttributeError("getVersion")
+        return version
+
+    cupy = types.ModuleType("cupy")
+    cupy.__version__ = "14.0.0"
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.compiler = types.SimpleNamespace(
+        compile_using_nvrtc=compile_using_nvrtc, CompileException=CompileException
+    )
+    cuda.function = types.SimpleNamespace(Module=Module)
+    cuda.Device = lambda d=None: types.SimpleNamespace(compute_capability=arch, id=0)
+    cupy.cuda = cuda
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    libs.nvrtc = types.SimpleNamespace(getVersion=get_version)
+    for name, mod in {"cupy": cupy, "cupy.cuda": cuda, "cupy_backends": types.ModuleType("x"),
+                      "cupy_backends.cuda": types.ModuleType("y"),
+                      "cupy_backends.cuda.libs": libs}.items():  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_the_chunk_pass_kernel_is_compiled_once_a_machine(tmp_path, monkeypatch):
+    # The logic of leto.gpu_kernels through leto.update.chunk_pass._module, on the CPU:
+    # compiled by the first process (each _module() call here stands for one), read back
+    # by later ones; a kept binary the driver refuses is compiled and kept again; an
+    # NVRTC whose version is unknown compiles every time and keeps nothing.
+    from leto.update import chunk_pass
+
+    monkeypatch.setenv(native.ENV_BUILD_DIR, str(tmp_path))
+    compiled, refuse = [], set()
+    _fake_cupy(monkeypatch, compiled, refuse)
+
+    def build():
+        chunk_pass._module.cache_clear()
+        return chunk_pass._module().module.binary
+
+    first = build()
+    assert (first, len(compiled)) == (b"ptx 1", 1)
+    assert "-ftz=false" in compiled[0]  # IEEE denormals, as torch's kernels
+    assert "--split-compile=0" in compiled[0]  # NVRTC on every core
+    assert build() == b"ptx 1" and len(compiled) == 1  # read back, not compiled
+    refuse.add(b"ptx 1")  # a damaged kept file
+    assert build() == b"ptx 2" and len(compiled) == 2
+    assert build() == b"ptx 2" and len(compiled) == 2  # kept again
+    # What the binary depends on, each in the key: another architecture, NVRTC, output,
+    # NVRTC's threads.
+    _fake_cupy(monkeypatch, compiled, refuse, arch="100")
+    assert build() == b"ptx 3"
+    _fake_cupy(monkeypatch, compiled, refuse, version=(13, 0))
+    assert build() == b"ptx 4"
+    monkeypatch.setenv("CUPY_COMPILE_WITH_PTX", "1")
+    assert build() == b"ptx 5" and build() == b"ptx 5"
+    monkeypatch.setenv(gpu_kernels.ENV_SPLIT, "0")
+    assert build() == b"ptx 6" and "--split-compile=0" not in compiled[-1]
+    _fake_cupy(monkeypatch, compiled, refuse, version=None)
+    kept = sorted(p.name for p in tmp_path.glob("*.nvrtc"))
+    assert build() == b"ptx 7" and build() == b"ptx 8"
+    assert sorted(p.name for p in tmp_path.glob("*.nvrtc")) == kept, "nothing kept"
+    chunk_pass._module.cache_clear()
+
+
+def test_an_nvrtc_without_split_compilation_compiles_on_one_thread(tmp_path, monkeypatch):
+    monkeypatch.setenv(native.ENV_BUILD_DIR, str(tmp_path))
+    compiled = []
+    _fake_cupy(monkeypatch, compiled, set(), split_ok=False)
+    path = gpu_kernels.module_file("codec")
+    assert path.read_bytes() == b"ptx 1" and "--split-compile=0" not in compiled[0]
+    assert gpu_kernels.module_file("codec") == path and len(compiled) == 1
+
+
+def test_a_build_dir_that_cannot_be_written_compiles_once_into_a_file_of_its_own(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(native.ENV_BUILD_DIR, str(tmp_path / "file" / "below"))
+    compiled = []
+    _fake_cupy(monkeypatch, compiled, set())
+    path = gpu_kernels.module_file("codec")
+    assert path.read_bytes() == b"ptx 1" and len(compiled) == 1

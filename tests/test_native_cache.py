@@ -45,7 +45,9 @@ def test_a_cache_that_cannot_be_written_still_gives_the_bytes(tmp_path, monkeypa
         os.chmod(root, 0o700)
 
 
-def test_kept_bytes_the_caller_cannot_use_are_made_again_and_fresh_ones_raise(tmp_path, monkeypatch):
+def test_kept_bytes_the_caller_cannot_use_are_made_again_and_fresh_ones_raise(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv(native.ENV_BUILD_DIR, str(tmp_path))
     made, used = [], []
 
@@ -67,73 +69,3 @@ def test_kept_bytes_the_caller_cannot_use_are_made_again_and_fresh_ones_raise(tm
 
     with pytest.raises(RuntimeError, match="refused"):  # just made: the caller's error
         native.cached_bytes("k", b"other", make(4), use=refuse)
-
-
-def _fake_cupy(monkeypatch, compiled: list, refuse: set, version=(12, 8), arch="90"):
-    """Stand-ins for the CuPy pieces ``chunk_pass._module`` uses: a compiler that
-    counts its calls and a module loader that refuses the binaries in ``refuse``."""
-    import sys
-    import types
-
-    def compile_using_nvrtc(src, options=()):
-        compiled.append(options)
-        return f"ptx {len(compiled)}"  # PTX comes back as text
-
-    class Module:
-        def load(self, binary):
-            if binary in refuse:
-                raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
-            self.binary = binary
-
-    def get_version():
-        if version is None:
-            raise AttributeError("getVersion")
-        return version
-
-    cupy = types.ModuleType("cupy")
-    cupy.__version__ = "14.0.0"
-    cuda = types.ModuleType("cupy.cuda")
-    cuda.compiler = types.SimpleNamespace(compile_using_nvrtc=compile_using_nvrtc)
-    cuda.function = types.SimpleNamespace(Module=Module)
-    cuda.Device = lambda: types.SimpleNamespace(compute_capability=arch)
-    cupy.cuda = cuda
-    libs = types.ModuleType("cupy_backends.cuda.libs")
-    libs.nvrtc = types.SimpleNamespace(getVersion=get_version)
-    for name, mod in {"cupy": cupy, "cupy.cuda": cuda, "cupy_backends": types.ModuleType("x"),
-                      "cupy_backends.cuda": types.ModuleType("y"),
-                      "cupy_backends.cuda.libs": libs}.items():  # fmt: skip
-        monkeypatch.setitem(sys.modules, name, mod)
-
-
-def test_the_chunk_pass_kernel_is_compiled_once_a_machine(tmp_path, monkeypatch):
-    # The logic of leto.update.chunk_pass._module, on the CPU: compiled by the first
-    # process (each _module() call here stands for one), read back by later ones; a kept
-    # binary the driver refuses is compiled and kept again; an NVRTC whose version is
-    # unknown compiles every time and keeps nothing.
-    from leto.update import chunk_pass
-
-    monkeypatch.setenv(native.ENV_BUILD_DIR, str(tmp_path))
-    compiled, refuse = [], set()
-    _fake_cupy(monkeypatch, compiled, refuse)
-
-    def build():
-        chunk_pass._module.cache_clear()
-        return chunk_pass._module().module.binary
-
-    first = build()
-    assert (first, len(compiled)) == (b"ptx 1", 1)
-    assert "-ftz=false" in compiled[0]  # IEEE denormals, as torch's kernels
-    assert build() == b"ptx 1" and len(compiled) == 1  # read back, not compiled
-    refuse.add(b"ptx 1")  # a damaged kept file
-    assert build() == b"ptx 2" and len(compiled) == 2
-    assert build() == b"ptx 2" and len(compiled) == 2  # kept again
-    # What the binary depends on, each in the key: another architecture, NVRTC, output.
-    _fake_cupy(monkeypatch, compiled, refuse, arch="100")
-    assert build() == b"ptx 3"
-    _fake_cupy(monkeypatch, compiled, refuse, version=(13, 0))
-    assert build() == b"ptx 4"
-    monkeypatch.setenv("CUPY_COMPILE_WITH_PTX", "1")
-    assert build() == b"ptx 5" and build() == b"ptx 5"
-    _fake_cupy(monkeypatch, compiled, refuse, version=None)
-    assert build() == b"ptx 6" and build() == b"ptx 7"
-    chunk_pass._module.cache_clear()
