@@ -553,8 +553,11 @@ if [[ $what == megatron ]]; then
   [[ " $parts " == *" certify "* ]] && { timeout ${LETO_MG_CERTIFY_TIMEOUT:-500} python3 -m faultkit.cli certify --device cuda --nproc-per-node 1 \
     -- examples/megatron/gpt_leto.py --iterations 9 ${LETO_MG_CERTIFY_ARGS:-} 2>&1 | tail -30 | tee "$OUT/megatron_certify.txt" || rc=1; }
   if [[ " $parts " == *" userpath "* ]]; then
-    timeout 300 python3 -m bench.user_path --job megatron --device cuda --nproc-per-node 1 --iterations 8 \
-      --skip 3 --timeout-s 140 --script-args="$MG" --json "$OUT/megatron_userpath.json" \
+    # (LETO_MG_UP_ITERS/SKIP: iterations past the shadow's start and run ahead, for a
+    # steady figure; 8/3 spans them)
+    timeout ${LETO_MG_UP_TIMEOUT:-300} python3 -m bench.user_path --job megatron --device cuda --nproc-per-node 1 \
+      --iterations ${LETO_MG_UP_ITERS:-8} --skip ${LETO_MG_UP_SKIP:-3} --timeout-s 240 --script-args="$MG" \
+      --json "$OUT/megatron_userpath.json" \
       > "$OUT/megatron_userpath.txt" 2>&1 || rc=1
     tail -c 2500 "$OUT/megatron_userpath.txt"
   fi
