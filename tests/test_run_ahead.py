@@ -263,3 +263,17 @@ def test_a_shadow_parked_mid_iteration_runs_ahead_once_its_trainer_finished_one(
     b = _gate(store, 0, world=1)
     store.set(keys.pace(2, 0), '{"iteration": 5, "done": 1}')
     assert b.open()
+
+
+def test_a_peer_that_never_comes_is_waited_for_a_bounded_time(monkeypatch, capsys):
+    store, (a, b) = _peers()
+    monkeypatch.setattr(run_ahead.Ahead, "AGREE_TIMEOUT_S", 0.2)
+    assert a.collective("barrier", lambda: 4, (), {}) == 4  # rank 1 never reaches it
+    assert a.promotions == ["calls torch.distributed.barrier"]
+    assert "waited 0.2 s for the other ranks' shadows at collective 0" in capsys.readouterr().err
+    # Rank 0's shadow counted itself there and made the call after its promotion: rank 1's
+    # shadow, arriving late, makes it ahead (the two calls meet).
+    assert b.collective("barrier", lambda: 5, (), {}) == 5 and b.promotions == []
+    # At its next collective rank 1's shadow stops: rank 0's said it stopped.
+    assert b.collective("barrier", lambda: 6, (), {}) == 6
+    assert b.promotions == ["calls torch.distributed.barrier"]

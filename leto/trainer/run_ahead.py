@@ -309,6 +309,9 @@ class Ahead:
         return fn(*args, **kwargs)
 
     POLL_S = 0.002  # between store reads while peers are on their way (up to 16x that)
+    # How long it waits for its peers' shadows at a collective before it stops there
+    # instead (stopping is always safe: the others then stop too, none being inside it).
+    AGREE_TIMEOUT_S = 300.0
 
     def _agree(self) -> bool:
         """Whether every rank's shadow reached this collective (its k-th) ahead: polled
@@ -325,6 +328,7 @@ class Ahead:
         s = self.store
         s.add(here, 1)
         poll = self.POLL_S
+        deadline = time.monotonic() + self.AGREE_TIMEOUT_S
         while True:
             if int(s.add(here, 0)) >= self.world:
                 return True
@@ -332,6 +336,11 @@ class Ahead:
             stopped = s.check([self._stopped_key]) or s.check([keys.RUN_AHEAD_OFF])
             if stopped or self.promoting():
                 return int(s.add(here, 0)) >= self.world
+            if time.monotonic() > deadline:
+                rank_log.say(self.rank, f"shadow: waited {self.AGREE_TIMEOUT_S:g} s for the other "
+                             f"ranks' shadows at collective {k}; waits for its promotion "
+                             "there")  # fmt: skip
+                return False
             time.sleep(poll)
             poll = min(poll * 2, 16 * self.POLL_S)
 
