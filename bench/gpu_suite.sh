@@ -420,12 +420,15 @@ if [[ $what == world2-* ]]; then
   # --ranks-per-gpu). bench/world2.py runs a target's lanes at once within a budget and
   # prints a table (docs/runtime.md, "Several ranks on one GPU", says what each runs):
   # world2-certify (the example job killed at every phase; LETO_W2_PHASES: fewer),
-  # world2-matrix, world2-sdc, world2-parallel, world2-ports, world2-costs — one device
+  # world2-matrix, world2-sdc, world2-parallel, world2-ports, world2-costs, world2-megatron — one device
   # call each (<= 10 min) — or world2-shared: all of them in turn (~1 h: by hand, not in
   # one call). LETO_W2_BUDGET: seconds per target (530); LETO_W2_LANES: lanes at once (4);
   # LETO_W2_ONLY: comma-separated steps (a failed one again, say).
   t=${what#world2-}; [[ $t == shared ]] && t=all
-  budget=${LETO_W2_BUDGET:-530}; n=1; [[ $t == all ]] && n=7
+  if [[ $t == megatron || $t == all ]]; then  # (world2-megatron: carry .whl, megatron-core's wheel)
+    pip install -q --no-deps --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN; export PYTHONPATH=/tmp/site
+  fi
+  budget=${LETO_W2_BUDGET:-530}; n=1; [[ $t == all ]] && n=8
   # Each target its own folder: two targets may run at once (one call, two lanes' worth).
   timeout $(( n * (budget + 40) )) python3 -m bench.world2 "$t" --out "$OUT/w2-$t" --budget-s "$budget" \
     --lanes "${LETO_W2_LANES:-4}" ${LETO_W2_ONLY:+--only "$LETO_W2_ONLY"} > "$OUT/w2_$t.txt" 2>&1 || rc=1

@@ -15,7 +15,10 @@ that each fit one 10-minute device call (``bash bench/gpu_suite.sh world2-<targe
 * ``ports``    — the Llama and nanoGPT ports against torchrun + DDP, both ranks on
   cuda:0 over gloo, killed with pages lost (the ``cuda-shared`` tests);
 * ``costs``    — the user path at world 2 (bench.user_path): the replica check, gradient
-  replay and the loss guard each off, replay on every iteration, all off, as ratios.
+  replay and the loss guard each off, replay on every iteration, all off, as ratios;
+* ``megatron`` — Megatron-Core's example at tensor parallel 2 (world 2) and tensor 2 x
+  data 2 (world 4) certified; its own DDP refused by name (gloo does not carry its
+  coalesced collectives for CUDA tensors). Needs megatron-core installed.
 
 A target is lanes of steps: the lanes run at once (``--lanes``: at most that many), the
 steps of a lane one after another, all under one deadline (``--budget-s``); a step still
@@ -51,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MEGATRON = "examples/megatron/gpt_leto.py"
 STOP_GRACE_S = 30.0  # after SIGTERM: faultkit stops its job's agents in this time
 MIN_START_S = 45.0  # a step is not started with less of the budget left
 
@@ -162,6 +166,17 @@ def targets(device: str) -> dict[str, list[list[Step]]]:
                  expect="ok", check="pytest"),
         ]],
         "costs": [[Step("costs", _costs(device), expect="ok", check="costs")]],
+        # Megatron-Core (issue 58; megatron-core installed): tensor parallel 2 with torch's
+        # DDP, and tensor 2 x data 2 at world 4 (gloo carries their collectives for CUDA
+        # tensors); Megatron's own DDP refused by name before anything is retained.
+        "megatron": [
+            [Step("mg-tp2", cert(2, MEGATRON, "--tp", "2"))],
+            [Step("mg-tp2-dp2-w4", cert(4, MEGATRON, "--tp", "2"))],
+            [Step("mg-ddp-refused", (*fk(2, "certify", "--phases", "update"), "--", MEGATRON,
+                                     "--megatron-ddp", "--iterations", "3"),
+                  expect="refused", cuda_only=True,
+                  words=("Megatron's DistributedDataParallel", "all_reduce_coalesced"))],
+        ],
     }  # fmt: skip
 
 
