@@ -11,10 +11,10 @@ it depends on (its source and headers, NVRTC's options and version, CuPy's versi
 device's architecture), so it is compiled once per machine. On an H100 (2026-12-05) the
 two took 21 s of NVRTC (the codec 15.9 s, the chunk pass 5.3 s) inside a first trainer's
 ``leto.init()`` on a machine that had built neither. ``leto run`` (on a GPU) therefore
-starts one prebuild process per module as it starts: they compile while the zygote
-imports torch (7-8 s there; 12 s beside NVRTC on every core), side by side. Whoever compiles a module holds its lock file
-(``flock``), so a trainer that needs it meanwhile waits for that build instead of
-compiling it again; where the binary is kept, a prebuild exits at once, having loaded
+starts one prebuild process per module as it starts: they compile side by side while
+the zygote imports torch (7-8 s there; 12 s beside NVRTC on every core). Whoever
+compiles a module holds its lock file (``flock``), so a trainer that needs it meanwhile
+waits for that build instead of compiling it again; where the binary is kept, a prebuild exits at once, having loaded
 nothing onto the GPU (its memory use there was not measured).
 
 Not covered: machines whose GPUs differ in architecture (the prebuild compiles for
@@ -60,10 +60,10 @@ def _spec(name: str) -> tuple[str, tuple[str, ...], list[str]]:
     return source, opts, [h.read_text() for h in headers]
 
 
-def module_file(name: str, device: int | None = None, again: bool = False) -> Path:
-    """The file of module ``name`` compiled for ``device``'s architecture (default CuPy's
-    current device): kept, or compiled now under its lock (``again``: compiled anew, the
-    kept file having failed to load). A build dir that cannot be written, or an NVRTC
+def module_file(name: str, again: bool = False) -> Path:
+    """The file of module ``name`` compiled for the architecture of CuPy's current device
+    (a prebuild's: device 0): kept, or compiled now under its lock (``again``: compiled
+    anew, the kept file having failed to load). A build dir that cannot be written, or an NVRTC
     whose version is unknown (nothing kept), gets a file of this process's own."""
     import cupy
     from cupy.cuda import compiler
@@ -75,8 +75,6 @@ def module_file(name: str, device: int | None = None, again: bool = False) -> Pa
         nvrtc_version = str(nvrtc.getVersion())
     except Exception:  # NVRTC's version unknown: compiled here, nothing kept
         nvrtc_version = None
-    if device is not None and device != cupy.cuda.Device().id:
-        raise ValueError(f"device {device} is not CuPy's current device")  # (NVRTC's arch)
     cc = str(cupy.cuda.Device().compute_capability)  # (an attribute query; nothing is loaded)
     key = "\0".join([source, *headers, *opts, cupy.__version__, str(nvrtc_version), cc,
                      os.environ.get("CUPY_COMPILE_WITH_PTX", ""),
@@ -140,7 +138,6 @@ class _locked:
         except OSError:
             return self  # a build dir that cannot be written: no lock, nothing kept
         deadline = time.monotonic() + self.wait_s
-        t0 = time.monotonic()
         while True:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -153,7 +150,6 @@ class _locked:
                     self.fd = None
                     return self
                 time.sleep(0.05)
-        self.waited_s = time.monotonic() - t0
         return self
 
     def __exit__(self, *exc) -> None:
@@ -197,7 +193,7 @@ def main(argv: list[str]) -> int:
         return 2
     t0 = time.time()
     try:
-        module_file(argv[0], device=0)
+        module_file(argv[0])
     except ImportError as e:  # (no CuPy: the trainers say what they lack)
         print(f"leto: prebuild of {argv[0]}: {e}; nothing built", flush=True)
         return 0

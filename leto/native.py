@@ -85,15 +85,13 @@ def cached_bytes(
     inputs: bytes,
     make: Callable[[], bytes],
     suffix: str = "bin",
-    use: Callable[[bytes], None] | None = None,
 ) -> bytes:
     """What ``make()`` returns for ``inputs`` (everything the result depends on), kept
     under the build dir as ``<stem>-<hash>.<suffix>`` and read back in later processes:
     a kernel compiled at run time (NVRTC) is compiled once per machine, not once per
     trainer and shadow. A cache that cannot be written is no error (the bytes are
-    returned, and the next process makes them again). ``use``: the caller's use of the
-    bytes (loading them); kept bytes it raises on (a damaged file) are made and kept
-    again, and bytes just made are used once, its error raised."""
+    returned, and the next process makes them again). A kept file its caller cannot load
+    (damaged) is the caller's to remove (``leto.gpu_kernels.load``)."""
     path = kept_path(stem, inputs, suffix)
     root = path.parent
     try:
@@ -101,12 +99,7 @@ def cached_bytes(
     except OSError:
         kept = None
     if kept is not None:
-        try:
-            if use is not None:
-                use(kept)
-            return kept
-        except Exception:
-            pass  # made again below
+        return kept
     data = make()
     tmp = None
     try:
@@ -118,6 +111,4 @@ def cached_bytes(
     except OSError:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-    if use is not None:
-        use(data)
     return data

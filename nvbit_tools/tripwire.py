@@ -146,11 +146,6 @@ def _device_address(t: torch.Tensor) -> int:
     return attrs.devicePointer
 
 
-def include_dir() -> str:
-    """For kernels that ``#include "tripwire.cuh"``."""
-    return str(resources.files("nvbit_tools"))
-
-
 def land(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], columns: bool = False):
     """Copy ``src`` into ``dst`` through the trip-wire, then ``fire``. ``columns``: the
     CPU emulation lands tile k of every page before tile k+1 (the codec's block shape)."""

@@ -1,9 +1,7 @@
-"""``leto.native.cached_bytes``: a run-time build product (the chunk pass's NVRTC
-binary) made once per machine and read back by later processes."""
+"""``leto.native.cached_bytes``: a run-time build product (an NVRTC binary of
+leto.gpu_kernels) made once per machine and read back by later processes."""
 
 import os
-
-import pytest
 
 from leto import native
 
@@ -43,29 +41,3 @@ def test_a_cache_that_cannot_be_written_still_gives_the_bytes(tmp_path, monkeypa
         assert len(calls) == 2  # nothing kept: made each time, no error
     finally:
         os.chmod(root, 0o700)
-
-
-def test_kept_bytes_the_caller_cannot_use_are_made_again_and_fresh_ones_raise(
-    tmp_path, monkeypatch
-):
-    monkeypatch.setenv(native.ENV_BUILD_DIR, str(tmp_path))
-    made, used = [], []
-
-    def make(tag):
-        return lambda: made.append(tag) or f"binary {tag}".encode()
-
-    def use(data):
-        if data == b"binary 1":  # as a driver refuses a damaged file
-            raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
-        used.append(data)
-
-    assert native.cached_bytes("k", b"src", make(1)) == b"binary 1"  # kept, not used
-    assert native.cached_bytes("k", b"src", make(2), use=use) == b"binary 2"
-    assert native.cached_bytes("k", b"src", make(3), use=use) == b"binary 2"  # kept again
-    assert made == [1, 2] and used == [b"binary 2", b"binary 2"]
-
-    def refuse(data):
-        raise RuntimeError("refused")
-
-    with pytest.raises(RuntimeError, match="refused"):  # just made: the caller's error
-        native.cached_bytes("k", b"other", make(4), use=refuse)

@@ -115,8 +115,9 @@ def ahead_settled(gen: int, rank: int) -> str:
 
 
 def pace(gen: int, rank: int) -> str:
-    """JSON: the iteration a trainer of ``gen`` has in progress, when it began and its
-    steady iteration time (``leto.trainer.first_iteration.Pace``; written every beat)."""
+    """JSON: the iteration a trainer of ``gen`` has in progress, when it began, its
+    steady iteration time and how many it has finished
+    (``leto.trainer.first_iteration.Pace``; written every beat)."""
     return f"leto/gen{gen}/rank{rank}/pace"
 
 

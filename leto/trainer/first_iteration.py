@@ -19,9 +19,10 @@ iteration is over: a steady iteration is never synchronized by it). Stages, in o
   until ``optimizer.step()``, the update, and the script's code after it.
 
 ``Pace`` is written with every heartbeat: when the iteration in progress began, the
-generation's steady iteration time and how many iterations the process has finished, so that a later generation can tell how much of the
-interrupted iteration a fault-free run still had ahead (the agent's
-``leto.launch.recovery.regained``).
+generation's steady iteration time and how many iterations the process has finished
+(``done``), so that a later generation can tell how much of the interrupted iteration a
+fault-free run still had ahead (the agent's ``leto.launch.recovery.regained``), and a
+parked L3 shadow when its trainer's memory has peaked (``leto.trainer.run_ahead``).
 
 Not covered: time before ``leto.init()`` in a fresh process (the interpreter, the
 script's imports: the rank log's first line says when the process started); other ranks'
