@@ -169,6 +169,19 @@ def test_a_promotion_that_came_skips_it(on):
     assert len(model.seen) == 1 and all(p.grad is None for p in model.parameters())
 
 
+def test_a_model_on_the_meta_device_is_not_run_and_it_says_why(on):
+    # A script's prepare= skeleton (the example job's): no values until leto.Run binds
+    # the retained state; before, its forward raised and the log said "stopped: ...".
+    store = dist.HashStore()
+    _recorded(store, Net())
+    with torch.device("meta"):
+        model = Net()
+    got = shape_warmup.warm(store, 0, CPU, __import__("sys")._getframe())
+    assert "meta device" in got["shape_warmup_not"] and "warmup=" in got["shape_warmup_not"]
+    assert not got["shape_warmup_not"].startswith("stopped"), got
+    assert model.seen == []
+
+
 def test_without_shapes_or_room_it_says_why(on):
     store = dist.HashStore()
     assert "published no shapes" in shape_warmup.warm(store, 0, CPU, None)["shape_warmup_not"]

@@ -224,6 +224,14 @@ def warm(store, rank: int, device: torch.device, frame, promoting=lambda: False)
     model = find_module(spec["module"], frame)
     if model is None:
         return _said(rank, f"no {spec['module']} among the script's variables here")
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        # A script's prepare= skeleton: its values come only when leto.Run binds the
+        # retained state, after the promotion. Running it would only raise.
+        return _said(
+            rank,
+            "its model is on the meta device until leto.Run binds the retained state; "
+            "leto.init's warmup= is what warms such a script",
+        )
     cuda = device.type == "cuda"
     if cuda:
         free = torch.cuda.mem_get_info(device)[0]
