@@ -87,6 +87,12 @@ PRESETS = {
 }
 
 
+RESUME_STEPS = (
+    "attach_localize_s", "map_retained_s", "reconstruct_s", "agree_s", "finish_update_s",
+    "verify_s",
+)  # fmt: skip
+
+
 def trial(args, out: Path, level: str, at: str, flags: str = "") -> dict:
     pool = (
         {"pool": PoolConfig.for_cuda(0, tier1_pages=4, allow_fault_injection=True)}
@@ -118,6 +124,9 @@ def trial(args, out: Path, level: str, at: str, flags: str = "") -> dict:
         "first_iteration_s": rec.get("first_iteration_s"),
         "steady_iteration_s": rec.get("steady_iteration_s"),
         "stages": slow.get("stages", {}),
+        # Leto's steps within init, bind and resume: attach and localize, map, rebuild,
+        # agree, finish, verify.
+        "resume_steps": {k: slow[k] for k in RESUME_STEPS if isinstance(slow.get(k), float)},
         "to_run_s": rec.get("recovery_s"),
         # The agent's part of I (from the failure seen): fenced, then (faultkit's emulated
         # page loss, no real failure's cost) and the shadows promoted.
@@ -229,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trial {r['trial']} {r['level']} {r['at']} {r['leto_flags']}: the agent, from "
               f"the failure seen (s): {agent or '-'} (losing: the fault plan's emulated page "
               f"loss); the promoted trainer's stages (s): {said}")  # fmt: skip
+        steps = ", ".join(f"{k[:-2]} {v:.3f}" for k, v in r.get("resume_steps", {}).items())
+        if steps:
+            print(f"  its resume (s): {steps}")
     for level in args.shadow_level.split(","):
         for at in args.at.split(","):
             got = [

@@ -27,9 +27,12 @@ def lose_pages(client, pages: int, host_parity_pages: int, rng: random.Random) -
             # it is lost, and the verdict says so — with H1 or fewer pages it stays
             # recoverable even when more than H1 were asked.
             lost["short"].append([g["gid"], len(slots)])
+        by_name: dict[str, list[int]] = {}
         for name, page in rng.sample(slots, min(pages, len(slots))):
-            client.inject_loss("data", name, [page])
-            lost["device"] += 1
+            by_name.setdefault(name, []).append(page)
+        for name, chosen in by_name.items():  # one request an allocation, not a page
+            client.inject_loss("data", name, chosen)
+            lost["device"] += len(chosen)
     if sets and host_parity_pages:
         n = min(host_parity_pages, tier1)
         client.inject_loss("tier1", sets[0]["gid"], list(range(n)))

@@ -225,6 +225,10 @@ def test_a_group_smaller_than_the_pages_asked_is_named():
     lost = lose_pages(pool, 17, 0, random.Random(0))
     assert lost["short"] == [[0, 6]], lost
     assert lost["device"] == 6 + 17 + 1, lost  # group 0 whole, 17 of group 1, a gradient page
+    # One request an allocation a group (a page each took a driver sync and a round trip
+    # on the recovery's clock), the same distinct pages as before.
+    data = [(n, p) for kind, n, pages in pool.injected if kind == "data" for p in pages]
+    assert len(pool.injected) == 2 + 2 + 1 and len(set(data)) == len(data) == 24, pool.injected
 
 
 def test_the_ci_corrupt_cut_covers_every_phase_and_both_counts(monkeypatch, tmp_path):
