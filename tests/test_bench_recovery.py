@@ -176,3 +176,4 @@ def test_plain_recovery_times_a_script_that_gives_prepare_and_warmup(tmp_path):
     assert row["resumed_by"] == "finish" and row["pages_lost"] > 0, row
     assert 0 < row["init_s"] <= row["regained_s"], row
     assert "script set-up" in row["stages"] and "forward/backward" in row["stages"], row
+    assert {"reconstruct_s", "finish_update_s"} <= set(row["resume_steps"]), row
