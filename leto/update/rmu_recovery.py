@@ -33,9 +33,13 @@ def recover(upd, report: dict) -> MarkerState | None:
         return None
     grad_gids = {g.gid for g in upd.grad_groups}
     grads_needed = m.phase in (Phase.GRADS_PROTECTED, Phase.SYNCED, Phase.UPDATE)
+    # Every group rebuilt from its host parity goes in one call: the host queues each
+    # group's staging and decoding while the device runs the last, and waits once (a
+    # call a group waited for the device and asked the state manager each time).
+    rebuild: set[int] = set()
     for gid in grad_gids & set(lost):
         if grads_needed:
-            upd.client.reconstruct(report, only={gid})
+            rebuild.add(gid)
         done.add(gid)  # otherwise the gradients are recomputed: contents do not matter
     in_flight = m.phase is Phase.UPDATE and upd.cfg.transactions
     for gi, g in enumerate(upd.groups):
@@ -43,11 +47,11 @@ def recover(upd, report: dict) -> MarkerState | None:
             m = upd._recover_in_flight(m, g, lost.get(g.gid), failed_allocs)
             done.add(g.gid)
         elif g.gid in lost:
-            upd.client.reconstruct(report, only={g.gid})
+            rebuild.add(g.gid)
             done.add(g.gid)
-    rest = set(lost) - done
-    if rest:
-        upd.client.reconstruct(report, only=rest)
+    rebuild |= set(lost) - done
+    if rebuild:
+        upd.client.reconstruct(report, only=rebuild)
     done_marks = sorted(done & set(lost))
     if done_marks:
         upd.client.mark_rebuilt(done_marks)
