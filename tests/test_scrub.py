@@ -119,3 +119,31 @@ def test_background_steps_cover_every_group_within_one_pass(trained):
             s.step()
             quiet += 1
     assert quiet == steps, (quiet, steps)
+
+
+def test_a_recoverys_verification_is_read_before_the_update_not_at_once(trained):
+    # Scrubber.verify_later: the rebuilt groups' check launched (on CUDA beside the first
+    # forward and backward), its verdict read by before_update — a flipped device page
+    # raises there, as the check at once did; flipped parity is repaired there, before
+    # the update reads it; a clean state passes without a finding.
+    up, _ = trained
+    every = list(range(len(up.groups)))
+    s = Scrubber(up, budget_bytes=0)
+    s.verify_later(every, when="verifying the rebuilt groups")
+    assert s.settle_verified() == [] and s.settle_verified() == []  # read once
+    g = up.groups[-1]
+    _flip(g.tier1[1], 300, 2)
+    before = [p.clone() for p in g.tier1]
+    _flip(before[1], 300, 2)  # what the repair must restore
+    s.verify_later(every, when="verifying the rebuilt groups")
+    s.before_update()
+    assert all(torch.equal(a, b) for a, b in zip(before, g.tier1, strict=True))
+    assert [(f.tier, f.page) for f in s.findings] == [("tier1", 1)]
+    victim = len(g.data) - 1
+    _flip(g.data[victim], 4097, 5)
+    got = s.verify_later(every, when="verifying the rebuilt groups")  # does not raise here
+    assert got["groups"] == len(every)
+    with pytest.raises(CorruptState) as e:
+        s.before_update()
+    assert "verifying the rebuilt groups" in str(e.value)
+    assert s.settle_verified() == []  # nothing left pending after it raised

@@ -110,6 +110,9 @@ class Scrubber:
         self.transient = 0  # flagged ranges consistent on the re-check (overwritten)
         self._credit = 0  # data bytes of budget accrued, not yet spent on a group
         self._pending: list = []  # CUDA: (group index, lo, hi, flag, event) of the last step
+        # A recovery's rebuilt groups, checked beside the first forward and backward and
+        # read before the first update (``verify_later``): (when, [(gi, lo, hi, flag, ev)]).
+        self._verifying: tuple[str, list] | None = None
         self._side = torch.cuda.Stream(up.device) if up.device.type == "cuda" else None
 
     # -- one range ----------------------------------------------------------------------
@@ -184,6 +187,7 @@ class Scrubber:
 
     def full(self, groups: list[int] | None = None, when: str = "full scrub") -> dict:
         """Check whole groups now (every state group by default); a summary."""
+        self.settle_verified()
         t0 = time.time()
         gis = range(len(self.groups)) if groups is None else groups
         found = []
@@ -219,7 +223,7 @@ class Scrubber:
         while self._credit >= sizes[self.cursor]:
             gi = self.cursor
             self._credit -= sizes[gi]
-            self._launch(gi, 0, self.page_bytes)
+            self._pending.append(self._launch(gi, 0, self.page_bytes))
             self.cursor = (gi + 1) % len(self.groups)
             if self.cursor == 0:
                 self.passes += 1
@@ -227,11 +231,43 @@ class Scrubber:
                 self.pass_s, self._pass_t0 = now - self._pass_t0, now
                 break
 
-    def _launch(self, gi: int, lo: int, hi: int) -> None:
+    def verify_later(self, groups: list[int], when: str) -> dict:
+        """A recovery's check of its rebuilt groups, off its critical path: launched now
+        (on CUDA on the side stream, beside the first forward and backward, which only
+        read the pages), its flags read by ``settle_verified`` before the first update
+        writes a page — or before a checkpoint, a full scrub or the end of training.
+        Until then nothing the training keeps depends on the rebuilt bytes: a group
+        found wrong is then what the check at once would have found (``CorruptState``,
+        the checkpoint fallback; parity repaired before the update reads it)."""
+        self.settle_verified()
+        t0 = time.time()
+        self._verifying = (when, [self._launch(gi, 0, self.page_bytes) for gi in groups])
+        return {
+            "groups": len(groups),
+            "bytes": sum(len(self.groups[gi].data) for gi in groups) * self.page_bytes,
+            "seconds": time.time() - t0,  # the launch: the check itself runs beside
+        }
+
+    def settle_verified(self) -> list[Finding]:
+        """Read the flags ``verify_later`` left (waiting for them), and check again at
+        once every group flagged: a finding in a device page raises ``CorruptState``."""
+        if self._verifying is None:
+            return []
+        (when, launched), self._verifying = self._verifying, None
+        found: list[Finding] = []
+        for gi, lo, hi, flag, ev in launched:
+            if ev is not None:
+                ev.synchronize()
+            if bool(flag.item()):
+                found += self.check(gi, lo, hi, when=when)
+        return found
+
+    def _launch(self, gi: int, lo: int, hi: int) -> tuple:
         """Re-encode the range — on CUDA on the side stream (it only reads the pages the
         forward pass reads too) — and leave one flag: does it differ from host tier 1, or
-        tier 2 from tier 1 (encoded on the device from the copied tier-1 range)? The next
-        step reads it (on the CPU too, so CI runs the same path)."""
+        tier 2 from tier 1 (encoded on the device from the copied tier-1 range)? The
+        caller keeps it; the next step reads it (on the CPU too, so CI runs the same
+        path)."""
         g = self.groups[gi]
         code = self.up.code(g)
         side = contextlib.nullcontext()
@@ -257,11 +293,13 @@ class Scrubber:
                 flag = torch.empty((), dtype=torch.bool, pin_memory=True)
                 flag.copy_(bad, non_blocking=True)
                 ev = self._side.record_event()
-        self._pending.append((gi, lo, hi, flag, ev))
         self.checked_bytes += (hi - lo) * len(g.data)
+        return gi, lo, hi, flag, ev
 
     def before_update(self) -> None:
-        """The update writes the pages the side stream may still be reading."""
+        """The update writes the pages the side stream may still be reading. A
+        recovery's verification is read first."""
+        self.settle_verified()
         if self._pending and self._pending[-1][4] is not None:
             torch.cuda.current_stream(self.up.device).wait_event(self._pending[-1][4])
 

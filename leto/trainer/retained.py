@@ -273,14 +273,15 @@ class RetainedTraining:
         self.timings["observer_s"] = self.observer_s
         # Verified recovery: the rebuilt groups against the parity their rebuild did not
         # consume (tier 1's other rows, tier 2). A mismatch is a fatal failure naming
-        # the pages: the checkpoint fallback.
+        # the pages: the checkpoint fallback. Launched here, beside the first forward
+        # and backward (which only read the pages), and read before the first update
+        # or checkpoint (Scrubber.verify_later): off the recovery's critical path.
         lost = report.get("groups", {})
         rebuilt = [gi for gi, g in enumerate(self.up.groups) if str(g.gid) in lost or g.gid in lost]
         if rebuilt:
-            v = self.scrub.full(rebuilt, when="verifying the rebuilt groups")
+            v = self.scrub.verify_later(rebuilt, when="verifying the rebuilt groups")
             self.timings["verify_s"] = v["seconds"]
             self.timings["verified_groups"] = v["groups"]
-            self.timings["verify_repaired"] = len(v["repaired"])
         return t + 1 if action == "finish" else t
 
     def _settle(self) -> None:
@@ -449,6 +450,7 @@ class RetainedTraining:
         and the update recheck's comparisons (waiting for the device).
         ``ReplicaDisagreement``, ``NonFiniteLoss`` or ``WrongUpdate`` (fatal) if one
         failed. Collective: every rank, at the same points."""
+        self.scrub.settle_verified()  # a recovery's check of its rebuilt groups
         self._check_replicas()
         if self.up.recheck is not None:
             self.up.recheck.settle()
