@@ -125,7 +125,10 @@ def main() -> None:
     ctx = leto.init()
     rank, device = dist.get_rank(), torch.device("cuda" if CUDA else "cpu")
     if CUDA:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        # Testing on fewer GPUs (docs/runtime.md): LETO_RANKS_PER_GPU=N puts local ranks
+        # N*g..N*g+N-1 on GPU g; leto run --ranks-per-gpu sets it.
+        per_gpu = int(os.environ.get("LETO_RANKS_PER_GPU", "1"))
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) // per_gpu)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     torch.use_deterministic_algorithms(True)
     parallel_state.initialize_model_parallel(

@@ -278,7 +278,12 @@ class Scrubber:
             # The codec's checked page list of this range, built once per range (the
             # checks cost ~4 µs a page on the host, every iteration otherwise).
             key = ("scrub", gi, lo, hi)
-            data = self.up._page_lists.get(key) or self.up._pages(key, [p[lo:hi] for p in g.data])
+            data = (
+                g.data_pages  # whole pages: the group's own list, checked when it was mapped
+                if g.data_pages is not None and (lo, hi) == (0, self.page_bytes)
+                else self.up._page_lists.get(key)
+                or self.up._pages(key, [p[lo:hi] for p in g.data])
+            )
             fresh = code.tier1.encode(data, group=g.gid)
             t1 = [p[lo:hi].to(self.up.device, non_blocking=True) for p in g.tier1]
             for j, p in enumerate(t1):
