@@ -173,7 +173,7 @@ def targets(device: str) -> dict[str, list[list[Step]]]:
             [Step("mg-tp2", cert(2, MEGATRON, "--tp", "2"))],
             [Step("mg-tp2-dp2-w4", cert(4, MEGATRON, "--tp", "2"))],
             [Step("mg-ddp-refused", (*fk(2, "certify", "--phases", "update"), "--", MEGATRON,
-                                     "--megatron-ddp", "--iterations", "3"),
+                                     "--megatron-ddp", "--iterations", "4"),
                   expect="refused", cuda_only=True,
                   words=("Megatron's DistributedDataParallel", "all_reduce_coalesced"))],
         ],
