@@ -182,6 +182,29 @@ def test_a_model_on_the_meta_device_is_not_run_and_it_says_why(on):
     assert model.seen == []
 
 
+def test_without_room_for_the_whole_batch_a_fraction_that_fits_is_chosen():
+    # The peak scales with the batch (the leading size every tensor argument shares):
+    # the smallest power-of-two fraction whose peak and margin fit; none where the batch
+    # is not shared, is odd, or not even a single sample's part would fit.
+    GiB, margin = shape_warmup.GiB, shape_warmup.MARGIN_BYTES
+    t = lambda *shape: {"t": list(shape), "dtype": "int64", "device": "cpu", "grad": False}  # noqa: E731
+    spec = {"args": {"l": [t(16, 1024), t(16, 1024)], "tuple": True},
+            "kwargs": {"d": {"scale": {"v": 0.5}}}, "peak_bytes": 32 * GiB}  # fmt: skip
+    assert shape_warmup.fraction(spec, 40 * GiB) == 1
+    assert shape_warmup.fraction(spec, 16 * GiB) == 4  # 8 + 1 fits; 16 + 1 does not
+    assert shape_warmup.fraction(spec, 17 * GiB) == 2
+    assert shape_warmup.fraction(spec, 2 * GiB + margin) == 16
+    assert shape_warmup.fraction(spec, 2 * GiB + margin - 1) is None  # one sample is too much
+    odd = {**spec, "args": {"l": [t(3, 1024)], "tuple": True}}
+    assert shape_warmup.fraction(odd, 16 * GiB) is None
+    mixed = {**spec, "args": {"l": [t(16, 1024), t(8)], "tuple": True}}
+    assert shape_warmup.fraction(mixed, 16 * GiB) is None
+    # The arguments made for it: the leading size divided, the rest as recorded.
+    (a, b) = shape_warmup._decode(spec["args"] | {"l": [t(16, 1024)] * 2}, CPU, 4)
+    assert a.shape == b.shape == (4, 1024)
+    assert shape_warmup._decode(spec["kwargs"], CPU, 4) == {"scale": 0.5}
+
+
 def test_without_shapes_or_room_it_says_why(on):
     store = dist.HashStore()
     assert "published no shapes" in shape_warmup.warm(store, 0, CPU, None)["shape_warmup_not"]
