@@ -545,12 +545,13 @@ if [[ $what == megatron ]]; then
   # Issue 58 stage 4 (world 1): examples/megatron on the H200 — bit-identical to torchrun
   # after a kill with pages lost (tests/test_megatron.py's cuda case), then certified at
   # every phase. megatron-core 0.19.2 is not installed there: carry its wheel (.whl, the
-  # device README) and install it with PYTHONPATH before this target.
+  # device README); the target installs it under /tmp/site.
   # (four micro-batches of 4: one of 16 ran out of memory under torchrun on an 80 GB H100)
   # LETO_MG_PARTS picks (default all, in order): tests, certify, userpath (overhead at
   # ~1 B beside torchrun: Megatron's DDP, DistributedOptimizer and bf16, 16 K tokens),
   # recovery (the paper's I + R, that job killed in the update with pages lost).
   parts=${LETO_MG_PARTS:-tests certify userpath recovery}
+  pip install -q --no-deps --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN; export PYTHONPATH=$PYTHONPATH:/tmp/site
   MG="--layers 20 --hidden 2048 --heads 16 --vocab 50304 --seq 1024 --micro-batch 4 --micro-batches 4 --megatron-ddp --distributed-optimizer --bf16"
   [[ " $parts " == *" tests "* ]] && { python3 -m pytest -p no:cacheprovider -q tests/test_megatron.py -k cuda 2>&1 | tee "$OUT/megatron_tests.txt" || rc=1; }
   [[ " $parts " == *" certify "* ]] && { timeout ${LETO_MG_CERTIFY_TIMEOUT:-500} python3 -m faultkit.cli certify --device cuda --nproc-per-node 1 \
