@@ -9,8 +9,6 @@ running statistics on a model that is not data parallel, are refused by name."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from faultkit.job import JobFault, run_job
 from leto.errors import InvalidInput
 from leto.trainer.buffer_state import RetainedBuffers
 from leto.workload.train import TrainConfig
+from tests import torchrun_reference
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "buffers_job.py"
 
@@ -36,13 +35,13 @@ def _same(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("buffers_ddp")
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(SCRIPT), "--out", str(out)],
-        check=True, capture_output=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    outs = [tmp_path_factory.mktemp("buffers_ddp") for _ in range(2)]
+    attempt = torchrun_reference.run(
+        "buffers_job.py",
+        lambda a: ["--standalone", "--nproc-per-node", "2", str(SCRIPT), "--out", str(outs[a])],
+        timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
     )  # fmt: skip
-    return out
+    return outs[attempt]
 
 
 @pytest.mark.integ

@@ -24,6 +24,7 @@ import torch
 from faultkit.job import JobFault, run_job
 from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
+from tests import torchrun_reference
 from tests.test_porting import changed_lines
 
 HERE = Path(__file__).resolve().parents[1] / "examples" / "porting" / "nanogpt"
@@ -113,24 +114,15 @@ def test_nanogpt_under_leto_run_is_byte_identical_to_torchrun_and_ddp_after_a_ki
     env = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else SHARED_GPU
     if device != "cpu":
         args = ["deterministic.py", *args]  # a config file, run by nanoGPT's configurator
-    # The reference, unmodified nanoGPT under torchrun. Plain torch + gloo has aborted
-    # (SIGABRT) at its exit after a finished run, in CI with other jobs on the two cores
-    # (as in tests/test_user_path.py): once more in a fresh folder; a second failure fails.
-    for attempt in ("ddp", "ddp-again"):
-        ddp = _workdir(tmp_path / attempt)
-        try:
-            subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", "2", "train.py", *args, f"--out_dir={ddp / 'out'}"],
-                check=True, capture_output=True, text=True, timeout=120, cwd=ddp,
-                env=dict(os.environ, **env),
-            )  # fmt: skip
-            break
-        except subprocess.CalledProcessError as e:
-            why = f"torchrun of nanoGPT failed:\n{e.stdout[-2000:]}\n{e.stderr[-2000:]}"
-            if attempt == "ddp-again":
-                pytest.fail(why)
-            print(f"the torchrun reference failed; run again: {why[-800:]}")
+    # The reference, unmodified nanoGPT under torchrun (once more in a fresh folder if
+    # plain torch + gloo aborts at its exit: tests.torchrun_reference).
+    folders = [tmp_path / "ddp", tmp_path / "ddp-again"]
+    ddp = folders[torchrun_reference.run(
+        "nanoGPT",
+        lambda a: ["--standalone", "--nproc-per-node", "2", "train.py", *args,
+                   f"--out_dir={folders[a] / 'out'}"],
+        cwd_for=lambda a: _workdir(folders[a]), timeout=120, env=dict(os.environ, **env),
+    )]  # fmt: skip
     leto = _workdir(tmp_path / "leto")  # run_job starts leto run in this folder
     # Killed after the forward of its second micro-batch (before that micro-batch's
     # prefetch), pages lost: iteration 2 is redone from 1's record, and the promoted

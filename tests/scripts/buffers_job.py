@@ -74,6 +74,10 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
     os.makedirs(args.out, exist_ok=True)
     torch.save(net.state_dict(), os.path.join(args.out, f"rank{rank}.final.pt"))
+    if not args.leto:
+        # As a torchrun script ends: a gloo group left to the interpreter's exit has
+        # aborted the process (SIGABRT) after its outputs were written.
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
