@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +26,7 @@ from leto.memory.config import PoolConfig  # noqa: E402
 from leto.trainer import megatron  # noqa: E402
 from leto.trainer.rng_state import GlobalRNG  # noqa: E402
 from leto.workload.train import TrainConfig  # noqa: E402
+from tests import torchrun_reference
 
 HERE = Path(__file__).resolve().parent.parent / "examples" / "megatron"
 TORCHRUN, LETO = HERE / "gpt_torchrun.py", HERE / "gpt_leto.py"
@@ -194,12 +193,13 @@ def _bit_identical_after_a_kill(
         "megatron-fp16": ["--megatron-ddp", "--fp16", "--initial-loss-scale", "2097152",
                           "--loss-scale-window", "3"],
     }[ddp]  # fmt: skip
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(world), str(TORCHRUN), *args, "--out", str(ref)],
-        check=True, capture_output=True, text=True, timeout=200,
-        env=dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})),
-    )  # fmt: skip
+    refs = [ref, tmp_path / "torchrun-again"]
+    ref = refs[torchrun_reference.run(
+        "the Megatron script",
+        lambda a: ["--standalone", "--nproc-per-node", str(world), str(TORCHRUN), *args,
+                   "--out", str(refs[a])],
+        timeout=200, env=dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})),
+    )]  # fmt: skip
     out = tmp_path / "leto"
     # The last rank killed inside iteration `at`'s update, H1 data pages of every group lost.
     lose = 4 if device == "cpu" else 2

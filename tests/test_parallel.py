@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 import traceback
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from faultkit.job import JobFault, run_job
 from leto.job.store import free_port
 from leto.memory.launch import start_state_manager
 from leto.workload.train import TrainConfig
+from tests import torchrun_reference
 from tests.pool_helpers import small_config
 
 SPAWN = mp.get_context("spawn")
@@ -196,12 +195,13 @@ def test_the_parallel_examples_under_leto_are_bit_identical_to_torchrun_after_a_
     script, flags, world, at, rank = CASES[case]
     plain = tmp_path / "plain"
     args = ["--iterations", "4", *flags]
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(world), str(EXAMPLES / f"{script}.py"), *args, "--out", str(plain)],
-        check=True, capture_output=True, text=True, timeout=180,
-        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
-    )  # fmt: skip
+    plains = [plain, tmp_path / "plain-again"]
+    plain = plains[torchrun_reference.run(
+        f"{script}.py",
+        lambda a: ["--standalone", "--nproc-per-node", str(world), str(EXAMPLES / f"{script}.py"),
+                   *args, "--out", str(plains[a])],
+        timeout=180, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )]  # fmt: skip
     # Parameter and moment pages, a host parity page and a gradient page (a sharded or
     # per-stage gradient: not replicated anywhere, only its parity protects it) lost on
     # every rank while the job is fenced.

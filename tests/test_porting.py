@@ -11,7 +11,6 @@ import ast
 import difflib
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 from faultkit.job import JobFault, run_job
 from leto.memory.config import PoolConfig
 from leto.workload.train import TrainConfig
+from tests import torchrun_reference
 
 HERE = Path(__file__).resolve().parent.parent / "examples" / "porting"
 DDP, LETO = HERE / "llama_ddp.py", HERE / "llama_leto.py"
@@ -102,14 +102,16 @@ def test_the_ported_llama_is_bit_identical_to_ddp_and_exact_under_faults(tmp_pat
     ddp = tmp_path / "ddp"
     # --standalone: torchrun picks its own free rendezvous port on localhost (a port
     # chosen here could be taken before it binds). A hang reports torchrun's output.
+    ddps = [ddp, tmp_path / "ddp-again"]
     try:
-        subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc-per-node", "2", str(DDP), "--iterations", str(ITERS), "--out", str(ddp)],
-            check=True, capture_output=True, text=True, timeout=120,
+        ddp = ddps[torchrun_reference.run(
+            "the DDP script",
+            lambda a: ["--standalone", "--nproc-per-node", "2", str(DDP), "--iterations",
+                       str(ITERS), "--out", str(ddps[a])],
+            timeout=120,
             # The script takes a GPU when it sees one: the CPU case hides them.
             env=dict(os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else shared)),
-        )  # fmt: skip
+        )]  # fmt: skip
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"torchrun of the DDP script hung; its output:\n{e.stdout}\n{e.stderr}")
 
