@@ -12,6 +12,12 @@ what=${1:-all}
   python3 -c 'import torch, cupy; print("torch", torch.__version__, "cupy", cupy.__version__)'
 } 2>&1 | tee "$OUT/machine.txt"
 rc=0
+# megatron-core is not installed on the GPU machine: its carried wheel (.whl), under
+# /tmp/site, beside the repo on PYTHONPATH (the megatron and world2-megatron targets).
+megatron_core() {
+  pip install -q --no-deps --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+}
 if [[ $what == codec || $what == all ]]; then
   python3 -m pytest -p no:cacheprovider -q tests/test_codec_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" || rc=1
   python3 -c 'from leto.erasure.kernels import by_name; print(by_name("cuda").kernel_info())' 2>&1 | tee "$OUT/kernel_info.txt"
@@ -426,7 +432,7 @@ if [[ $what == world2-* ]]; then
   # LETO_W2_ONLY: comma-separated steps (a failed one again, say).
   t=${what#world2-}; [[ $t == shared ]] && t=all
   if [[ $t == megatron || $t == all ]]; then  # (world2-megatron: carry .whl, megatron-core's wheel)
-    pip install -q --no-deps --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN; export PYTHONPATH=/tmp/site
+    megatron_core
   fi
   budget=${LETO_W2_BUDGET:-530}; n=1; [[ $t == all ]] && n=8
   # Each target its own folder: two targets may run at once (one call, two lanes' worth).
@@ -551,7 +557,7 @@ if [[ $what == megatron ]]; then
   # ~1 B beside torchrun: Megatron's DDP, DistributedOptimizer and bf16, 16 K tokens),
   # recovery (the paper's I + R, that job killed in the update with pages lost).
   parts=${LETO_MG_PARTS:-tests certify userpath recovery}
-  pip install -q --no-deps --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN; export PYTHONPATH=$PYTHONPATH:/tmp/site
+  megatron_core
   MG="--layers 20 --hidden 2048 --heads 16 --vocab 50304 --seq 1024 --micro-batch 4 --micro-batches 4 --megatron-ddp --distributed-optimizer --bf16"
   [[ " $parts " == *" tests "* ]] && { python3 -m pytest -p no:cacheprovider -q tests/test_megatron.py -k cuda 2>&1 | tee "$OUT/megatron_tests.txt" || rc=1; }
   [[ " $parts " == *" certify "* ]] && { timeout ${LETO_MG_CERTIFY_TIMEOUT:-500} python3 -m faultkit.cli certify --device cuda --nproc-per-node 1 \
