@@ -382,12 +382,25 @@ fi
 if [[ $what == certify-1b ]]; then
   # Issue 57 item 4: faultkit certify of the 1.1 B plain port (16 K tokens an iteration,
   # deterministic), one rank killed at every phase with pages lost; each fault now meets
-  # parked shadows (when: parked). Compare its total with the runs' time under leto run.
-  timeout ${LETO_CERTIFY_TIMEOUT:-590} python3 -m faultkit.cli certify --device cuda --json \
-    -- examples/porting/gpt_leto.py --n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 \
-    --seq 1024 --batch 16 --iterations ${LETO_CERTIFY_ITERS:-24} --deterministic \
-    > "$OUT/certify_1b.json" 2> "$OUT/certify_1b.txt" || rc=1
-  tail -c 1500 "$OUT/certify_1b.txt"; python3 -c "import json,sys; v=json.load(open(sys.argv[1])); print(v['verdict'], [(r['phase'], r['exact'], r['recovery_s']) for r in v['faults']], round(v['reference_run_s']), round(v['total_s']))" "$OUT/certify_1b.json"
+  # parked shadows (when: parked). Its total against the same runs under leto run's
+  # defaults (its reference and its faulted run: twice the plain run's wall time).
+  # LETO_C1B_PARTS picks (default both, in order): certify, plain (one 600 s call may not
+  # hold both).
+  parts=${LETO_C1B_PARTS:-certify plain}
+  C1B="examples/porting/gpt_leto.py --n-layer 20 --n-embd 2048 --n-head 16 --vocab 50304 \
+    --seq 1024 --batch 16 --iterations ${LETO_CERTIFY_ITERS:-24} --deterministic"
+  if [[ " $parts " == *" certify "* ]]; then
+    timeout ${LETO_CERTIFY_TIMEOUT:-590} python3 -m faultkit.cli certify --device cuda --json \
+      -- $C1B > "$OUT/certify_1b.json" 2> "$OUT/certify_1b.txt" || rc=1
+    tail -c 1500 "$OUT/certify_1b.txt"; python3 -c "import json,sys; v=json.load(open(sys.argv[1])); print(v['verdict'], [(r['phase'], r['exact'], r['recovery_s']) for r in v['faults']], round(v['reference_run_s']), round(v['total_s']))" "$OUT/certify_1b.json"
+  fi
+  if [[ " $parts " == *" plain "* ]]; then
+    w=$(mktemp -d); s0=$(date +%s.%N)
+    (cd "$w" && timeout ${LETO_C1B_PLAIN_TIMEOUT:-300} python3 -m leto.cli run --device cuda --nproc-per-node 1 \
+      "$OLDPWD/"$C1B --out out) > "$OUT/certify_1b_plain.txt" 2>&1 || rc=1
+    echo "plain leto run (defaults) of the certified script: $(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))" $s0 $(date +%s.%N)) s" | tee -a "$OUT/certify_1b_plain.txt"
+    tail -5 "$OUT/certify_1b_plain.txt"
+  fi
 fi
 if [[ $what == titan* ]]; then
   # torchtitan 0.2.2 under Leto (issue 45). torchtitan and what it needs beyond the
