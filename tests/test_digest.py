@@ -1,9 +1,9 @@
-"""verifiers.digest: the block-tree SHA-256 of a tensor's raw bytes.
+"""verifiers.digest: the leaf-tree SHA-256 of a tensor's raw bytes.
 
 The oracle is written out here from hashlib alone (one block at a time, in order), so a
-wrong block boundary, a block hashed twice or skipped, or a staging buffer reused
-before its hash finished gives a different digest. The GPU test checks the staged,
-overlapped CUDA path against the same oracle.
+wrong leaf boundary, or a leaf hashed twice or skipped,
+gives a different digest. The GPU tests check the leaf kernel (its padding, leaf
+boundaries, unaligned views) against the same oracle.
 """
 
 from __future__ import annotations
@@ -74,16 +74,31 @@ def test_a_record_is_timed_before_hashing_and_older_trace_versions_are_refused(t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [0, 5, D.STAGE - 1, 2 * D.STAGE + D.BLOCK + 3, 9 * D.STAGE + 1])
-def test_cuda_digest_stages_and_overlaps_without_changing_the_result(n):
-    # 9 stages > N_STAGES: every pinned buffer is reused while others are being hashed.
-    cpu = random_bytes(n, n + 1)
+@pytest.mark.parametrize(
+    "n",
+    [0, 1, 55, 56, 63, 64, D.BLOCK - 9, D.BLOCK, D.BLOCK + 1, 5 * D.BLOCK + 119, (300 << 20) + 3],
+)
+@pytest.mark.parametrize("offset", [0, 1, 4])
+def test_cuda_leaves_hash_on_the_gpu_to_the_oracles_digest(n, offset):
+    # The kernel's padding at every remainder that takes one block or two (55, 56, 63, 0),
+    # leaf boundaries, and views that start 1 and 4 bytes into their storage (the
+    # byte-wise loads; 0 takes the 16-byte loads).
+    cpu = random_bytes(n + offset, n + 1)
     src = cpu.cuda()
     gpu = torch.zeros_like(src)
     torch.cuda.synchronize()
     torch.cuda._sleep(100_000_000)  # keeps the current stream busy, so the write below
-    gpu.copy_(src)  # is still queued when the digest's side-stream copies are issued
-    assert D.digest(gpu) == D.digest(cpu) == oracle(as_bytes(cpu))
+    gpu.copy_(src)  # is still queued when the digest's kernel is launched
+    assert D.digest(gpu[offset:]) == D.digest(cpu[offset:]) == oracle(as_bytes(cpu[offset:]))
+
+
+@pytest.mark.gpu
+def test_a_flipped_bit_in_the_last_leaf_changes_the_cuda_digest():
+    t = random_bytes(3 * D.BLOCK + 70, 5).cuda()
+    before = D.digest(t)
+    t[-1] ^= 0x40
+    assert D.digest(t) != before
+    assert D.digest(t) == oracle(as_bytes(t))
 
 
 def test_prepare_starts_every_hashing_thread_ahead_and_changes_no_digest():
@@ -109,12 +124,11 @@ def test_the_verifiers_plugin_installs_the_digest_warm_up_for_shadows():
 
 
 @pytest.mark.gpu
-def test_prepare_allocates_the_devices_pinned_staging_buffers_once():
-    dev = torch.device("cuda", torch.cuda.current_device())
-    D.prepare(torch.device("cuda"))  # no index: the current device's buffers
-    bufs = D._staging[dev]
-    assert len(bufs) == D.N_STAGES and all(b.is_pinned() for b in bufs)
-    D.prepare(dev)
-    assert all(a is b for a, b in zip(D._staging[dev], bufs, strict=True)), "reallocated"
-    src = random_bytes(D.STAGE + 7, 3)
+def test_prepare_loads_the_leaf_kernel_once():
+    index = torch.cuda.current_device()
+    D.prepare(torch.device("cuda"))  # no index: the current device's kernel
+    fn = D._kernels[index]
+    D.prepare(torch.device("cuda", index))
+    assert D._kernels[index] is fn, "loaded again"
+    src = random_bytes(D.BLOCK + 7, 3)
     assert D.digest(src.cuda()) == oracle(as_bytes(src))

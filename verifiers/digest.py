@@ -1,18 +1,25 @@
-"""Tensor digests for traces: SHA-256 over 16 MiB blocks, hashed in parallel.
+"""Tensor digests for traces: SHA-256 over 64 KiB leaves, the leaves hashed where the
+tensor lives.
 
 A record hashes every retained tensor of every iteration. A 1 B-parameter model keeps
-~16 GB of state (parameters, gradients, two moments), and one SHA-256 stream runs at
-~1 GB/s (this VM; more with SHA extensions), so a plain digest costs seconds to tens of
-seconds per record: most of the third session's 23.2 s H200 recovery, which took 1.99 s
-with this scheme (docs/benchmarks.md). The digest here is a one-level hash tree, ``sha256-tree-16MiB``:
-the SHA-256 of the concatenated SHA-256 digests of consecutive 16 MiB blocks of the
-raw bytes. Every byte is still hashed with SHA-256 (a change anywhere changes its
-block's digest and so the tensor's), and blocks hash on all cores: hashlib releases
-the GIL for large buffers. A CUDA tensor is staged through pinned host buffers on a
-side stream, the next copy overlapping the hashing of the last.
+~16 GB of state (parameters, gradients, two moments): one SHA-256 stream runs at
+~1-2 GB/s, so a plain digest costs seconds per record. The digest here is a one-level
+hash tree, ``sha256-tree-64KiB``: the SHA-256 of the concatenated SHA-256 digests of
+consecutive 64 KiB leaves of the raw bytes. Every byte is still hashed with SHA-256 (a
+change anywhere changes its leaf's digest and so the tensor's).
 
-Not covered: digests comparable with traces written before this scheme (trace
-version 1 stored a plain SHA-256; the reader refuses to compare across versions).
+* A CPU tensor's leaves hash on all cores (hashlib releases the GIL for large buffers),
+  16 MiB of leaves a task.
+* A CUDA tensor's leaves hash on its GPU (``sha256_leaves.cu``, one thread a leaf, in
+  the order of the current stream: after every write queued before the record); only
+  the leaf digests (32 bytes per 64 KiB) come to the host. Before, the whole state was
+  copied through pinned buffers and hashed on the host: on an H200 the digest of a 1 B
+  job's state took ~2 s an iteration, most of `faultkit certify`'s reference run's
+  excess over a plain run (docs/benchmarks.md).
+
+Not covered: digests comparable with traces written before this scheme (trace version 2
+hashed 16 MiB leaves, version 1 the plain SHA-256; the reader refuses to compare across
+versions). A GPU digest needs CuPy (as Leto's GPU path does), and says so when missing.
 """
 
 from __future__ import annotations
@@ -20,19 +27,20 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
 
 import torch
 
-SCHEME = "sha256-tree-16MiB"
-BLOCK = 16 << 20  # bytes per leaf digest
-STAGE = 128 << 20  # bytes per pinned staging buffer (a multiple of BLOCK)
-N_STAGES = 4  # pinned buffers per device: copies run ahead of hashing by up to 3
+SCHEME = "sha256-tree-64KiB"
+BLOCK = 64 << 10  # bytes per leaf digest
+SPAN = 16 << 20  # bytes of leaves per host task (a multiple of BLOCK)
+THREADS = 128  # GPU threads per block: one leaf each
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
-_staging: dict[torch.device, list[torch.Tensor]] = {}
+_kernels: dict[int, object] = {}  # device index -> the loaded sha256_leaves
 
 
 def _workers() -> ThreadPoolExecutor:
@@ -44,18 +52,27 @@ def _workers() -> ThreadPoolExecutor:
         return _pool
 
 
-def _buffers(device: torch.device) -> list[torch.Tensor]:
-    # Pinned allocation costs ~0.1 s per GB: allocated once per process and reused.
+def _kernel(index: int):
+    """The compiled leaf kernel on device ``index`` (CuPy compiles it once per machine,
+    and keeps it in its kernel cache)."""
     with _lock:
-        if device not in _staging:
-            _staging[device] = [
-                torch.empty(STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(N_STAGES)
-            ]
-        return _staging[device]
+        if index not in _kernels:
+            try:
+                import cupy
+            except ImportError as e:  # pragma: no cover - depends on the machine
+                raise RuntimeError(
+                    "the digest of a CUDA tensor needs CuPy (pip install 'leto[cuda]'), as "
+                    "Leto's GPU path does; no digest was taken"
+                ) from e
+            src = resources.files("verifiers").joinpath("sha256_leaves.cu").read_text()
+            with cupy.cuda.Device(index):
+                module = cupy.RawModule(code=src, options=("-std=c++17",))
+                _kernels[index] = module.get_function("sha256_leaves")
+        return _kernels[index]
 
 
 def prepare(device: torch.device) -> None:
-    """Allocate ``device``'s staging buffers and start the hashing threads now, not in
+    """Start the hashing threads, and on a GPU load the leaf kernel, now rather than in
     the first digest (a parked shadow calls this: ``verifiers.plugin``). Idempotent."""
     pool = _workers()
     n = _pool_size
@@ -73,17 +90,13 @@ def prepare(device: torch.device) -> None:
     for f in [pool.submit(wait) for _ in range(n)]:
         f.result(timeout=30)
     if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        _buffers(device)
+        _kernel(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _leaf(view: memoryview) -> bytes:
-    return hashlib.sha256(view).digest()
-
-
-def _root(leaves: list[Future]) -> str:
-    return hashlib.sha256(b"".join(f.result() for f in leaves)).hexdigest()
+def _leaves(view: memoryview) -> bytes:
+    return b"".join(
+        hashlib.sha256(view[i : i + BLOCK]).digest() for i in range(0, len(view), BLOCK)
+    )
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -95,35 +108,34 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def digest(t: torch.Tensor) -> str:
-    """The ``sha256-tree-16MiB`` digest of ``t``'s raw bytes (CPU or CUDA tensor)."""
+    """The ``sha256-tree-64KiB`` digest of ``t``'s raw bytes (CPU or CUDA tensor)."""
     raw = raw_bytes(t)
     if raw.device.type == "cuda":
-        return _digest_cuda(raw)
+        return hashlib.sha256(_leaves_cuda(raw)).hexdigest()
     if raw.device.type != "cpu":
         raw = raw.cpu()
     mv = memoryview(raw.numpy())
-    pool = _workers()
     n = raw.numel()
-    return _root([pool.submit(_leaf, mv[i : min(i + BLOCK, n)]) for i in range(0, n, BLOCK)])
+    spans = [_workers().submit(_leaves, mv[i : min(i + SPAN, n)]) for i in range(0, n, SPAN)]
+    return hashlib.sha256(b"".join(f.result() for f in spans)).hexdigest()
 
 
-def _digest_cuda(raw: torch.Tensor) -> str:
-    n, pool, bufs = raw.numel(), _workers(), _buffers(raw.device)
-    stream = torch.cuda.Stream(raw.device)
-    # The copies must see every write queued before the record on the caller's stream.
-    stream.wait_stream(torch.cuda.current_stream(raw.device))
-    leaves: list[Future] = []
-    users: list[list[Future]] = [[] for _ in bufs]  # hashes still reading each buffer
-    for c, start in enumerate(range(0, n, STAGE)):
-        k, size = c % len(bufs), min(STAGE, n - start)
-        for f in users[k]:
-            f.result()  # the buffer is free again
-        with torch.cuda.stream(stream):
-            bufs[k][:size].copy_(raw[start : start + size], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()
-        mv = memoryview(bufs[k].numpy())
-        users[k] = [pool.submit(_leaf, mv[i : min(i + BLOCK, size)]) for i in range(0, size, BLOCK)]
-        leaves += users[k]
-    return _root(leaves)
+def _leaves_cuda(raw: torch.Tensor) -> bytes:
+    """The concatenated leaf digests of ``raw``, hashed on its GPU in stream order."""
+    import cupy
+    import numpy as np
+
+    n = raw.numel()
+    if n == 0:
+        return b""
+    index = raw.device.index if raw.device.index is not None else torch.cuda.current_device()
+    leaves = -(-n // BLOCK)
+    out = torch.empty(leaves * 32, dtype=torch.uint8, device=raw.device)
+    fn = _kernel(index)
+    with cupy.cuda.Device(index), cupy.cuda.Stream.from_external(torch.cuda.current_stream(raw.device)):
+        fn(
+            (-(-leaves // THREADS),),
+            (THREADS,),
+            (np.uint64(raw.data_ptr()), np.uint64(n), np.uint64(BLOCK), np.uint64(out.data_ptr())),
+        )
+    return out.cpu().numpy().tobytes()  # waits for the kernel (stream order)

@@ -3,7 +3,7 @@
 Runs inside the trainer process (or in a harness that marks injections into a rank's
 trace). ``record`` appends one line per completed iteration to ``rank{r}.trace.jsonl``
 (format in ``trace.py``): the loss exactly (``float.hex``), the wall time, and the
-digest (``digest.py``: SHA-256 over 16 MiB blocks, in parallel) of every retained
+digest (``digest.py``: SHA-256 over 64 KiB leaves, hashed where the tensor lives) of every retained
 tensor's raw bytes. With ``keep_tensors`` the tensors are also
 saved, so a comparison can name the first differing byte and the largest difference.
 

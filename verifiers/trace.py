@@ -7,7 +7,7 @@ One file per rank, ``rank{r}.trace.jsonl``, one JSON object per line, appended o
 * a *record* (``"kind": "record"``): one completed iteration: its loss (float and
   ``float.hex``), wall time (when the iteration's state was final, before hashing), and
   per retained tensor its dtype, shape, byte count and digest of its raw bytes (field
-  ``sha256``; scheme ``sha256-tree-16MiB`` from ``digest.py`` since trace version 2);
+  ``sha256``; scheme ``sha256-tree-64KiB`` from ``digest.py`` since trace version 3);
   ``tensors_file`` names the saved tensors, if kept;
 * a *mark* (``"kind": "mark"``): an event such as an injection or a recovery.
 
@@ -34,7 +34,7 @@ import torch
 from leto.errors import InvalidInput
 from verifiers.digest import digest
 
-TRACE_VERSION = 2  # 2: tensor digests are sha256-tree-16MiB (digest.py)
+TRACE_VERSION = 3  # 3: tensor digests are sha256-tree-64KiB (digest.py); 2: -16MiB
 TRACE_GLOB = "rank*.trace.jsonl"
 _TRACE_NAME = re.compile(r"rank(\d+)\.trace\.jsonl")
 
