@@ -98,11 +98,61 @@ def attribute(trace: dict) -> dict:
             end = b
     starts = [e["ts"] for e in events]
     ends = [e["ts"] + e.get("dur", 0.0) for e in events]
+    labelled = [(e["ts"], e["ts"] + e.get("dur", 0.0),
+                 owner.get(e.get("args", {}).get("correlation"), SCRIPT)) for e in gpu]  # fmt: skip
     return {
         "ranges": dict(ranges),
         "gpu_busy_us": busy,
         "span_us": (max(ends) - min(starts)) if events else 0.0,
+        "idle": idle_gaps(labelled),
+        "overlap_us": overlaps(labelled),
     }
+
+
+def idle_gaps(events: list[tuple[float, float, str]], min_us: float = 100.0) -> dict:
+    """Where the GPU sat idle: per (range that ran last, range that ran next), the µs of
+    gaps of at least ``min_us`` between them and their number — a gap the host left
+    (launches not yet queued, or the host waiting for the device) rather than GPU work."""
+    out: dict[str, dict] = {}
+    end, last = float("-inf"), None
+    for a, b, label in sorted(events):
+        if last is not None and a - end >= min_us:
+            g = out.setdefault(f"{last} -> {label}", {"us": 0.0, "gaps": 0})
+            g["us"] += a - end
+            g["gaps"] += 1
+        if b > end:
+            end, last = b, label
+    return out
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def overlaps(events: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Per range, the µs its GPU work ran at the same time as other ranges' work (on
+    another stream or engine): what running beside the rest bought it."""
+    out = {}
+    for label in {e[2] for e in events}:
+        mine = _union([(a, b) for a, b, lab in events if lab == label])
+        rest = _union([(a, b) for a, b, lab in events if lab != label])
+        i = j = 0
+        both = 0.0
+        while i < len(mine) and j < len(rest):
+            lo, hi = max(mine[i][0], rest[j][0]), min(mine[i][1], rest[j][1])
+            both += max(0.0, hi - lo)
+            if mine[i][1] < rest[j][1]:
+                i += 1
+            else:
+                j += 1
+        out[label] = both
+    return out
 
 
 def fused_adamw_ms(shape: dict, steps: int = 5, warmup: int = 2) -> dict:
@@ -158,6 +208,15 @@ def print_table(res: dict) -> None:
     print(f"GPU busy {b['gpu_busy_us'] / n / 1e3:.2f} ms of a {b['span_us'] / n / 1e3:.2f} ms "
           f"traced span per iteration; profiled iterations' wall (inflated by the profiler): "
           f"{', '.join(f'{t * 1e3:.1f}' for t in res['window_wall_s'])} ms")  # fmt: skip
+    gaps = sorted(b.get("idle", {}).items(), key=lambda kv: -kv[1]["us"])
+    if gaps:
+        print("GPU idle (gaps of 0.1 ms or more; ms an iteration, gaps) between the range "
+              "that ran last and the next: " + "; ".join(
+                  f"{k} {g['us'] / n / 1e3:.2f} ({g['gaps'] / n:.0f})" for k, g in gaps[:8]))  # fmt: skip
+    both = {k: us for k, us in b.get("overlap_us", {}).items() if us / n >= 100.0}
+    if both:
+        print("GPU work beside other ranges' work (ms an iteration): " + "; ".join(
+            f"{k} {us / n / 1e3:.2f}" for k, us in sorted(both.items(), key=lambda kv: -kv[1])))  # fmt: skip
     if res.get("fused_adamw"):
         a = res["fused_adamw"]
         print(f"torch fused AdamW, same {a['parameters'] / 1e6:.1f} M parameters (in this "

@@ -41,3 +41,21 @@ def test_a_range_closing_at_a_launch_instant_still_owns_it():
         _x("gpu_memcpy", "Memcpy DtoD", 20, 3, correlation=9),
     ]}  # fmt: skip
     assert attribute(trace)["ranges"]["undo copy"]["gpu_us"] == 3
+
+
+def test_idle_gaps_are_named_by_the_ranges_around_them_and_overlap_by_range():
+    trace = {"traceEvents": [
+        _x("user_annotation", "leto.undo ahead", 0, 5),
+        _x("cuda_runtime", "cudaMemcpyAsync", 1, 1, correlation=1),
+        _x("cuda_runtime", "cudaLaunchKernel", 10, 1, correlation=2),  # the script's
+        _x("user_annotation", "leto.chunk pass", 20, 5),
+        _x("cuda_runtime", "cudaLaunchKernel", 21, 1, correlation=3),
+        _x("gpu_memcpy", "Memcpy DtoD", 100, 300, correlation=1),
+        _x("kernel", "gemm", 200, 400, correlation=2),  # 200..400 beside the copy
+        _x("kernel", "chunk_pass", 850, 50, correlation=3),  # 250 µs idle before it
+        _x("kernel", "chunk_pass", 920, 50, correlation=3),  # 20 µs: under the threshold
+    ]}  # fmt: skip
+    b = attribute(trace)
+    assert b["idle"] == {f"{SCRIPT} -> chunk pass": {"us": 250.0, "gaps": 1}}
+    assert b["overlap_us"]["undo ahead"] == 200.0
+    assert b["overlap_us"][SCRIPT] == 200.0 and b["overlap_us"]["chunk pass"] == 0.0
