@@ -58,12 +58,44 @@ FUSED_CRASHES = [(p, 2, 1) for p in h.POINTS] + [
 
 
 @pytest.mark.parametrize("crash", FUSED_CRASHES, ids=lambda c: f"{c[0]}@{c[1]}#{c[2]}")
+@pytest.mark.parametrize("at", ["grad", "begin"])
 def test_the_fused_pass_with_the_undo_taken_ahead_resumes_exactly_from_every_point(
+    pool, fused_reference, crash, at
+):
+    # at: the copy queued when the first gradient lands (RetainedTraining's hook, the
+    # default) or at the iteration's start (LETO_UNDO_AHEAD_AT=begin).
+    got = u.train(pool, "adamw-fused", crash, undo="ahead", ahead_at=at, **KW)
+    assert got["chunk pass"] == "CPU twin"
+    same_bytes(got, fused_reference, f"--undo ahead at {at}, crash at {crash}")
+
+
+@pytest.mark.parametrize("crash", [None, ("update.optimizer", 2, 1), ("update.commit", 3, 1)],
+                         ids=lambda c: "fault-free" if c is None else f"{c[0]}@{c[1]}#{c[2]}")  # fmt: skip
+def test_without_a_gradient_hook_firing_the_update_takes_the_copy_itself(
     pool, fused_reference, crash
 ):
-    got = u.train(pool, "adamw-fused", crash, undo="ahead", **KW)
-    assert got["chunk pass"] == "CPU twin"
-    same_bytes(got, fused_reference, f"--undo ahead, crash at {crash}")
+    # Hooks armed, none fired (no backward): begin only marks the copy as due; the
+    # update queues it before its first chunk, and every byte is still as per chunk.
+    got = u.train(pool, "adamw-fused", crash, undo="ahead", ahead_at="update", **KW)
+    same_bytes(got, fused_reference, f"--undo ahead taken by the update, crash at {crash}")
+
+
+def test_the_copy_waits_for_the_first_gradient_and_is_taken_once(pool):
+    tr = u.Trainer(pool, "adamw-fused", undo="ahead", ahead_at="grad", **KW)
+    try:
+        tr.iteration()  # iteration 0
+        up = tr.up
+        up.begin(1)
+        assert up._ahead_pending == 1 and up._ahead_of == 0, "copied before a gradient"
+        up.ahead_at_first_grad()
+        assert up._ahead_pending is None and up._ahead_of == 1
+        before = {k: v.clone() for k, v in up._ahead.items()}
+        for live in up._alloc_pages.values():
+            live.add_(1)  # were it copied again, the mirror would change
+        up.ahead_at_first_grad()  # a later gradient of the same iteration
+        assert all(torch.equal(before[k], v) for k, v in up._ahead.items())
+    finally:
+        tr.client.close()
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +270,8 @@ def test_an_unknown_undo_mode_is_refused(pool):
     ],  # fmt: skip
     ids=lambda c: "fault-free" if c is None else f"{c[0]}@{c[1]}#{c[2]}",
 )
-def test_on_the_gpu_the_copy_beside_compute_gives_the_per_chunk_bytes(crash):
+@pytest.mark.parametrize("at", ["grad", "begin"])
+def test_on_the_gpu_the_copy_beside_compute_gives_the_per_chunk_bytes(crash, at):
     """The CUDA kernel with the whole-state copy on the copy stream (the update waits
     for it), fault-free and resumed after a crash, against per-chunk undo copies."""
     from leto.memory.config import PoolConfig
@@ -250,11 +283,11 @@ def test_on_the_gpu_the_copy_beside_compute_gives_the_per_chunk_bytes(crash):
         sm = start_state_manager(cfg)
         try:
             out[undo] = u.train(sm, "adamw-fused", crash if undo == "ahead" else None,
-                                undo=undo, **kw)  # fmt: skip
+                                undo=undo, ahead_at=at, **kw)  # fmt: skip
         finally:
             sm.stop()
     assert out["ahead"]["chunk pass"] == "cuda kernel"
-    same_bytes(out["ahead"], out["chunk"], f"--undo ahead on CUDA, crash {crash}")
+    same_bytes(out["ahead"], out["chunk"], f"--undo ahead at {at} on CUDA, crash {crash}")
 
 
 def test_a_pool_that_cannot_hold_the_copy_is_a_clear_error_at_start(pool, monkeypatch):

@@ -115,8 +115,15 @@ class Trainer:
     """One trainer process's objects: the script's optimizer and scheduler over a model
     built on the meta device, the updater, the loop record."""
 
-    def __init__(self, pool, kind: str, dims=h.DIMS, chunk_units: int = 1, undo: str = "chunk"):
+    def __init__(
+        self, pool, kind: str, dims=h.DIMS, chunk_units: int = 1, undo: str = "chunk",
+        ahead_at: str = "begin",
+    ):  # fmt: skip
+        # ahead_at (--undo ahead): "begin" copies at the iteration's start; "grad" when
+        # the first gradient lands (as RetainedTraining's hook does), "update" in the
+        # update (no gradient hook fired).
         self.client = PoolClient.connect(pool.socket_path, pool.token, takeover=True)
+        self.ahead_at = ahead_at
         try:
             self._start(kind, dims, chunk_units, undo)
         except BaseException:
@@ -134,6 +141,7 @@ class Trainer:
             self.client, self.model, None, UpdaterConfig(chunk_units=chunk_units, undo=undo),
             user=UserOptimizer(self.opts, names),
         )  # fmt: skip
+        self.up.ahead_at_grad = self.ahead_at != "begin"
         self.loop = self.up.loop
         m = self.up.recover(report)
         if m is None:
@@ -158,6 +166,8 @@ class Trainer:
         t = self.t
         self.up.begin(t)
         hooks.point("compute.backward", t)
+        if self.ahead_at == "grad":
+            self.up.ahead_at_first_grad()
         h.grads_for(self.model, t)
         torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), 0.5, foreach=True)
         hp = UserOptimizer.hparams(self.up.user)

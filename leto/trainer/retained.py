@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,8 @@ from leto.trainer.dp_group import DPGroup
 from leto.update.marker import MarkerState, Phase
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
+
+ENV_AHEAD_AT = "LETO_UNDO_AHEAD_AT"  # begin: --undo ahead's copy at the iteration's start
 
 
 class RetainedTraining:
@@ -193,9 +196,24 @@ class RetainedTraining:
         )  # fmt: skip
         if self.buckets is not None:
             self.buckets.before_launch = self._local_grad
+        # --undo ahead: the whole-state copy queued when the iteration's first gradient
+        # lands, so the device runs it beside the rest of backward (LETO_UNDO_AHEAD_AT=
+        # begin: at the iteration's start, as before). A library that sets the
+        # gradients itself (Megatron's) gets no hooks: its update queues the copy.
+        if self.up.ahead and not external_grads and os.environ.get(ENV_AHEAD_AT) != "begin":
+            seen: set[int] = set()
+            for p in self.params.values():
+                if p.requires_grad and id(p) not in seen:  # tied: one hook
+                    seen.add(id(p))
+                    p.register_post_accumulate_grad_hook(self._first_grad)
+            self.up.ahead_at_grad = True
         # Gradient replay (leto.integrity.replay): leto.Run sets it when the job can replay.
         self.replay = None
         self._t: int | None = None  # the iteration in progress
+
+    def _first_grad(self, _param: torch.Tensor) -> None:
+        if self.up._ahead_pending is not None:
+            self.up.ahead_at_first_grad()
 
     def can_replay(self) -> bool:
         """Whether another rank holds every parameter this rank computes gradients of
