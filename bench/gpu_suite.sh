@@ -529,7 +529,8 @@ if [[ $what == undo-ahead ]]; then
     iters=${LETO_UA_ITERS:-8}; [[ $preset == *128k ]] && iters=${LETO_UA_ITERS:-6}
     timeout 400 python3 -m bench.user_path --preset $preset --iterations $iters --skip ${LETO_UA_SKIP:-3} \
       --timeout-s 200 --script-args="--deterministic --tokens zipf" \
-      --leto-variant "ahead=--undo ahead" --json "$OUT/undo_ahead_$preset.json" \
+      --leto-variant "ahead=--undo ahead" --leto-variant "ahead-grad=LETO_UNDO_AHEAD_AT=grad --undo ahead" \
+      --json "$OUT/undo_ahead_$preset.json" \
       > "$OUT/undo_ahead_$preset.txt" 2>&1 || rc=1
     tail -c 2500 "$OUT/undo_ahead_$preset.txt"
   done

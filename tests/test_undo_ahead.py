@@ -62,8 +62,8 @@ FUSED_CRASHES = [(p, 2, 1) for p in h.POINTS] + [
 def test_the_fused_pass_with_the_undo_taken_ahead_resumes_exactly_from_every_point(
     pool, fused_reference, crash, at
 ):
-    # at: the copy queued when the first gradient lands (RetainedTraining's hook, the
-    # default) or at the iteration's start (LETO_UNDO_AHEAD_AT=begin).
+    # at: the copy queued at the iteration's start (the default) or when the first
+    # gradient lands (LETO_UNDO_AHEAD_AT=grad: RetainedTraining's hook).
     got = u.train(pool, "adamw-fused", crash, undo="ahead", ahead_at=at, **KW)
     assert got["chunk pass"] == "CPU twin"
     same_bytes(got, fused_reference, f"--undo ahead at {at}, crash at {crash}")

@@ -54,7 +54,7 @@ from leto.update.marker import MarkerState, Phase
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
 
-ENV_AHEAD_AT = "LETO_UNDO_AHEAD_AT"  # begin: --undo ahead's copy at the iteration's start
+ENV_AHEAD_AT = "LETO_UNDO_AHEAD_AT"  # grad: --undo ahead's copy at the first gradient
 
 
 class RetainedTraining:
@@ -196,11 +196,12 @@ class RetainedTraining:
         )  # fmt: skip
         if self.buckets is not None:
             self.buckets.before_launch = self._local_grad
-        # --undo ahead: the whole-state copy queued when the iteration's first gradient
-        # lands, so the device runs it beside the rest of backward (LETO_UNDO_AHEAD_AT=
-        # begin: at the iteration's start, as before). A library that sets the
+        # --undo ahead with LETO_UNDO_AHEAD_AT=grad: the whole-state copy queued when the
+        # iteration's first gradient lands, for the device to run it beside the rest of
+        # backward (queued at the iteration's start, the default, it ran alone on an
+        # H100). Not yet run on a GPU, hence not the default. A library that sets the
         # gradients itself (Megatron's) gets no hooks: its update queues the copy.
-        if self.up.ahead and not external_grads and os.environ.get(ENV_AHEAD_AT) != "begin":
+        if self.up.ahead and not external_grads and os.environ.get(ENV_AHEAD_AT) == "grad":
             seen: set[int] = set()
             for p in self.params.values():
                 if p.requires_grad and id(p) not in seen:  # tied: one hook

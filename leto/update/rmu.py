@@ -297,7 +297,12 @@ class Updater:
         if self.ahead:
             n = sum(t.numel() for t in self._ahead.values())
             size = f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-            return f"whole state ({size}) copied during forward and backward (--undo ahead)"
+            when = (
+                "queued at the iteration's first gradient (LETO_UNDO_AHEAD_AT=grad)"
+                if self.ahead_at_grad
+                else "queued at the iteration's start"
+            )
+            return f"whole state ({size}) copied during forward and backward, {when} (--undo ahead)"
         note = f" ({self.undo_note})" if self.undo_note else ""
         return f"per chunk, before its update{note}"
 
@@ -495,8 +500,9 @@ class Updater:
             # Nothing writes the state between here and the update (the scrub's repairs
             # and ZeRO-1's gather come before): the copy is every chunk's undo copy.
             # Queued here, it ran alone, not beside forward and backward (on an H100,
-            # 2026-12-05: under 0.1 ms of its 8.75 overlapped), so where the trainer
-            # hooks the gradients it is queued at the first one (``ahead_at_first_grad``).
+            # 2026-12-05: under 0.1 ms of its 8.75 overlapped); where the trainer hooks
+            # the gradients (LETO_UNDO_AHEAD_AT=grad) it is queued at the first one
+            # instead (``ahead_at_first_grad``).
             if self.ahead_at_grad:
                 self._ahead_pending = iteration
             else:
