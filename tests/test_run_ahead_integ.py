@@ -34,6 +34,14 @@ def _certify(tmp_path, *script_args: str, env=None) -> tuple[dict, Path]:
     return json.loads(p.stdout.strip().splitlines()[-1]), work
 
 
+def _logs(work: Path) -> str:
+    """The faulted run's agent and rank logs' last lines, for a failure's message."""
+    out = []
+    for f in sorted(work.glob("faulted*/logs/*.log")):
+        out.append(f"--- {f.name}\n" + "\n".join(f.read_text().splitlines()[-25:]))
+    return "\n".join(out)[-20000:]
+
+
 @pytest.mark.integ
 @pytest.mark.timeout(300)
 def test_a_set_up_that_fails_ahead_turns_it_off_and_the_run_stays_exact(tmp_path):
@@ -42,7 +50,9 @@ def test_a_set_up_that_fails_ahead_turns_it_off_and_the_run_stays_exact(tmp_path
     # error that stops the job, also when it was promoted meanwhile — and every later
     # shadow parks in leto.init().
     v, work = _certify(tmp_path, "--fails-ahead")
-    assert v["verdict"] == "EXACT", v
+    # (the whole verdict, as text: pytest shortens an object's repr, and a NOT EXACT
+    # here, seen once under CI's load at 92a8079, needs its divergence to be diagnosed)
+    assert v["verdict"] == "EXACT", json.dumps(v, indent=1)[:20000] + "\n" + _logs(work)
     logs = "".join(f.read_text() for f in work.glob("faulted*/logs/rank*.log"))
     assert "running the script's set-up ahead failed (the set-up raised RuntimeError" in logs
     assert "parks at leto.init() (turned off for this job: rank" in logs
