@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|certify-1b|user-recovery|fresh-start|cold-start|pin-stall|megatron|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|copy-overlap|certify-1b|user-recovery|fresh-start|cold-start|pin-stall|megatron|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -519,6 +519,11 @@ if [[ $what == undo-ahead ]]; then
   # One 600 s call does not hold all of it: LETO_UA_PARTS picks (default all, in order)
   # tests, h200-1b (16 K), h200-1b-128k, breakdown.
   parts=${LETO_UA_PARTS:-tests h200-1b h200-1b-128k breakdown}
+  # The --undo ahead variants beside torchrun and the defaults: where the copy is queued
+  # (the iteration's start, or its first gradient) and what runs it (LETO_AHEAD_COPY: the
+  # SMs, or the copy engines). LETO_UA_VARIANTS="name=flags;..." replaces them.
+  IFS=';' read -ra vs <<< "${LETO_UA_VARIANTS:-ahead=--undo ahead;ahead-grad=LETO_UNDO_AHEAD_AT=grad --undo ahead;engines=LETO_AHEAD_COPY=engines --undo ahead;engines-grad=LETO_AHEAD_COPY=engines LETO_UNDO_AHEAD_AT=grad --undo ahead}"
+  variants=(); for v in "${vs[@]}"; do variants+=(--leto-variant "$v"); done
   [[ " $parts " == *" tests "* ]] && { timeout 200 python3 -m pytest -p no:cacheprovider -q -rfEs \
     -m gpu tests/test_undo_ahead.py 2>&1 | tail -5 | tee "$OUT/undo_ahead_tests.txt" || rc=1; }
   for preset in h200-1b h200-1b-128k; do
@@ -529,17 +534,22 @@ if [[ $what == undo-ahead ]]; then
     iters=${LETO_UA_ITERS:-8}; [[ $preset == *128k ]] && iters=${LETO_UA_ITERS:-6}
     timeout 400 python3 -m bench.user_path --preset $preset --iterations $iters --skip ${LETO_UA_SKIP:-3} \
       --timeout-s 200 --script-args="--deterministic --tokens zipf" \
-      --leto-variant "ahead=--undo ahead" --leto-variant "ahead-grad=LETO_UNDO_AHEAD_AT=grad --undo ahead" \
-      --json "$OUT/undo_ahead_$preset.json" \
+      "${variants[@]}" --json "$OUT/undo_ahead_$preset.json" \
       > "$OUT/undo_ahead_$preset.txt" 2>&1 || rc=1
     tail -c 2500 "$OUT/undo_ahead_$preset.txt"
   done
   if [[ " $parts " == *" breakdown "* ]]; then
-    timeout 300 python3 -m bench.update_breakdown --preset h200-1b --leto-flags="--undo ahead" \
+    timeout 300 python3 -m bench.update_breakdown --preset h200-1b --leto-flags="${LETO_UA_BREAKDOWN_FLAGS:---undo ahead}" \
       --window 4:3 --script-args="--deterministic --tokens zipf" --json "$OUT/undo_ahead_breakdown.json" \
       > "$OUT/undo_ahead_breakdown.txt" 2>&1 || rc=1
     tail -c 3000 "$OUT/undo_ahead_breakdown.txt"
   fi
+fi
+if [[ $what == copy-overlap ]]; then
+  # Issue 59: which copy mechanism runs beside compute-bound work (an in-process benchmark
+  # of one component: bench/copy_overlap.py).
+  timeout 240 python3 -m bench.copy_overlap --gib ${LETO_CO_GIB:-12} --json-out "$OUT/copy_overlap.json" \
+    2>&1 | tee "$OUT/copy_overlap.txt" || rc=1
 fi
 if [[ $what == user-recovery ]]; then
   # Issue 57: recovery as the user lives it, the paper's measure (I + R: failure until the

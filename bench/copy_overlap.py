@@ -1,0 +1,167 @@
+"""How a whole-state copy on the GPU runs beside compute-bound work — an in-process
+benchmark of one component (issue 59: which mechanism lets ``--undo ahead``'s copy hide
+behind forward and backward), never a figure of the product.
+
+A chain of bf16 matrix multiplies (forward/backward's compute-bound part) runs on the
+current stream; a copy of ``--gib`` GiB (the retained state's size at ~1 B) is queued on
+a side stream just before it, by each mechanism in turn:
+
+* ``torch``: ``Tensor.copy_`` (``cudaMemcpyAsync`` device to device), as ``take_ahead``
+  does today;
+* ``batch-overlap``: ``cuMemcpyBatchAsync`` with ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``
+  (the driver's hint to use the copy engines beside work on the SMs; advisory);
+* ``kernel-N``: a Triton copy kernel of N programs (grid-stride), using at most N SMs.
+
+For each: the compute alone, the copy alone, and both together (the compute's slowdown,
+the copy's time beside it). Bytes are checked after each copy (``torch.equal``).
+
+    python -m bench.copy_overlap --gib 12 --json-out out/copy_overlap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+GiB = 1 << 30
+
+
+def _triton_copy():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(src, dst, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        start = pid * BLOCK
+        while start < n:
+            offs = start + tl.arange(0, BLOCK).to(tl.int64)
+            m = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+            start += step
+
+    return copy
+
+
+def _batch_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream, pieces: int):
+    """cuMemcpyBatchAsync of ``pieces`` equal parts, every one hinted to overlap compute."""
+    from cuda.bindings import driver as d
+
+    n = src.numel() * src.element_size()
+    part = -(-n // pieces)
+    dsts, srcs, sizes = [], [], []
+    for k in range(pieces):
+        lo = k * part
+        if lo >= n:
+            break
+        dsts.append(d.CUdeviceptr(dst.data_ptr() + lo))
+        srcs.append(d.CUdeviceptr(src.data_ptr() + lo))
+        sizes.append(min(part, n - lo))
+    a = d.CUmemcpyAttributes()
+    a.srcAccessOrder = d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    a.flags = d.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    loc = d.CUmemLocation()
+    loc.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    loc.id = src.device.index or 0
+    a.srcLocHint = loc
+    a.dstLocHint = loc
+    h = d.CUstream(stream.cuda_stream)
+    out = d.cuMemcpyBatchAsync(dsts, srcs, sizes, len(sizes), [a], [0], 1, h)
+    err = out[0]  # (CUDA 12.8's bindings also return the failing copy's index)
+    if err != d.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=12.0, help="the copy's size")
+    ap.add_argument("--matmuls", type=int, default=120, help="the compute chain's length")
+    ap.add_argument("--dim", type=int, default=8192)
+    ap.add_argument("--programs", default="8,16,33,66", help="kernel-N variants")
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    n = int(args.gib * GiB) // 8
+    src = torch.randint(-(2**62), 2**62, (n,), dtype=torch.int64, device=dev)
+    dst = torch.empty_like(src)
+    a = torch.randn(args.dim, args.dim, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(args.dim, args.dim, dtype=torch.bfloat16, device=dev)
+    c = torch.empty_like(a)
+    side = torch.cuda.Stream(dev)
+    main_s = torch.cuda.current_stream(dev)
+    kern = None
+    try:
+        kern = _triton_copy()
+    except Exception as e:  # (no Triton: the kernel variants are skipped, and said)
+        print(f"Triton copy kernel unavailable: {e}")
+
+    def compute():
+        for _ in range(args.matmuls):
+            torch.mm(a, b, out=c)
+
+    methods = {"torch": lambda: dst.copy_(src, non_blocking=True)}
+    for pieces in (1, 8):
+        methods[f"batch-overlap/{pieces}"] = lambda p=pieces: _batch_copy(dst, src, side, p)
+    if kern is not None:
+        for p in (int(x) for x in args.programs.split(",")):
+            methods[f"kernel-{p}"] = lambda p=p: kern[(p,)](src, dst, n, BLOCK=4096, num_warps=8)
+
+    def timed(run_copy, with_compute: bool) -> tuple[float | None, float | None]:
+        torch.cuda.synchronize(dev)
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        if run_copy is not None:
+            side.wait_stream(main_s)
+            with torch.cuda.stream(side):
+                e[2].record(side)
+                run_copy()
+                e[3].record(side)
+        if with_compute:
+            e[0].record(main_s)
+            compute()
+            e[1].record(main_s)
+        torch.cuda.synchronize(dev)
+        comp = e[0].elapsed_time(e[1]) if with_compute else None
+        cp = e[2].elapsed_time(e[3]) if run_copy is not None else None
+        return comp, cp
+
+    timed(None, True)  # warm-up: cuBLAS, clocks
+    rows = []
+    base = min(timed(None, True)[0] for _ in range(3))
+    print(f"compute alone: {base:.1f} ms ({args.matmuls} bf16 {args.dim}^3 matmuls)")
+    for name, fn in methods.items():
+        try:
+            timed(fn, False)  # warm-up (Triton compiles)
+        except Exception as e:
+            print(f"{name}: failed: {type(e).__name__}: {e}")
+            rows.append({"method": name, "error": f"{type(e).__name__}: {e}"})
+            continue
+        alone = min(timed(fn, False)[1] for _ in range(2))
+        dst.zero_()
+        both = [timed(fn, True) for _ in range(2)]
+        comp, cp = min(both)
+        exact = torch.equal(dst, src)
+        row = {
+            "method": name,
+            "copy_alone_ms": alone,
+            "copy_alone_gbps": 2 * n * 8 / alone / 1e6,
+            "compute_beside_ms": comp,
+            "compute_slowdown_ms": comp - base,
+            "copy_beside_ms": cp,
+            "bytes_equal": exact,
+        }
+        rows.append(row)
+        print(f"{name:>16}: copy alone {alone:7.1f} ms ({row['copy_alone_gbps']:5.0f} GB/s r+w); "
+              f"beside compute: compute {comp:7.1f} ms (+{comp - base:5.1f}), copy {cp:7.1f} ms; "
+              f"bytes equal {exact}")  # fmt: skip
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d"),
+                       "gib": args.gib, "compute_alone_ms": base, "rows": rows}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
