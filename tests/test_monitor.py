@@ -194,3 +194,33 @@ def test_the_iteration_count_is_the_trainers_not_the_beats_the_monitor_saw():
     assert m.ettr()["iterations"] == 3  # what the polled beats alone say
     last = json.loads(store.get(keys.pace(0, 0)))["iteration"]
     assert m.ettr(last + 1)["iterations"] == 30
+
+
+def test_a_trainer_started_under_an_earlier_ones_name_does_not_inherit_its_error(tmp_path):
+    # Seen in a run-ahead job: a parked shadow whose set-up raised was replaced in its
+    # generation; the replacement, promoted and later killed by the fault plan, was
+    # reported as "exited with -9: RuntimeError ..." from the first one's error file (and
+    # a kill before its training began would have stopped the job as a script error).
+    import json
+
+    from leto.launch.cell import Cell
+    from tests.pool_helpers import small_config
+
+    cell = Cell(RunConfig(nproc_per_node=1, log_dir=str(tmp_path)), 0, 0, ["-c", "pass"],
+                small_config())  # fmt: skip
+    try:
+        stale = cell.error_file(1, "shadow")
+        stale.write_text(json.dumps({"exception": "RuntimeError", "message": "the first one's"}))
+        cell.start_shadow(1, "L1")
+        cell.shadow.wait(timeout=60)
+        cell.active, cell.active_generation, cell.active_role = cell.shadow, 1, "shadow"
+        assert cell.active_error() is None  # the new trainer raised nothing
+        kept = tmp_path / "rank0.gen1.shadow.error.1.json"
+        assert json.loads(kept.read_text())["message"] == "the first one's"
+        stale.write_text("{}")
+        cell.start_shadow(1, "L1")  # again: numbered on
+        cell.shadow.wait(timeout=60)
+        assert (tmp_path / "rank0.gen1.shadow.error.2.json").exists() and not stale.exists()
+    finally:
+        cell.active = None
+        cell.stop()

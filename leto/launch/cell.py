@@ -113,6 +113,21 @@ class Cell:
     def error_file(self, generation: int, role: str) -> Path:
         return self.log_dir / f"rank{self.rank}.gen{generation}.{role}.error.json"
 
+    def _fresh_error_file(self, generation: int, role: str) -> None:
+        """A trainer started under a name an earlier one of this rank had (a dead parked
+        shadow replaced in its generation) must not inherit that one's error file: the
+        agent would report its exception as the new trainer's failure, and judge a kill
+        before training began a script error. The old file is kept beside, numbered."""
+        path = self.error_file(generation, role)
+        if not path.exists():
+            return
+        k = 1
+        while (
+            old := path.with_name(path.name.replace(".error.json", f".error.{k}.json"))
+        ).exists():
+            k += 1
+        path.rename(old)
+
     def active_error(self) -> dict | None:
         """The active trainer's error file (its uncaught exception), if it wrote one."""
         role = "active" if self.active_role == "active" else "shadow"
@@ -127,6 +142,7 @@ class Cell:
 
     def start_active(self, generation: int, fault: dict | None = None) -> None:
         """A cold start (the first generation, or shadows off)."""
+        self._fresh_error_file(generation, "active")
         env = self._env("active", generation, "off")
         if fault:
             env["LETO_FAULT_AT"], env["LETO_FAULT_MODE"] = fault["at"], fault.get("mode", "kill")
@@ -149,6 +165,7 @@ class Cell:
         self.active_role = "active"
 
     def start_shadow(self, generation: int, level: str) -> None:
+        self._fresh_error_file(generation, "shadow")
         r, w = os.pipe()
         env = self._env("shadow", generation, level)
         env[ENV_PROMOTE_FD] = str(r)
