@@ -8,12 +8,14 @@ a side stream just before it, by each mechanism in turn:
 
 * ``torch``: ``Tensor.copy_`` (``cudaMemcpyAsync`` device to device), as ``take_ahead``
   does today;
-* ``batch-overlap``: ``cuMemcpyBatchAsync`` with ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``
-  (the driver's hint to use the copy engines beside work on the SMs; advisory);
+* ``batch-overlap/P``: ``cuMemcpyBatchAsync`` of P parts with
+  ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE`` (the driver's hint to overlap the copy
+  with work on the SMs; advisory — cuda-python's documentation names Tegra);
 * ``kernel-N``: a Triton copy kernel of N programs (grid-stride), using at most N SMs.
 
 For each: the compute alone, the copy alone, and both together (the compute's slowdown,
-the copy's time beside it). Bytes are checked after each copy (``torch.equal``).
+the copy's time beside it). Bytes are checked after each copy (``torch.equal``). What it
+found on an H100 (no mechanism hides the copy): docs/benchmarks.md#h100-2026-12-06.
 
     python -m bench.copy_overlap --gib 12 --json-out out/copy_overlap.json
 """

@@ -520,9 +520,9 @@ if [[ $what == undo-ahead ]]; then
   # tests, h200-1b (16 K), h200-1b-128k, breakdown.
   parts=${LETO_UA_PARTS:-tests h200-1b h200-1b-128k breakdown}
   # The --undo ahead variants beside torchrun and the defaults: where the copy is queued
-  # (the iteration's start, or its first gradient) and what runs it (LETO_AHEAD_COPY: the
-  # SMs, or the copy engines). LETO_UA_VARIANTS="name=flags;..." replaces them.
-  IFS=';' read -ra vs <<< "${LETO_UA_VARIANTS:-ahead=--undo ahead;ahead-grad=LETO_UNDO_AHEAD_AT=grad --undo ahead;engines=LETO_AHEAD_COPY=engines --undo ahead;engines-grad=LETO_AHEAD_COPY=engines LETO_UNDO_AHEAD_AT=grad --undo ahead}"
+  # (the iteration's start, or its first gradient). LETO_UA_VARIANTS="name=flags;..."
+  # replaces them.
+  IFS=';' read -ra vs <<< "${LETO_UA_VARIANTS:-ahead=--undo ahead;ahead-grad=LETO_UNDO_AHEAD_AT=grad --undo ahead}"
   variants=(); for v in "${vs[@]}"; do variants+=(--leto-variant "$v"); done
   [[ " $parts " == *" tests "* ]] && { timeout 200 python3 -m pytest -p no:cacheprovider -q -rfEs \
     -m gpu tests/test_undo_ahead.py 2>&1 | tail -5 | tee "$OUT/undo_ahead_tests.txt" || rc=1; }

@@ -14,7 +14,6 @@ from faultkit import hooks
 from leto.errors import RetainedStateLost
 from leto.memory.client import PoolClient
 from leto.memory.launch import start_state_manager
-from leto.update import side_copy
 from leto.update.rmu import Updater, UpdaterConfig
 from tests import rmu_harness as h
 from tests import test_user_optim as u
@@ -272,14 +271,10 @@ def test_an_unknown_undo_mode_is_refused(pool):
     ids=lambda c: "fault-free" if c is None else f"{c[0]}@{c[1]}#{c[2]}",
 )
 @pytest.mark.parametrize("at", ["grad", "begin"])
-@pytest.mark.parametrize("copy", ["sm", "engines"])
-def test_on_the_gpu_the_copy_beside_compute_gives_the_per_chunk_bytes(crash, at, copy, monkeypatch):
+def test_on_the_gpu_the_copy_beside_compute_gives_the_per_chunk_bytes(crash, at):
     """The CUDA kernel with the whole-state copy on the copy stream (the update waits
-    for it), fault-free and resumed after a crash, against per-chunk undo copies; the
-    copy on the SMs and on the copy engines (LETO_AHEAD_COPY)."""
+    for it), fault-free and resumed after a crash, against per-chunk undo copies."""
     from leto.memory.config import PoolConfig
-
-    monkeypatch.setenv(side_copy.ENV, copy)
 
     cfg = PoolConfig.for_cuda(0, data_pages=12, tier1_pages=4, allow_fault_injection=True)
     kw = {"dims": (1024, 2400, 7), "chunk_units": 2}  # 2 MiB pages: units of 512 K
@@ -318,24 +313,3 @@ def test_a_pool_that_cannot_hold_the_copy_is_a_clear_error_at_start(pool, monkey
             Updater(client, model, None, UpdaterConfig(chunk_units=2, undo="ahead"), user=user)
     finally:
         client.close()
-
-
-def test_the_copy_engines_asked_for_where_there_are_none_say_so_and_copy_on_the_sms(
-    pool, monkeypatch
-):
-    monkeypatch.setenv(side_copy.ENV, "engines")
-    tr = u.Trainer(pool, "adamw-fused", undo="ahead", **KW)
-    try:
-        assert tr.up._side_copy.mechanism == "sm"
-        assert "on the SMs (copy_); LETO_AHEAD_COPY=engines not taken (not a CUDA device)" in (
-            tr.up.undo_path
-        )
-    finally:
-        tr.client.close()
-
-
-def test_an_unknown_copy_mechanism_is_refused_naming_the_known_ones():
-    with pytest.raises(
-        ValueError, match=r"LETO_AHEAD_COPY='dma': not a copy mechanism \(one of sm, engines\)"
-    ):
-        side_copy.SideCopy(torch.device("cpu"), "dma")

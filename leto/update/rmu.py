@@ -86,7 +86,6 @@ from leto.update.optim import (
     clip_coefficient,
 )
 from leto.update.schedule import WarmupCosine
-from leto.update.side_copy import SideCopy
 from nvbit_tools import tripwire
 
 MARKER_NAME = "rmu.marker"
@@ -218,7 +217,6 @@ class Updater:
                 self._ahead_first[n] = off // pb
                 off += t.numel()
             self._ahead_pages = as_pages(whole.view(-1, pb), None, "undo ahead", None)
-            self._side_copy = SideCopy(self.device)
         par = client.attach("rmu.parity", len(BUFFERS) * h1 * pb, kind=reusable)
         self.buf = {
             b: [par[(k * h1 + i) * pb : (k * h1 + i + 1) * pb] for i in range(h1)]
@@ -304,13 +302,7 @@ class Updater:
                 if self.ahead_at_grad
                 else "queued at the iteration's start"
             )
-            how = self._side_copy.said()
-            if self._side_copy.note:
-                how += f"; {self._side_copy.note}"
-            return (
-                f"whole state ({size}) copied during forward and backward {how}, {when} "
-                "(--undo ahead)"
-            )
+            return f"whole state ({size}) copied during forward and backward, {when} (--undo ahead)"
         note = f" ({self.undo_note})" if self.undo_note else ""
         return f"per chunk, before its update{note}"
 
@@ -429,14 +421,13 @@ class Updater:
         """--undo ahead: the whole retained state into its mirror, on the copy stream
         beside forward and backward; ``update`` waits for it before writing a chunk.
         ``iteration``: the one whose update it serves."""
-        pairs = [(self._ahead[name], live) for name, live in self._alloc_pages.items()]
         with leto_range("undo ahead"), self._side():
-            # A crash after the first allocation leaves the copy half done, in the compute
-            # phase: the iteration is redone and copies again.
-            self._side_copy.copy(pairs[:1])
-            if hook:
-                point("update.undo", iteration)
-            self._side_copy.copy(pairs[1:])
+            for k, (name, live) in enumerate(self._alloc_pages.items()):
+                if hook and k == 1:
+                    # A crash here leaves the copy half done, in the compute phase: the
+                    # iteration is redone and copies again.
+                    point("update.undo", iteration)
+                self._ahead[name].copy_(live, non_blocking=True)
         self._ahead_done = self._side_done()
         self._ahead_of = iteration
 
