@@ -199,7 +199,8 @@ class RetainedTraining:
         # --undo ahead with LETO_UNDO_AHEAD_AT=grad: the whole-state copy queued when the
         # iteration's first gradient lands, for the device to run it beside the rest of
         # backward (queued at the iteration's start, the default, it ran alone on an
-        # H100). Not yet run on a GPU, hence not the default. A library that sets the
+        # H100). On an H100 it made no difference either (the copy takes the SMs and the
+        # memory bandwidth wherever it runs: docs/update.md). A library that sets the
         # gradients itself (Megatron's) gets no hooks: its update queues the copy.
         if self.up.ahead and not external_grads and os.environ.get(ENV_AHEAD_AT) == "grad":
             seen: set[int] = set()
