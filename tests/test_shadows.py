@@ -121,3 +121,32 @@ def test_a_trainer_waiting_for_parked_successors_has_them_started_at_once():
     sh._wanted_checked = 0.0  # (the agent asks the store at most every 0.25 s)
     _poll(sh, monitor)
     assert [c.started for c in cells] == [[(2, "L2")], [(2, "L2")]]
+
+
+class _Dead:
+    def poll(self):
+        return 1
+
+
+def test_a_dead_l3_shadow_replaced_leaves_no_record_a_fault_plan_would_take_for_the_new_one():
+    # A shadow whose set-up failed ahead had settled ("failed: ..."); a fault plan's
+    # ``when: parked`` took that record for its replacement's and struck while the
+    # replacements were still starting.
+    from leto.job import keys
+
+    sh, monitor, cells, trainers = _job()
+    sh.level = "L3"
+    for c in cells:
+        c.shadow, c.shadow_generation, c.fallbacks = _Alive(), 2, 0
+        c.drop_shadow = lambda c=c: setattr(c, "shadow", None)
+    cells[0].shadow = _Dead()
+    for r in (0, 1):
+        sh.store.set(keys.parked(2, r), '{"pid": 1, "level": "L3"}')
+        sh.store.set(
+            keys.ahead_settled(2, r), "failed: the set-up raised" if r == 0 else "ran ahead"
+        )
+    sh.replace_dead(1)
+    assert [c.started for c in cells] == [[(2, "L3")], [(2, "L3")]]  # every rank's, at L3
+    left = [k for r in (0, 1) for k in (keys.parked(2, r), keys.ahead_settled(2, r))
+            if sh.store.check([k])]  # fmt: skip
+    assert left == []

@@ -163,12 +163,15 @@ class Shadows:
                 self._restart(cl, gen + 1)
 
     def _restart(self, cl: Cell, generation: int) -> None:
-        """A shadow in place of one that was dropped or died: its parked record goes
-        first, so whoever waits for this rank's shadow to park (a fault plan's ``when:
-        parked``, the preinitialization guard) waits for the new one."""
+        """A shadow in place of one that was dropped or died: its parked and run-ahead
+        records go first, so whoever waits for this rank's shadow to park and settle (a
+        fault plan's ``when: parked``, the preinitialization guard) waits for the new one
+        (a set-up that failed ahead had settled: a fault then struck while the
+        replacements were still starting)."""
         self.restarts += 1
         if self.store is not None:
             self.store.delete_key(keys.parked(generation, cl.rank))
+            self.store.delete_key(keys.ahead_settled(generation, cl.rank))
         cl.start_shadow(generation, self.level)
 
     def _classify_dead(self, gen: int, dead: list[Cell]) -> tuple[list[Cell], list[Cell]]:
