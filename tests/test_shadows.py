@@ -150,3 +150,64 @@ def test_a_dead_l3_shadow_replaced_leaves_no_record_a_fault_plan_would_take_for_
     left = [k for r in (0, 1) for k in (keys.parked(2, r), keys.ahead_settled(2, r))
             if sh.store.check([k])]  # fmt: skip
     assert left == []
+
+
+class _Proc:
+    def __init__(self, alive=True):
+        self.alive = alive
+
+    def poll(self):
+        return None if self.alive else -9
+
+
+class _RecoveryCell(SimpleNamespace):
+    """A cell as a recovery drives it: fence, drop, start and promote shadows (recorded)."""
+
+    def fence(self):
+        self.events.append("fence")
+
+    def drop_shadow(self):
+        self.events.append(("drop", self.shadow is not None and self.shadow.alive))
+        self.shadow = None
+
+    def start_shadow(self, generation, level):
+        self.shadow = _Proc()
+        self.shadow_generation = generation
+        self.events.append(("start", generation, self.pg_attempt))
+
+    def promote(self, fault=None):
+        assert self.shadow is not None and self.shadow.alive
+        self.events.append(("promote", self.shadow_generation, self.pg_attempt))
+        self.shadow = None
+
+
+def _recovery(shadows_alive):
+    from leto.launch.recovery import Recovery
+
+    store = dist.HashStore()
+    cfg = RunConfig(nproc_per_node=len(shadows_alive), shadow_level="L3")
+    cells = [
+        _RecoveryCell(rank=r, shadow=_Proc(a), shadow_generation=2, pg_attempt="0.0",
+                      fallbacks=0, events=[])
+        for r, a in enumerate(shadows_alive)
+    ]  # fmt: skip
+    sh = Shadows(cfg, cells)
+    sh.store = store
+    return Recovery(cfg, cells, store, sh, faults=[]), cells
+
+
+def test_a_recovery_at_l3_with_a_shadow_just_dead_restarts_every_shadow_in_a_fresh_namespace():
+    # The shadow died after the agent last looked (its set-up failed ahead, say) and the
+    # failure came first: a fresh shadow alone would meet, in the old namespace, a group
+    # the live ones formed with the dead one.
+    rec, cells = _recovery([False, True])
+    rec.in_place(1, detected_at=0.0)
+    for c in cells:
+        assert c.events[0] == "fence"
+        assert c.events[-2:] == [("start", 2, "0.1"), ("promote", 2, "0.1")], c.events
+
+
+def test_a_recovery_at_l3_with_every_shadow_alive_promotes_them_as_they_are():
+    rec, cells = _recovery([True, True])
+    rec.in_place(1, detected_at=0.0)
+    assert [c.events for c in cells] == [["fence", ("promote", 2, "0.0")]] * 2

@@ -95,6 +95,8 @@ class Recovery:
             cl.fence()
             if drop_shadows:
                 cl.drop_shadow()  # its generation's process group (L3) has no future
+        if not drop_shadows and self.shadows.on:
+            self.shadows.ask_before_promotion(gen)  # (seen by every node past the barrier)
         t_fenced = time.time()
         self.store.add(keys.fenced(gen), 1)
         job_store.wait_count(
@@ -112,6 +114,8 @@ class Recovery:
         if lost.get("device") or lost.get("host"):
             log.info("generation %d: %s", gen, said_lost(lost))
         new = gen + 1
+        if self.shadows.on:
+            self.shadows.restart_if_asked(gen)  # (L3: a shadow was missing on some node)
         promoted = self.shadows.level if self.shadows.on else None
         for cl in self.cells:
             if promoted is None:

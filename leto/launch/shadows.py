@@ -149,6 +149,24 @@ class Shadows:
         elif dead:  # below L3 a crashed shadow is replaced alone
             for cl in dead:
                 self._restart(cl, cl.shadow_generation)
+        self.restart_if_asked(gen)
+
+    def ask_before_promotion(self, gen: int) -> None:
+        """A recovery of ``gen``, before the nodes' fence barrier: at L3 a shadow that
+        died since the agent last looked asks every node to restart all of theirs, in a
+        fresh process-group namespace — a fresh shadow cannot join the group the others
+        formed with the dead one. (Shadows not started yet, held back after a recovery,
+        start now and meet in the group the others are still forming.)"""
+        if self.level == "L3" and any(
+            cl.shadow is not None and cl.shadow.poll() is not None for cl in self.cells
+        ):
+            self.store.add(keys.reshadow(gen + 1), 1)
+
+    def restart_if_asked(self, gen: int) -> None:
+        """Restart every local shadow of ``gen + 1`` in a fresh namespace if some node
+        asked since this one last did (after a recovery's barrier, every node sees the
+        same count: their shadows meet in the same namespace)."""
+        key = keys.reshadow(gen + 1)
         n = job_store.counter(self.store, key)
         if n > self._reshadows.get(gen + 1, 0):
             self._reshadows[gen + 1] = n
