@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|copy-overlap|certify-1b|user-recovery|fresh-start|cold-start|pin-stall|megatron|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|copy-overlap|grad-landing|certify-1b|user-recovery|fresh-start|cold-start|pin-stall|megatron|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -550,6 +550,12 @@ if [[ $what == copy-overlap ]]; then
   # of one component: bench/copy_overlap.py).
   timeout 240 python3 -m bench.copy_overlap --gib ${LETO_CO_GIB:-12} --json-out "$OUT/copy_overlap.json" \
     2>&1 | tee "$OUT/copy_overlap.txt" || rc=1
+fi
+if [[ $what == grad-landing ]]; then
+  # Issue 59: gradients landing in the flat buffer — added to zeros vs copied as they
+  # arrive vs kept by autograd (an in-process benchmark of one component).
+  timeout 240 python3 -m bench.grad_landing --layers 16 --dim 8192 --tokens 16384 \
+    --json-out "$OUT/grad_landing.json" 2>&1 | tail -8 | tee "$OUT/grad_landing.txt" || rc=1
 fi
 if [[ $what == user-recovery ]]; then
   # Issue 57: recovery as the user lives it, the paper's measure (I + R: failure until the
