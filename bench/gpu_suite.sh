@@ -552,10 +552,30 @@ if [[ $what == copy-overlap ]]; then
     2>&1 | tee "$OUT/copy_overlap.txt" || rc=1
 fi
 if [[ $what == grad-landing ]]; then
-  # Issue 59: gradients landing in the flat buffer — added to zeros vs copied as they
-  # arrive vs kept by autograd (an in-process benchmark of one component).
-  timeout 240 python3 -m bench.grad_landing --layers 16 --dim 8192 --tokens 16384 \
-    --json-out "$OUT/grad_landing.json" 2>&1 | tail -8 | tee "$OUT/grad_landing.txt" || rc=1
+  # Issue 59: gradients landing in the retained buffer by copy (leto.trainer.grad_landing)
+  # — its GPU test; the user path at 16 K against torchrun and against the old landing
+  # (LETO_GRAD_LANDING=add), deterministic; the tiny zoo (tied, groups, two optimizers,
+  # fp16) against torchrun with kills; and the in-process component benchmark (added to
+  # zeros vs copied vs kept by autograd). LETO_GL_PARTS picks (default: tests userpath zoo).
+  parts=${LETO_GL_PARTS:-tests userpath zoo}
+  [[ " $parts " == *" tests "* ]] && { timeout 120 python3 -m pytest -p no:cacheprovider -q -rfEs \
+    tests/test_grad_landing.py 2>&1 | tail -3 | tee "$OUT/grad_landing_tests.txt" || rc=1; }
+  if [[ " $parts " == *" userpath "* ]]; then
+    timeout 300 python3 -m bench.user_path --preset h200-1b --iterations ${LETO_GL_ITERS:-16} \
+      --skip ${LETO_GL_SKIP:-8} --timeout-s 200 --script-args="--deterministic --tokens zipf" \
+      --leto-variant "add=LETO_GRAD_LANDING=add" --json "$OUT/grad_landing_userpath.json" \
+      > "$OUT/grad_landing_userpath.txt" 2>&1 || rc=1
+    tail -c 2000 "$OUT/grad_landing_userpath.txt"
+  fi
+  if [[ " $parts " == *" zoo "* ]]; then
+    timeout ${LETO_GL_ZOO_TIMEOUT:-240} python3 -m bench.zoo --device cuda --size tiny \
+      --cases tied,groups,two-optimizers,fp16 --kill-cases tied,groups \
+      --json "$OUT/grad_landing_zoo.json" > "$OUT/grad_landing_zoo.txt" 2>&1 || rc=1
+    tail -c 2500 "$OUT/grad_landing_zoo.txt"
+  fi
+  [[ " $parts " == *" component "* ]] && { timeout 240 python3 -m bench.grad_landing --layers 16 \
+    --dim 8192 --tokens 16384 --json-out "$OUT/grad_landing.json" 2>&1 | tail -8 \
+    | tee "$OUT/grad_landing.txt" || rc=1; }
 fi
 if [[ $what == user-recovery ]]; then
   # Issue 57: recovery as the user lives it, the paper's measure (I + R: failure until the

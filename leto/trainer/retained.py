@@ -48,8 +48,10 @@ from leto.integrity.scrub import Scrubber
 from leto.memory.client import PoolClient
 from leto.plugins import SDC_GRAD_POINT, point
 from leto.ranges import leto_range
+from leto.trainer import grad_landing
 from leto.trainer.buckets import GradBuckets
 from leto.trainer.dp_group import DPGroup
+from leto.trainer.grad_landing import GradLanding
 from leto.update.marker import MarkerState, Phase
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
@@ -186,6 +188,13 @@ class RetainedTraining:
         # parameters: buckets around them, however large).
         if self.rank_local and bucket_mib <= 0:
             bucket_mib = float("inf")
+        # Gradients copied into their views as autograd hands them over, not added to a
+        # zeroed buffer (leto.trainer.grad_landing); its hooks come before the buckets'.
+        self.landing = (
+            GradLanding(self.params, self.up.state)
+            if not external_grads and shards is None and grad_landing.wanted()
+            else None
+        )
         self.buckets = (
             GradBuckets(
                 self.params, self.up.state, bucket_mib, at_backward_end=user is not None,
@@ -320,11 +329,12 @@ class RetainedTraining:
         point("gather", t)
         with leto_range("begin"):
             self.up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
-            if not self.external_grads:
+            landing = self.landing is not None and self.landing.begin()
+            if not self.external_grads and not landing:
                 self.up.state.attach_grads(self.params)
             if self.buckets is not None:
                 self.buckets.begin()
-            self.up.begin(t)
+            self.up.begin(t, zero_grads=not landing)
         self._t = t
         if self.replay is not None:
             with leto_range("gradient replay"):
@@ -391,6 +401,8 @@ class RetainedTraining:
             point("allreduce", t)  # (the library's reduction is over: before the copy)
             self.up.state.stage_grads(self.params)
             return
+        if self.landing is not None:
+            self.landing.finish()  # (a parameter no backward reached: its view, zeroed)
         self.up.state.check_grads(self.params)
         point("allreduce", t)
         if self.buckets is not None:

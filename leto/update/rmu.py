@@ -493,9 +493,12 @@ class Updater:
 
     # -- the iteration --------------------------------------------------------------
 
-    def begin(self, iteration: int) -> None:
+    def begin(self, iteration: int, zero_grads: bool = True) -> None:
+        """``zero_grads`` False: the gradients land by copy this iteration (the trainer's
+        ``leto.trainer.grad_landing``): the buffer is not zeroed."""
         self._write(MarkerState(iteration, Phase.COMPUTE))
-        self.state.grad.zero_()
+        if zero_grads:
+            self.state.grad.zero_()
         if self.ahead:
             # Nothing writes the state between here and the update (the scrub's repairs
             # and ZeRO-1's gather come before): the copy is every chunk's undo copy.
