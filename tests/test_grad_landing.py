@@ -153,3 +153,21 @@ def test_on_the_gpu_copied_gradients_give_the_bytes_a_zeroed_buffer_got():
         _iteration(net, batches)
         landing.finish()
         assert torch.equal(_bits(state.grad), _bits(ref_state.grad)), f"iteration {k}"
+
+
+def test_a_script_that_zeroes_after_the_iteration_began_lands_by_copy_too():
+    # optimizer.zero_grad() at the top of the loop body: the iteration began with the
+    # views attached and zeroed; the script's zero_grad(set_to_none=True) then sets them
+    # to None (release), and the backward after it lands by copy.
+    ref_net, ref_named, ref_state = _bound()
+    net, named, state = _bound()
+    landing = GradLanding(named, state)
+    _views_and_zero(named, state)
+    assert landing.begin() is False
+    landing.release()
+    assert all(p.grad is None for p in named.values())
+    _views_and_zero(ref_named, ref_state)
+    _iteration(ref_net, _batches(4))
+    _iteration(net, _batches(4))
+    landing.finish()
+    assert torch.equal(_bits(state.grad), _bits(ref_state.grad))

@@ -12,8 +12,9 @@ object — so its port is ``model = run.model`` where it had ``model = DDP(model
 * ``.module`` is the plain model; ``parameters()``, ``named_parameters()`` and
   ``state_dict()`` are DDP's, names prefixed ``module.`` (a script that saves
   ``model.module.state_dict()`` or ``model.state_dict()`` saves what it saved under DDP);
-* ``zero_grad()`` zeroes the retained gradients in place (as ``optimizer.zero_grad()``
-  does under Leto: never None);
+* ``zero_grad()`` does what ``optimizer.zero_grad()`` does under Leto: the gradients
+  None (the next backward lands them in retained memory again), or zeroed in place with
+  ``set_to_none=False`` (``leto.trainer.grad_landing``);
 * buffers: rank 0's running statistics are broadcast before a forward that follows a
   synchronizing one, as DDP's ``broadcast_buffers`` (``leto.trainer.buffer_state``);
 * ``torch.compile``: a model compiled inside DDP's forward is compiled by Dynamo in

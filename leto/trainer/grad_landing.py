@@ -19,7 +19,9 @@ backward reached is given its view, zeroed, before the update reads it (``finish
 the zeroed buffer gave it before. The copy is ``g + 0.0``, one read and one write like a
 copy: the bytes the zeroed buffer got (0.0 + -0.0 is 0.0), which gradient replay's
 digest and every earlier run assume. A script that keeps its gradients (``zero_grad
-(set_to_none=False)``, or none at all) gets the views, zeroed, as before.
+(set_to_none=False)``, or none at all) gets the views, zeroed, as before. Under Leto the
+script's ``zero_grad(set_to_none=True)`` sets them to None (``release``), as torch does;
+it zeroed the whole buffer in place before (and the iteration's start zeroed it again).
 
 Not used for sharded parameters (FSDP2, tensor parallel: their gradients are DTensors
 reduced into the retained shards) nor where a library sets the gradients itself
@@ -102,14 +104,27 @@ class GradLanding:
     def begin(self) -> bool:
         """At the iteration's start: True where every trainable gradient is None (the
         buffer is then not zeroed and the views not attached)."""
-        self.on = all(p.grad is None for p, _ in self._pairs)
-        if self.on:
-            grad = self.state.grad
-            if self._short is not None:
-                grad.index_fill_(0, self._short, 0)
-            for a, b in self._long:
-                grad[a:b].zero_()
+        if all(p.grad is None for p, _ in self._pairs):
+            self._land()
+        else:
+            self.on = False
         return self.on
+
+    def release(self) -> None:
+        """The script's ``zero_grad(set_to_none=True)``: every trainable gradient None, as
+        torch leaves them, where it zeroed the whole buffer in place before; the next
+        backward lands by copy (also when the script zeroes after the iteration began)."""
+        for p, _ in self._pairs:
+            p.grad = None
+        self._land()
+
+    def _land(self) -> None:
+        self.on = True
+        grad = self.state.grad
+        if self._short is not None:
+            grad.index_fill_(0, self._short, 0)
+        for a, b in self._long:
+            grad[a:b].zero_()
 
     def finish(self) -> None:
         """Before the update reads the buffer: a parameter no backward reached gets its

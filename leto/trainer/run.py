@@ -737,8 +737,13 @@ class Run:
         self.job.up.user_skip = frozenset(rec["skip"])
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the retained gradients in place (never None: they must stay retained)."""
-        self.job.up.state.grad.zero_()
+        """``set_to_none``: the gradients None, as torch leaves them, where they land in
+        the retained buffer by copy (``leto.trainer.grad_landing``: the next backward puts
+        them back); otherwise the retained gradients zeroed in place."""
+        if set_to_none and self.job.landing is not None:
+            self.job.landing.release()
+        else:
+            self.job.up.state.grad.zero_()
 
     def _load_state_dict(self, state_dict) -> None:
         raise InvalidInput(
