@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from leto.trainer import grad_landing
 from leto.trainer.grad_landing import GradLanding
 from leto.update.layout import ParamSlot
 
@@ -68,7 +69,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def test_copied_gradients_give_the_buffer_the_bytes_a_zeroed_buffer_got():
+@pytest.mark.parametrize("gaps", ["indexed", "filled"])
+def test_copied_gradients_give_the_buffer_the_bytes_a_zeroed_buffer_got(gaps, monkeypatch):
+    # (what no view covers — alignment gaps, the frozen layer — zeroed by one indexed
+    # fill, or a fill a gap where the index would be too large)
+    if gaps == "filled":
+        monkeypatch.setattr(grad_landing, "MAX_INDEXED", 0)
     ref_net, ref_named, ref_state = _bound()
     net, named, state = _bound()
     landing = GradLanding(named, state)

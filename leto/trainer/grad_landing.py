@@ -36,6 +36,7 @@ import torch
 
 ENV = "LETO_GRAD_LANDING"  # copy (default) or add (the views zeroed and added to)
 LONG_GAP = 1 << 16  # elements: a gap zeroed by its own fill, not through the index
+MAX_INDEXED = 1 << 20  # elements the index may hold (8 MiB of it); past it, a fill a gap
 
 
 def wanted() -> bool:
@@ -74,9 +75,12 @@ class GradLanding:
             at = max(at, b)
         if at < state.grad.numel():
             gaps.append((at, state.grad.numel()))
-        self._long = [(a, b) for a, b in gaps if b - a >= LONG_GAP]
-        short = [torch.arange(a, b) for a, b in gaps if b - a < LONG_GAP]
-        self._short = torch.cat(short).to(state.grad.device) if short else None
+        short = [(a, b) for a, b in gaps if b - a < LONG_GAP]
+        if sum(b - a for a, b in short) > MAX_INDEXED:  # (many small frozen parameters)
+            short = []
+        self._long = [g for g in gaps if g not in short]
+        index = [torch.arange(a, b) for a, b in short]
+        self._short = torch.cat(index).to(state.grad.device) if index else None
 
     def _arrive(self, p: torch.nn.Parameter, view: torch.Tensor):
         def hook(g: torch.Tensor) -> torch.Tensor:
