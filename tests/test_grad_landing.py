@@ -177,3 +177,29 @@ def test_a_script_that_zeroes_after_the_iteration_began_lands_by_copy_too():
     _iteration(net, _batches(4))
     landing.finish()
     assert torch.equal(_bits(state.grad), _bits(ref_state.grad))
+
+
+def test_a_bucket_launched_at_backwards_end_carries_zero_for_a_parameter_no_backward_reached(
+    monkeypatch,
+):
+    # The bucket holding an unused parameter completes only in finish(), at backward's
+    # end: its view must be zeroed before that launch (the all-reduce, and gradient
+    # replay's digest of the local gradient just before it), not after.
+    import torch.distributed as dist
+
+    from leto.trainer.buckets import GradBuckets
+
+    net, named, state = _bound()
+    landing = GradLanding(named, state)
+    state.numel = state.grad.numel()
+    buckets = GradBuckets(named, state, bucket_mib=64, at_backward_end=True)
+    buckets.before_finish = landing.finish
+    seen = []
+    buckets.before_launch = lambda view: seen.append(view.clone())
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: SimpleNamespace(wait=lambda: None))
+    landing.release()
+    net(_batches(1)[0]).square().mean().backward()  # its callback ran finish()
+    assert buckets.reduced and len(seen) == 1
+    u = next(s for s in state.slots if s.name == "unused.weight")
+    assert not seen[0][u.offset : u.offset + u.numel].any(), "the last iteration's 7.0 went out"

@@ -98,6 +98,10 @@ class GradBuckets:
         # Called with each bucket's view just before its all-reduce launches (the local
         # gradient's last moment: a wrong-computation seam and gradient replay's digest).
         self.before_launch = None
+        # Called as ``finish`` begins, before the buckets backward did not complete are
+        # launched (leto.trainer.grad_landing: a parameter no backward reached gets its
+        # view zeroed first, or its bucket would carry the last iteration's gradient).
+        self.before_finish = None
         self._hooks = []
         for name, b in bucket_of.items():
             self._hooks.append(params[name].register_post_accumulate_grad_hook(self._hook(b)))
@@ -139,6 +143,8 @@ class GradBuckets:
     def finish(self) -> None:
         """Launch, in order, every bucket backward did not; wait for all; divide by the
         world size; reset."""
+        if self.before_finish is not None:
+            self.before_finish()
         try:
             while self._next < len(self.ranges):
                 self._launch(self._next)

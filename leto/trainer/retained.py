@@ -205,6 +205,8 @@ class RetainedTraining:
         )  # fmt: skip
         if self.buckets is not None:
             self.buckets.before_launch = self._local_grad
+            if self.landing is not None:
+                self.buckets.before_finish = self.landing.finish
         # --undo ahead with LETO_UNDO_AHEAD_AT=grad: the whole-state copy queued when the
         # iteration's first gradient lands, for the device to run it beside the rest of
         # backward (queued at the iteration's start, the default, it ran alone on an
