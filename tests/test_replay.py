@@ -221,3 +221,42 @@ def test_leto_run_refuses_a_negative_replay_interval():
     with pytest.raises(ValueError, match=r"--replay-every -1: expected >= 0 \(0: off\)"):
         RunConfig(replay_every=-1)
     assert RunConfig(replay_every=0).replay_every == 0
+
+
+class _WithUnused(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.spare = torch.nn.Linear(8, 8)  # a parameter no forward reaches
+
+
+def test_gradients_landing_by_copy_digest_a_parameter_the_micro_batch_missed_as_zero():
+    # leto.trainer.grad_landing: the buffer is not zeroed, so a parameter no backward
+    # reached holds the last iteration's gradient until finish() zeroes its view; the
+    # whole buffer's digest after the first micro-batch must see the zero the
+    # recomputation assumes (else a false alarm).
+    from types import SimpleNamespace
+
+    from leto.trainer.grad_landing import GradLanding
+    from leto.update.layout import ParamSlot
+
+    torch.manual_seed(0)
+    model = _WithUnused()
+    params = dict(model.named_parameters())
+    slots, at = [], 0
+    for name, p in params.items():
+        slots.append(ParamSlot(name, p.shape, at, p.numel()))
+        at += p.numel()
+    flat = torch.full((at + 5,), 7.0)  # the last iteration's gradients, and padding
+    landing = GradLanding(params, SimpleNamespace(grad=flat, slots=slots))
+    rp = GradReplay(model, params, flat, rank=0, world=2, k=3, group=object())
+    rp.before_whole = landing.finish
+    x = torch.randint(0, 17, (4, 6))
+    y = torch.randint(0, 17, (4, 6))
+    landing.release()  # the script's zero_grad(set_to_none=True)
+    rp.begin(3)
+    for _ in range(2):  # the second micro-batch's forward digests the first's gradient
+        logits, loss = model(x, y)
+        loss.backward()
+    cap = rp._payload()
+    assert cap is not None
+    assert rp._compute(cap) == cap["digest"]

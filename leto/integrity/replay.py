@@ -268,6 +268,10 @@ class GradReplay:
         return hook
 
     buckets = None  # leto.trainer.buckets.GradBuckets, when gradients are bucketed
+    # Called before the whole buffer is digested (leto.trainer.grad_landing's finish: a
+    # parameter the first micro-batch did not reach has its view zeroed first, as the
+    # zeroed buffer had it; its later micro-batches add to the zeros).
+    before_whole = None
 
     def local(self, view: torch.Tensor) -> None:
         """``view`` (a bucket, or the whole buffer) is about to be reduced: a bucket of the
@@ -285,6 +289,8 @@ class GradReplay:
         """The whole buffer is the first micro-batch's local gradient now (before the next
         micro-batch's backward, or before an unbucketed all-reduce)."""
         if self._phase == "lazy":
+            if self.before_whole is not None:
+                self.before_whole()
             self._acc = digest(self.grad)
             self._phase = "done"
 

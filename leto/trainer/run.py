@@ -344,6 +344,8 @@ class Run:
                 generators=megatron.generators(),  # Megatron's dropout draws from its tracker
             )  # fmt: skip
             self.job.replay.buckets = self.job.buckets
+            if self.job.landing is not None:
+                self.job.replay.before_whole = self.job.landing.finish
         self._t: int | None = None  # the iteration in progress
         self._stepped = False
         self._called: set[int] = set()  # optimizers whose step() this iteration called
