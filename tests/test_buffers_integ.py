@@ -35,7 +35,7 @@ def _same(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
-    outs = [tmp_path_factory.mktemp("buffers_ddp") for _ in range(2)]
+    outs = [tmp_path_factory.mktemp("buffers_ddp") for _ in range(torchrun_reference.ATTEMPTS)]
     attempt = torchrun_reference.run(
         "buffers_job.py",
         lambda a: ["--standalone", "--nproc-per-node", "2", str(SCRIPT), "--out", str(outs[a])],

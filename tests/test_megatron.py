@@ -193,7 +193,7 @@ def _bit_identical_after_a_kill(
         "megatron-fp16": ["--megatron-ddp", "--fp16", "--initial-loss-scale", "2097152",
                           "--loss-scale-window", "3"],
     }[ddp]  # fmt: skip
-    refs = [ref, tmp_path / "torchrun-again"]
+    refs = [ref, tmp_path / "torchrun-again", tmp_path / "torchrun-third"]
     ref = refs[torchrun_reference.run(
         "the Megatron script",
         lambda a: ["--standalone", "--nproc-per-node", str(world), str(TORCHRUN), *args,

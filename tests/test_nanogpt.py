@@ -116,7 +116,7 @@ def test_nanogpt_under_leto_run_is_byte_identical_to_torchrun_and_ddp_after_a_ki
         args = ["deterministic.py", *args]  # a config file, run by nanoGPT's configurator
     # The reference, unmodified nanoGPT under torchrun (once more in a fresh folder if
     # plain torch + gloo aborts at its exit: tests.torchrun_reference).
-    folders = [tmp_path / "ddp", tmp_path / "ddp-again"]
+    folders = [tmp_path / "ddp", tmp_path / "ddp-again", tmp_path / "ddp-third"]
     ddp = folders[torchrun_reference.run(
         "nanoGPT",
         lambda a: ["--standalone", "--nproc-per-node", "2", "train.py", *args,

@@ -195,7 +195,7 @@ def test_the_parallel_examples_under_leto_are_bit_identical_to_torchrun_after_a_
     script, flags, world, at, rank = CASES[case]
     plain = tmp_path / "plain"
     args = ["--iterations", "4", *flags]
-    plains = [plain, tmp_path / "plain-again"]
+    plains = [plain, tmp_path / "plain-again", tmp_path / "plain-third"]
     plain = plains[torchrun_reference.run(
         f"{script}.py",
         lambda a: ["--standalone", "--nproc-per-node", str(world), str(EXAMPLES / f"{script}.py"),

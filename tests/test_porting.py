@@ -102,7 +102,7 @@ def test_the_ported_llama_is_bit_identical_to_ddp_and_exact_under_faults(tmp_pat
     ddp = tmp_path / "ddp"
     # --standalone: torchrun picks its own free rendezvous port on localhost (a port
     # chosen here could be taken before it binds). A hang reports torchrun's output.
-    ddps = [ddp, tmp_path / "ddp-again"]
+    ddps = [ddp, tmp_path / "ddp-again", tmp_path / "ddp-third"]
     try:
         ddp = ddps[torchrun_reference.run(
             "the DDP script",

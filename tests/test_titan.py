@@ -72,7 +72,7 @@ def test_the_debug_model_under_leto_is_bit_identical_to_torchtitan(tmp_path):
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     job = [str(TITAN / "debug_job.py"), "--iterations", "4"]
-    plains = [tmp_path / "plain", tmp_path / "plain-again"]
+    plains = [tmp_path / "plain", tmp_path / "plain-again", tmp_path / "plain-third"]
     plain = plains[torchrun_reference.run(
         "torchtitan's debug job",
         lambda a: ["--standalone", "--nproc-per-node", "1", *job, "--plain", "--out", str(plains[a])],
