@@ -137,8 +137,6 @@ def test_a_script_that_keeps_its_gradients_gets_the_zeroed_views_as_before():
 def test_on_the_gpu_copied_gradients_give_the_bytes_a_zeroed_buffer_got():
     """The hooks run on autograd's device thread: the copy is queued on the stream its
     node runs on, before the post-accumulate hook hands the view back."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (on a GPU machine: bash bench/gpu_suite.sh)")
     dev = torch.device("cuda")
     ref_net, ref_named, ref_state = _bound()
     net, named, state = _bound()
@@ -203,3 +201,22 @@ def test_a_bucket_launched_at_backwards_end_carries_zero_for_a_parameter_no_back
     assert buckets.reduced and len(seen) == 1
     u = next(s for s in state.slots if s.name == "unused.weight")
     assert not seen[0][u.offset : u.offset + u.numel].any(), "the last iteration's 7.0 went out"
+
+
+def test_the_gaps_are_zeroed_once_an_iteration_when_the_script_releases_its_gradients():
+    # zero_grad(set_to_none=True) at the iteration's end zeroes them; the next
+    # iteration's start, finding every gradient None, does not again.
+    net, named, state = _bound()
+    landing = GradLanding(named, state)
+    fills = []
+    real = landing._land
+    landing._land = lambda: (fills.append(1), real())
+    assert landing.begin() and len(fills) == 1  # (bound without gradients: lands)
+    _iteration(net, _batches(0))
+    landing.release()
+    assert len(fills) == 2
+    assert landing.begin() and len(fills) == 2 and landing.on
+    _iteration(net, _batches(1))
+    for p in named.values():  # the script drops them itself: the start zeroes the gaps
+        p.grad = None
+    assert landing.begin() and len(fills) == 3

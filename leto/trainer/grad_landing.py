@@ -50,6 +50,7 @@ class GradLanding:
     def __init__(self, params: dict[str, torch.nn.Parameter], state):
         self.state = state
         self.on = False  # this iteration's gradients land by copy
+        self._released = False  # release() ran since the last begin()
         self._pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         seen: set[int] = set()
         for slot in state.slots:
@@ -108,10 +109,11 @@ class GradLanding:
     def begin(self) -> bool:
         """At the iteration's start: True where every trainable gradient is None (the
         buffer is then not zeroed and the views not attached)."""
-        if all(p.grad is None for p, _ in self._pairs):
-            self._land()
-        else:
+        released, self._released = self._released, False
+        if not all(p.grad is None for p, _ in self._pairs):
             self.on = False
+        elif not released:  # (release zeroed the gaps already since the last iteration)
+            self._land()
         return self.on
 
     def release(self) -> None:
@@ -121,6 +123,7 @@ class GradLanding:
         for p, _ in self._pairs:
             p.grad = None
         self._land()
+        self._released = True
 
     def _land(self) -> None:
         self.on = True

@@ -51,7 +51,6 @@ from leto.ranges import leto_range
 from leto.trainer import grad_landing
 from leto.trainer.buckets import GradBuckets
 from leto.trainer.dp_group import DPGroup
-from leto.trainer.grad_landing import GradLanding
 from leto.update.marker import MarkerState, Phase
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
@@ -191,7 +190,7 @@ class RetainedTraining:
         # Gradients copied into their views as autograd hands them over, not added to a
         # zeroed buffer (leto.trainer.grad_landing); its hooks come before the buckets'.
         self.landing = (
-            GradLanding(self.params, self.up.state)
+            grad_landing.GradLanding(self.params, self.up.state)
             if not external_grads and shards is None and grad_landing.wanted()
             else None
         )
