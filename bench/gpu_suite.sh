@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|copy-overlap|grad-landing|certify-1b|user-recovery|fresh-start|cold-start|pin-stall|megatron|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|copy-overlap|resumable-pass|grad-landing|certify-1b|user-recovery|fresh-start|cold-start|pin-stall|megatron|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -550,6 +550,33 @@ if [[ $what == copy-overlap ]]; then
   # of one component: bench/copy_overlap.py).
   timeout 240 python3 -m bench.copy_overlap --gib ${LETO_CO_GIB:-12} --json-out "$OUT/copy_overlap.json" \
     2>&1 | tee "$OUT/copy_overlap.txt" || rc=1
+fi
+if [[ $what == resumable-pass ]]; then
+  # Issue 59: the chunk pass without an undo copy (chunk_pass.cu's chunk_pass_rf_h*).
+  # LETO_RP_PARTS picks (default all, in order): bench (an in-process benchmark of one
+  # component: its builds side by side), tests (the chunk pass's GPU tests), userpath
+  # (the user path at 16 K tokens: torchrun, leto run's defaults and the per-chunk undo
+  # copy side by side, deterministic, bytes compared), zoo (real models' shapes killed
+  # in the update).
+  parts=${LETO_RP_PARTS:-tests bench userpath zoo}
+  [[ " $parts " == *" tests "* ]] && { timeout 200 python3 -m pytest -p no:cacheprovider -q -rfEs -m gpu \
+    tests/test_chunk_pass.py tests/test_resumable_pass.py tests/test_undo_ahead.py 2>&1 | tail -6 \
+    | tee "$OUT/resumable_tests.txt" || rc=1; }
+  [[ " $parts " == *" bench "* ]] && { timeout 150 python3 -m bench.resumable_pass --repeats 3 2>&1 \
+    | tee "$OUT/resumable_pass.txt" | grep -A1 '": {\|bit-ident' | grep -v '^--' || rc=1; }
+  if [[ " $parts " == *" userpath "* ]]; then
+    timeout 420 python3 -m bench.user_path --preset h200-1b --iterations ${LETO_RP_ITERS:-12} \
+      --skip ${LETO_RP_SKIP:-6} --timeout-s 200 --script-args="--deterministic --tokens zipf" \
+      --leto-variant "copy=LETO_RESUMABLE_PASS=0" --json "$OUT/resumable_userpath.json" \
+      > "$OUT/resumable_userpath.txt" 2>&1 || rc=1
+    tail -c 2500 "$OUT/resumable_userpath.txt"
+  fi
+  if [[ " $parts " == *" zoo "* ]] && (( SECONDS < ${LETO_RP_ZOO_BEFORE:-9999} )); then
+    timeout ${LETO_RP_ZOO_TIMEOUT:-300} python3 -m bench.zoo --device cuda --size tiny \
+      --cases tied,groups,two-optimizers,fp16 --kill-cases ${LETO_RP_ZOO_KILL:-tied,groups,two-optimizers,fp16} \
+      --json "$OUT/resumable_zoo.json" > "$OUT/resumable_zoo.txt" 2>&1 || rc=1
+    tail -c 1500 "$OUT/resumable_zoo.txt"
+  fi
 fi
 if [[ $what == grad-landing ]]; then
   # Issue 59: gradients landing in the retained buffer by copy (leto.trainer.grad_landing)

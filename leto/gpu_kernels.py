@@ -41,6 +41,25 @@ ENV_PREBUILD = "LETO_PREBUILD"  # 0: leto run starts no prebuild
 ENV_SPLIT = "LETO_NVRTC_SPLIT"  # 0: NVRTC optimizes on one thread
 
 
+# The resumable chunk pass's build (chunk_pass.cu): units a thread saves and writes per
+# step, and its L2 cache policies (2: the slots kept, the state streamed). The host's
+# ItemLog layout follows the units (leto.update.chunk_pass.STEP_UNITS). On an H100
+# (2026-12-06) two units a step with the policies took the least time (bench.resumable_pass);
+# the variables pick others for benchmarks.
+ENV_RF_UNITS, ENV_RF_HINTS = "LETO_RF_UNITS", "LETO_RF_HINTS"
+
+
+def rf_units() -> int:
+    g = int(os.environ.get(ENV_RF_UNITS, "2"))
+    if not 1 <= g <= 8:
+        raise ValueError(f"{ENV_RF_UNITS}={g}: from 1 to 8 units a step")
+    return g
+
+
+def rf_hints() -> int:
+    return int(os.environ.get(ENV_RF_HINTS, "2"))
+
+
 def _spec(name: str) -> tuple[str, tuple[str, ...], list[str]]:
     """(source, NVRTC options, the headers' texts) of module ``name``."""
     kernels = resources.files("leto.erasure.kernels")  # gf_horner.cuh
@@ -54,7 +73,8 @@ def _spec(name: str) -> tuple[str, tuple[str, ...], list[str]]:
         # leto.update.chunk_pass.
         source = resources.files("leto.update").joinpath("chunk_pass.cu").read_text()
         opts = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true",
-                "-fmad=true", f"-I{tripwire}", f"-I{kernels}")  # fmt: skip
+                "-fmad=true", f"-I{tripwire}", f"-I{kernels}",
+                f"-DLETO_RF_UNITS={rf_units()}", f"-DLETO_RF_HINTS={rf_hints()}")  # fmt: skip
     else:
         raise ValueError(f"no CUDA module {name!r}: one of {', '.join(MODULES)}")
     return source, opts, [h.read_text() for h in headers]

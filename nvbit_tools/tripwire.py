@@ -192,6 +192,19 @@ def land(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], columns: bool
     fire(torch.device("cpu"))
 
 
+def cpu_blocks(total: int) -> int:
+    """The CPU emulation of a kernel of ``total`` blocks of independent threads (the
+    resumable chunk pass's): how many of its blocks run before the trip-wire holds the
+    rest (``fire`` then kills, as on the GPU)."""
+    global _landed, _total
+    if _after is None:
+        raise RuntimeError("trip-wire: cpu_blocks() while disarmed")
+    n = min(total, max(_after - _landed, 0))
+    _landed += n
+    _total += total
+    return n
+
+
 def fire(device: torch.device) -> None:
     """Wait until N blocks finished (or everything launched did: fewer than N blocks),
     then SIGKILL this process with the rest held in flight."""

@@ -258,6 +258,279 @@ CHUNK_PASS_RS(chunk_pass_rs_h2, 2)
 CHUNK_PASS_RS(chunk_pass_rs_h3, 3)
 CHUNK_PASS_RS(chunk_pass_rs_h4, 4)
 
+// ---- H <= 4, resumable: the pass without an undo copy ---------------------------------
+//
+// The same arithmetic and Horner scheme, made crash-consistent item by item instead of by
+// an undo copy of the whole chunk. A thread walks its units G at a time (a step). Before
+// a step's stores it saves what they overwrite — the old parameter, exp_avg and
+// exp_avg_sq of the step's units that have values to change (16 bytes each), and its
+// Horner sums before the step — in one of two slots (alternating by step: the slot a
+// record names is never the one being written), then records the step in its progress
+// word, then stores the new values. After its last unit it saves its final sums and
+// records "done". Fences order the three. The slots and progress words are small and
+// rewritten at the same places every step, so they stay in the L2 cache: the chunk's
+// traffic to memory is the in-place pass's, not that plus a copy of the chunk.
+//
+// Progress word of an item: (tag << 24) | c, tag naming the update's chunk (the caller
+// clears the words before an update's first chunk, so an older chunk's words never match):
+//   c odd: c = (k << 10) | (mask << 2) | (slot << 1) | 1 — units before k are updated; the
+//          step from unit k (G units) is in flight: the old values of its units in
+//          ``mask`` and the sums before unit k are in slot ``slot`` (the units in mask
+//          may be half written, the others are untouched);
+//   c = 2: every unit updated, the final sums in the "fin" planes.
+// Any other word (another tag): nothing of this chunk was written for the item.
+//
+// Modes: 0 a fresh pass (the words are only written); 1 resume a pass a crash cut short
+// (restore the recorded step's units from its slot, redo it with the saved sums; "done"
+// items only add their saved sums to the parity); 2 the parity of the state the crash
+// left (as 1, but the units not yet updated change nothing): with the scratch parity
+// starting as a copy of the authoritative one, it is the parity of the half-updated
+// chunk, from which a recovery rebuilds lost pages before resuming. Mode 2 reads no
+// segment (n_seg may be 0).
+//
+// Slot planes (uint4, n_items each): slot s at planes s*(3G+H) + 3j + a (unit j of the
+// step; param, exp_avg, exp_avg_sq) and s*(3G+H) + 3G + r (sums); the final sums at
+// 2*(3G+H) + r.
+
+#ifndef LETO_RF_UNITS
+X
+#endif
+
+// The order of a thread's stores (slot, then record, then values) as memory sees it: a
+// release-acquire fence at the GPU's scope (fence.acq_rel.gpu) — what orders a thread's
+// earlier stores before its later ones — not the sequentially consistent one that
+// __threadfence() gives (LETO_RF_FENCE=0 builds that, for benchmarks).
+#ifndef LETO_RF_FENCE
+#define LETO_RF_FENCE 1
+#endif
+__device__ __forceinline__ void rf_fence() {
+#if LETO_RF_FENCE == 0
+  __threadfence();
+#elif LETO_RF_FENCE == 1
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#endif  // (2: none, a benchmark's diagnosis only: not crash-consistent)
+}
+
+// Cache hints (LETO_RF_HINTS): 0 none; 1 the chunk's state streamed (evict-first loads
+// and stores: __ldcs/__stcs); 2 the state evict-first and the slots evict-last by L2
+// cache policies (sm_80+), so the slots rewritten every step are what the L2 keeps.
+#ifndef LETO_RF_HINTS
+#define LETO_RF_HINTS 2  // leto.gpu_kernels.rf_hints() builds it
+#endif
+__device__ __forceinline__ unsigned long long rf_policy(bool last) {
+  unsigned long long p = 0;
+#if LETO_RF_HINTS == 2
+  if (last)
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+#endif
+  return p;
+}
+__device__ __forceinline__ float4 rf_load(const float* a, unsigned long long pol) {
+#if LETO_RF_HINTS == 1
+  return __ldcs(reinterpret_cast<const float4*>(a));
+#elif LETO_RF_HINTS == 2
+  float4 x;
+  asm volatile("ld.global.L2::cache_hint.v4.f32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "l"(a), "l"(pol));
+  return x;
+#else
+  return *reinterpret_cast<const float4*>(a);
+#endif
+}
+__device__ __forceinline__ void rf_store(float* a, float4 x, unsigned long long pol) {
+#if LETO_RF_HINTS == 1
+  __stcs(reinterpret_cast<float4*>(a), x);
+#elif LETO_RF_HINTS == 2
+  asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1,%2,%3,%4}, %5;"
+               :: "l"(a), "f"(x.x), "f"(x.y), "f"(x.z), "f"(x.w), "l"(pol) : "memory");
+#else
+  *reinterpret_cast<float4*>(a) = x;
+#endif
+}
+__device__ __forceinline__ void rf_keep(uint4* a, uint4 x, unsigned long long pol) {
+#if LETO_RF_HINTS == 2
+  asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1,%2,%3,%4}, %5;"
+               :: "l"(a), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w), "l"(pol) : "memory");
+#else
+  *a = x;
+#endif
+}
+
+template <int H>
+__device__ __forceinline__ void rf_save_sums(uint4* planes, long long n_items, int first,
+                                             long long item, const unsigned int (&t)[H][4],
+                                             unsigned long long pol = 0) {
+#pragma unroll
+  for (int r = 0; r < H; ++r)
+    rf_keep(planes + (first + r) * n_items + item, make_uint4(t[r][0], t[r][1], t[r][2], t[r][3]),
+            pol);
+}
+
+template <int H>
+__device__ __forceinline__ void rf_load_sums(const uint4* planes, long long n_items, int first,
+                                             long long item, unsigned int (&t)[H][4]) {
+#pragma unroll
+  for (int r = 0; r < H; ++r) {
+    const uint4 w = planes[(first + r) * n_items + item];
+    t[r][0] = w.x, t[r][1] = w.y, t[r][2] = w.z, t[r][3] = w.w;
+  }
+}
+
+template <int H, int G>
+__device__ __forceinline__ void chunk_pass_rf_body(
+    float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
+    const float* __restrict__ g, long long unit_elems, int u_begin, int u_end,
+    long long item_lo, long long item_hi, const Seg* __restrict__ segs, int n_seg,
+    const unsigned int* __restrict__ mtables, const unsigned long long* __restrict__ out_ptrs,
+    LetoTripwire* tw, unsigned long long* __restrict__ progress, uint4* __restrict__ slots,
+    long long n_items, unsigned long long tag, int mode) {
+  if (tw && !tripwire_enter(tw)) return;
+  constexpr int NP = (H + 1) / 2;
+  constexpr int SLOT = 3 * G + H;  // planes per slot
+  __shared__ __align__(16) unsigned int tab[H * 4 * NP * 16];
+  stage<NP>(tab, mtables, 0, H);
+  __syncthreads();
+  const long long item = item_lo + blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  const int n = u_end - u_begin;
+  if (item < item_hi) {
+    unsigned int t[H][4];
+#pragma unroll
+    for (int r = 0; r < H; ++r) t[r][0] = t[r][1] = t[r][2] = t[r][3] = 0;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    volatile unsigned long long* word = progress + item;
+    const unsigned long long mine = tag << 24;
+    int k = 0, slot = 0;
+    bool done = false;
+    if (mode != 0) {
+      const unsigned long long w = *word;
+      if ((w >> 24) == tag) {
+        const int c = (int)(w & 0xFFFFFF);
+        if (c == 2) {
+          rf_load_sums<H>(slots, n_items, 2 * SLOT, item, t);
+          done = true;
+        } else if (c & 1) {
+          k = c >> 10;
+          slot = (c >> 1) & 1;
+          const int mask = (c >> 2) & 0xFF;
+          const int s0 = slot * SLOT;
+#pragma unroll
+          for (int j = 0; j < G; ++j) {
+            if (!(mask >> j & 1)) continue;
+            const long long e = (long long)(u_begin + k + j) * unit_elems + item * 4;
+            *reinterpret_cast<uint4*>(p + e) = slots[(s0 + 3 * j + 0) * n_items + item];
+            *reinterpret_cast<uint4*>(m + e) = slots[(s0 + 3 * j + 1) * n_items + item];
+            *reinterpret_cast<uint4*>(v + e) = slots[(s0 + 3 * j + 2) * n_items + item];
+          }
+          rf_load_sums<H>(slots, n_items, s0 + 3 * G, item, t);
+        }
+      }
+    }
+    int si = 0, cached = -1;
+    Seg s;
+    float bc1 = 1, bc2s = 1;
+    const unsigned long long stream = rf_policy(false), keep = rf_policy(true);
+    for (k = done ? n : k; k < n; k += G) {
+      // The step's units that have values to change here (a segment covers the item).
+      int mask = 0;
+      int seg_of[G];
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        seg_of[j] = -1;
+        if (k + j >= n || mode == 2) continue;
+        const long long e = (long long)(u_begin + k + j) * unit_elems + item * 4;
+        while (si < n_seg && segs[si].end <= e) ++si;
+        if (si < n_seg && segs[si].start <= e) {
+          seg_of[j] = si;
+          mask |= 1 << j;
+        }
+      }
+      if (!mask) {  // nothing of ours to change: every column is still a Horner step
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          if (k + j >= n) break;
+          horner_step<H>(t, zero);
+          horner_step<H>(t, zero);
+          horner_step<H>(t, zero);
+        }
+        continue;
+      }
+      float4 p0[G], m0[G], v0[G], p1[G], m1[G], v1[G];
+      const int s0 = slot * SLOT;
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        if (!(mask >> j & 1)) continue;
+        const long long e = (long long)(u_begin + k + j) * unit_elems + item * 4;
+        p0[j] = rf_load(p + e, stream);
+        m0[j] = rf_load(m + e, stream);
+        v0[j] = rf_load(v + e, stream);
+        const float4 gg = rf_load(g + e, stream);
+        rf_keep(slots + (s0 + 3 * j + 0) * n_items + item, *reinterpret_cast<const uint4*>(&p0[j]), keep);
+        rf_keep(slots + (s0 + 3 * j + 1) * n_items + item, *reinterpret_cast<const uint4*>(&m0[j]), keep);
+        rf_keep(slots + (s0 + 3 * j + 2) * n_items + item, *reinterpret_cast<const uint4*>(&v0[j]), keep);
+        if (seg_of[j] != cached) {
+          s = segs[seg_of[j]];
+          bias_corrections(s, bc1, bc2s);
+          cached = seg_of[j];
+        }
+        p1[j] = p0[j], m1[j] = m0[j], v1[j] = v0[j];
+        const long long left = s.end - e;
+        adam_element(p1[j].x, gg.x, m1[j].x, v1[j].x, s, bc1, bc2s);
+        if (left > 1) adam_element(p1[j].y, gg.y, m1[j].y, v1[j].y, s, bc1, bc2s);
+        if (left > 2) adam_element(p1[j].z, gg.z, m1[j].z, v1[j].z, s, bc1, bc2s);
+        if (left > 3) adam_element(p1[j].w, gg.w, m1[j].w, v1[j].w, s, bc1, bc2s);
+      }
+      rf_save_sums<H>(slots, n_items, s0 + 3 * G, item, t, keep);
+      rf_fence();  // the slot before the record that names it
+      *word = mine | (unsigned long long)((k << 10) | (mask << 2) | (slot << 1) | 1);
+      rf_fence();  // the record before the values it allows to be half written
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        if (k + j >= n) break;
+        if (!(mask >> j & 1)) {
+          horner_step<H>(t, zero);
+          horner_step<H>(t, zero);
+          horner_step<H>(t, zero);
+          continue;
+        }
+        const long long e = (long long)(u_begin + k + j) * unit_elems + item * 4;
+        rf_store(p + e, p1[j], stream);
+        rf_store(m + e, m1[j], stream);
+        rf_store(v + e, v1[j], stream);
+        horner_step<H>(t, xor4(p0[j], p1[j]));  // columns in group order: param, exp_avg,
+        horner_step<H>(t, xor4(m0[j], m1[j]));  // exp_avg_sq of each unit
+        horner_step<H>(t, xor4(v0[j], v1[j]));
+      }
+      slot ^= 1;
+    }
+    if (mode != 2 && !done) {
+      rf_save_sums<H>(slots, n_items, 2 * SLOT, item, t);
+      rf_fence();  // the final sums (and the last step's values) before "done"
+      *word = mine | 2ull;
+    }
+    horner_finish<H>(t, tab, out_ptrs, item, true);
+  }
+  if (tw) tripwire_leave(tw);
+}
+
+#define CHUNK_PASS_RF(NAME, H)                                                            \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                 \
+      float* p, float* m, float* v, const float* g, long long unit_elems, int u_begin,    \
+      int u_end, long long item_lo, long long item_hi, const Seg* segs, int n_seg,        \
+      const unsigned int* mtables, const unsigned long long* out_ptrs, LetoTripwire* tw,   \
+      unsigned long long* progress, uint4* slots, long long n_items,                      \
+      unsigned long long tag, int mode) {                                                 \
+    chunk_pass_rf_body<H, LETO_RF_UNITS>(p, m, v, g, unit_elems, u_begin, u_end, item_lo, \
+                                         item_hi, segs, n_seg, mtables, out_ptrs, tw,     \
+                                         progress, slots, n_items, tag, mode);            \
+  }
+
+CHUNK_PASS_RF(chunk_pass_rf_h1, 1)
+CHUNK_PASS_RF(chunk_pass_rf_h2, 2)
+CHUNK_PASS_RF(chunk_pass_rf_h3, 3)
+CHUNK_PASS_RF(chunk_pass_rf_h4, 4)
+
 // ---- H > 4: a table multiply per column -----------------------------------------------
 
 #define CHUNK_PASS(NAME, NP)                                                             \

@@ -41,7 +41,8 @@ import os
 import numpy as np
 import torch
 
-from leto.erasure import horner
+from leto import gpu_kernels
+from leto.erasure import field, horner
 from leto.erasure.codec import ReedSolomon
 from leto.erasure.kernels import by_name, for_device
 from leto.update.layout import RetainedModel
@@ -49,8 +50,15 @@ from leto.update.user_optim import ADAM, ADAMW, UserOptimizer
 from nvbit_tools import tripwire
 
 ENV = "LETO_CHUNK_PASS"  # "0": the unfused steps
+RESUMABLE_ENV = "LETO_RESUMABLE_PASS"  # "0": an undo copy of every chunk instead
 MAX_ROWS = 16
 THREADS = 256
+# Modes of the resumable pass (chunk_pass.cu's chunk_pass_rf_h*).
+FRESH, RESUME, PARITY = 0, 1, 2
+TAG_LIMIT = 1 << 39  # a tag fits the progress word's top 40 bits, sign bit clear
+STEP_UNITS = gpu_kernels.rf_units()  # units a thread saves and writes per step (its build's)
+MAX_CHUNK_UNITS = 1 << 14  # a step's first unit fits its 14 bits of the progress word
+DONE = 2  # the progress code of an item that finished the chunk
 SEG = np.dtype(
     [
         ("start", "<i8"),
@@ -90,6 +98,68 @@ def unsupported(state: RetainedModel, user: UserOptimizer | None, h1: int) -> st
     return None
 
 
+def not_resumable(h1: int) -> str | None:
+    """Why the fused pass cannot run resumably (with an ``ItemLog`` in place of an undo
+    copy of every chunk) under a code with ``h1`` tier-1 pages (None: it can)."""
+    if os.environ.get(RESUMABLE_ENV, "1") == "0":
+        return f"{RESUMABLE_ENV}=0"
+    if not horner.applies(h1):
+        return (
+            f"{h1} tier-1 pages: the resumable pass takes the Horner scheme's at most "
+            f"{horner.HORNER_ROWS}"
+            if h1 > horner.HORNER_ROWS
+            else f"{horner.ENV}=0"
+        )
+    return None
+
+
+def log_bytes(page_bytes: int, h1: int) -> int:
+    """Bytes of an ``ItemLog`` for pages of ``page_bytes`` and ``h1`` tier-1 pages."""
+    items = page_bytes // 16
+    return items * 8 + ItemLog.planes(h1) * items * 16
+
+
+def step_code(k: int, mask: int, slot: int) -> int:
+    """The progress code of a step from unit ``k`` in flight: the old values of its units
+    in ``mask`` and the sums before unit ``k`` in slot ``slot``."""
+    return (k << 10) | (mask << 2) | (slot << 1) | 1
+
+
+class ItemLog:
+    """What the resumable pass records per item (16 bytes at one offset of every page of
+    a chunk) so that a crash anywhere in it can be resumed without an undo copy of the
+    chunk (chunk_pass.cu explains the protocol): a progress word per item, two slots per
+    item (the old values of the unit being written and the parity sums before it) and
+    the final sums. Lives in pool memory, so it outlives the trainer that wrote it."""
+
+    def __init__(self, flat: torch.Tensor, page_bytes: int, h: int):
+        self.items, self.h = page_bytes // 16, h
+        n = self.items
+        self.progress = flat[: n * 8].view(torch.int64)
+        planes = self.planes(h)
+        self.slots = flat[n * 8 : n * 8 + planes * n * 16].view(torch.int32).view(planes, n, 4)
+
+    @staticmethod
+    def planes(h: int) -> int:
+        return 2 * (3 * STEP_UNITS + h) + h
+
+    def plane_of_data(self, slot: int, unit: int, array: int) -> int:
+        return slot * (3 * STEP_UNITS + self.h) + 3 * unit + array
+
+    def plane_of_sums(self, slot: int, row: int) -> int:
+        base = slot * (3 * STEP_UNITS + self.h)
+        return base + (3 * STEP_UNITS if slot < 2 else 0) + row
+
+    def data(self, slot: int, unit: int, array: int) -> torch.Tensor:
+        """Slot ``slot``'s old values of the step's unit ``unit``, of ``array`` (0 param,
+        1 exp_avg, 2 exp_avg_sq): [items, 4] words."""
+        return self.slots[self.plane_of_data(slot, unit, array)]
+
+    def sums(self, slot: int, row: int) -> torch.Tensor:
+        """Slot ``slot``'s parity sums of row ``row``; slot 2: the final sums."""
+        return self.slots[self.plane_of_sums(slot, row)]
+
+
 class ChunkPass:
     """The fused pass for one updater; ``create`` returns (pass or None, reason)."""
 
@@ -112,6 +182,10 @@ class ChunkPass:
             self._launch = {k: module.get_function(f"chunk_pass_p{k}") for k in (1, 2, 4, 8)}
             self._launch_rs = {
                 h: module.get_function(f"chunk_pass_rs_h{h}")
+                for h in range(1, horner.HORNER_ROWS + 1)
+            }
+            self._launch_rf = {
+                h: module.get_function(f"chunk_pass_rf_h{h}")
                 for h in range(1, horner.HORNER_ROWS + 1)
             }
 
@@ -159,17 +233,27 @@ class ChunkPass:
         return None
 
     def run(self, units: tuple[int, int], part: tuple[int, int], col0: int,
-            scratch: list[torch.Tensor], code: ReedSolomon, pages, parity_update) -> None:  # fmt: skip
+            scratch: list[torch.Tensor], code: ReedSolomon, pages, parity_update,
+            log: ItemLog | None = None, tag: int = 0, mode: int = FRESH, mid=None) -> None:  # fmt: skip
         """Optimizer + parity delta on elements ``part`` = [lo, hi) of every page of the
         chunk's ``units`` (its first data page is column ``col0`` of the group; ``lo``
         and ``hi`` multiples of 64), the parity change accumulated into ``scratch``.
         ``code``: the group's tier-1 code; ``pages`` (the chunk's live pages, group
         order) and ``parity_update(scratch, col0, old, new)`` (the codec's) serve the
-        CPU twin."""
-        if self.table is None:
+        CPU twin.
+
+        With a ``log``: the resumable pass, its progress words tagged ``tag`` (< 2^39,
+        naming the update's chunk), in ``mode`` FRESH, RESUME or PARITY (chunk_pass.cu).
+        ``mid()``: the CPU twin calls it halfway through, with one unit of its items half
+        written (a crash point)."""
+        if self.table is None and mode != PARITY:  # (PARITY reads no hyperparameters)
             raise RuntimeError("ChunkPass.prepare was not called for this update")
+        if log is not None and not 0 < tag < TAG_LIMIT:
+            raise ValueError(f"resumable pass: tag {tag} outside 1 .. 2^39 - 1")
         if self.device.type == "cuda":
-            self._kernel(units, part, col0, scratch, code)
+            self._kernel(units, part, col0, scratch, code, log, tag, mode)
+        elif log is not None:
+            self._twin_resumable(units, part, col0, scratch, code, pages, log, tag, mode, mid)
         else:
             self._twin(units, part, col0, scratch, code, pages, parity_update)
 
@@ -180,12 +264,13 @@ class ChunkPass:
             hi += 1
         return range(lo, hi)
 
-    def _kernel(self, units, part, col0: int, scratch, code: ReedSolomon) -> None:
+    def _kernel(self, units, part, col0: int, scratch, code: ReedSolomon, log=None, tag=0,
+                mode=FRESH) -> None:  # fmt: skip
         st, ue = self.state, self.state.unit_elems
         (u0, u1), (lo, hi) = units, part
-        segs = self._segments(u0 * ue, u1 * ue)
-        if not len(segs) or hi <= lo:
-            return
+        segs = range(0) if mode == PARITY else self._segments(u0 * ue, u1 * ue)
+        if (not len(segs) and mode != PARITY) or hi <= lo:
+            return  # (nothing changes: a resumable pass's items then start afresh)
         rows = len(scratch)
         ptrs = _pointer_table(self.device, [p.data_ptr() for p in scratch])
         f = st.flat
@@ -201,9 +286,22 @@ class ChunkPass:
             np.int32(u1),
             np.int64(lo // 4),
             np.int64(hi // 4),
-            np.uint64(self.dev_table.data_ptr() + SEG.itemsize * segs.start),
+            np.uint64(self.dev_table.data_ptr() + SEG.itemsize * segs.start if len(segs) else 0),
             np.int32(len(segs)),
         )
+        if log is not None:
+            m = code.horner_coefficients(col0, 3 * (u1 - u0))
+            tail = (np.uint64(by_name("cuda").tables(m, self.device).data_ptr()),
+                    np.uint64(ptrs.data_ptr()))  # fmt: skip
+            tw = tripwire.launch_arg(self.device, blocks)
+            with tripwire.launch_on_torch_stream(self.device):
+                self._launch_rf[rows]((blocks,), (THREADS,), (
+                    *head, *tail, np.uint64(tw), np.uint64(log.progress.data_ptr()),
+                    np.uint64(log.slots.data_ptr()), np.int64(log.items), np.uint64(tag),
+                    np.int32(mode)))  # fmt: skip
+            if tw:
+                tripwire.fire(self.device)
+            return
         if horner.applies(rows):
             m = code.horner_coefficients(col0, 3 * (u1 - u0))
             tail = (np.uint64(by_name("cuda").tables(m, self.device).data_ptr()),
@@ -261,6 +359,161 @@ class ChunkPass:
             for_device(self.device).matmul(m, t, ys, accumulate=True)
         else:
             parity_update(ys, col0, read, [p[cut] for p in pages])
+
+    def _twin_resumable(self, units, part, col0, scratch, code, pages, log: ItemLog,
+                        tag: int, mode: int, mid) -> None:  # fmt: skip
+        """The resumable pass on the CPU: chunk_pass.cu's protocol item by item — the same
+        progress words, slots and final sums, in the same places — with every item's unit
+        stepped together, its values from torch's fused kernel on the ranges the other
+        twin uses (the unfused steps' bytes)."""
+        ue, h, G = self.state.unit_elems, log.h, STEP_UNITS
+        (u0, u1), (lo, hi) = units, part
+        n = u1 - u0
+        i0, i1 = lo // 4, hi // 4
+        held = tripwire.armed()  # faultkit kernel-abort: the first N blocks run, as there
+        if held:
+            i1 = min(i1, i0 + tripwire.cpu_blocks(-(-(i1 - i0) // THREADS)) * THREADS)
+        items = i1 - i0
+        # The chunk's pages in group order (unit by unit: param, exp_avg, exp_avg_sq),
+        # whole pages: the last unit's run past the parameters' end too, as on the GPU.
+        words = [pg.numpy().view(np.uint32) for pg in pages]
+        prog = log.progress[i0:i1].numpy()
+        slots = log.slots.numpy().view(np.uint32)[:, i0:i1]
+
+        def block(a: int, k: int) -> np.ndarray:  # [items, 4] words of array a, unit u0+k
+            return words[3 * k + a][4 * i0 : 4 * i1].reshape(items, 4)
+
+        # Which units have values to change for each item (a segment covers its start).
+        table = self.table if mode != PARITY else np.zeros(0, dtype=SEG)
+        starts, ends = table["start"], table["end"]
+        e_items = 4 * np.arange(i0, i1, dtype=np.int64)
+        inside = np.zeros((n, items), dtype=bool)
+        for k in range(n):
+            e = (u0 + k) * ue + e_items
+            j = np.searchsorted(ends, e, side="right")
+            ok = j < len(ends)
+            ok[ok] &= starts[j[ok]] <= e[ok]
+            inside[k] = ok
+        t = np.zeros((h, items, 4), dtype=np.uint32)
+        start = np.zeros(items, dtype=np.int64)  # the unit each item's next step starts at
+        slot = np.zeros(items, dtype=np.int64)
+        done = np.zeros(items, dtype=bool)
+        if mode != FRESH:
+            match = (prog >> 24) == tag
+            c = prog & 0xFFFFFF
+            done = match & (c == DONE)
+            stopped = match & (c % 2 == 1)
+            start = np.where(stopped, c >> 10, 0)
+            start[done] = n
+            slot = np.where(stopped, (c >> 1) & 1, 0)
+            mask = np.where(stopped, (c >> 2) & 0xFF, 0)
+            for r in range(h):
+                t[r][done] = slots[log.plane_of_sums(2, r)][done]
+            for s_ in (0, 1):
+                sel = stopped & (slot == s_)
+                for r in range(h):
+                    t[r][sel] = slots[log.plane_of_sums(s_, r)][sel]
+                for jj in range(G):  # the step's units back to their old values
+                    for k in np.unique(start[sel & (mask >> jj & 1 == 1)]):
+                        at = np.nonzero(sel & (mask >> jj & 1 == 1) & (start == k))[0]
+                        for a in range(3):
+                            block(a, int(k) + jj)[at] = slots[log.plane_of_data(s_, jj, a)][at]
+        mine = tag << 24
+        b = field.first_root(h)
+        zero = np.zeros((items, 4), dtype=np.uint32)
+        called = mid is None
+        step_mask = np.zeros(items, dtype=np.int64)  # the data units of each item's step
+        for k in range(n):
+            active = (start <= k) & ~done
+            if not active.any():
+                continue
+            first = active & ((k - start) % G == 0)  # items whose step starts here
+            if mode != PARITY and first.any():
+                m_ = np.zeros(items, dtype=np.int64)
+                for jj in range(min(G, n - k)):
+                    m_ |= inside[k + jj].astype(np.int64) << jj
+                step_mask[first] = m_[first]
+                saving = np.nonzero(first & (m_ != 0))[0]
+                if len(saving):
+                    for jj in range(min(G, n - k)):
+                        for s_ in (0, 1):
+                            at = saving[(slot[saving] == s_) & (m_[saving] >> jj & 1 == 1)]
+                            for a in range(3):
+                                slots[log.plane_of_data(s_, jj, a)][at] = block(a, k + jj)[at]
+                    for s_ in (0, 1):
+                        at = saving[slot[saving] == s_]
+                        for r in range(h):
+                            slots[log.plane_of_sums(s_, r)][at] = t[r][at]
+                    prog[saving] = mine | ((k << 10) | (m_[saving] << 2) | (slot[saving] << 1) | 1)
+            jj_of = (k - start) % G
+            writes = np.nonzero(active & (step_mask >> jj_of & 1 == 1))[0]
+            if mode == PARITY:
+                writes = writes[:0]
+            deltas = [zero] * 3
+            if len(writes):
+                old = [block(a, k).copy() for a in range(3)]
+                new = self._unit_values(u0 + k, 4 * i0, 4 * i1, old)
+                if mid is not None and not called and k >= n // 2:
+                    # A crash here: unit k's parameters half written, its moments not.
+                    half = writes[: len(writes) // 2]
+                    block(0, k)[half] = new[0][half]
+                    mid()
+                    called = True
+                deltas = []
+                for a in range(3):
+                    block(a, k)[writes] = new[a][writes]
+                    d = np.zeros((items, 4), dtype=np.uint32)
+                    d[writes] = old[a][writes] ^ new[a][writes]
+                    deltas.append(d)
+            last = active & ((jj_of == G - 1) | (k == n - 1))
+            if mode != PARITY:
+                slot[last & (step_mask != 0)] ^= 1  # the next data step takes the other slot
+            for d in deltas:  # the unit's three columns: param, exp_avg, exp_avg_sq
+                for r in range(h):
+                    w, ex = t[r][active], -(b + r)
+                    for _ in range(max(ex, 0)):
+                        w = horner.mul_a(w)
+                    for _ in range(max(-ex, 0)):
+                        w = horner.mul_a_inv(w)
+                    t[r][active] = w ^ d[active]
+        if not called:
+            mid()  # (no unit of the chunk had a value to write halfway)
+        if mode != PARITY:
+            rest = np.nonzero(~done)[0]
+            for r in range(h):
+                slots[log.plane_of_sums(2, r)][rest] = t[r][rest]
+            prog[rest] = mine | DONE
+        cut = slice(16 * i0, 16 * i1)  # bytes of every page
+        sums = [torch.from_numpy(np.ascontiguousarray(t[r]).reshape(-1).view(np.uint8)) for r in range(h)]
+        m = code.horner_coefficients(col0, 3 * n)
+        for_device(self.device).matmul(m, sums, [y[cut] for y in scratch], accumulate=True)
+        if held:
+            tripwire.fire(self.device)
+
+    def _unit_values(self, u: int, e0: int, e1: int, old: list) -> list:
+        """Unit ``u``'s new values over elements [e0, e1) of its page (words, [items, 4],
+        param, exp_avg, exp_avg_sq) from ``old``: torch's fused kernel on copies of the
+        twin's ranges."""
+        st, ue = self.state, self.state.unit_elems
+        g = st.grad[st.shard_start :]
+        a0 = u * ue + e0
+        new = [v.copy() for v in old]
+        flat = {k: torch.from_numpy(v.reshape(-1).view(np.float32))
+                for k, v in zip(("param", "exp_avg", "exp_avg_sq"), new, strict=True)}  # fmt: skip
+        by_kind: dict[tuple, list] = {}
+        for i in self._segments(a0, u * ue + e1):
+            r = self.table[i]
+            a, b = max(int(r["start"]), a0), min(int(r["end"]), u * ue + e1)
+            if a < b:
+                by_kind.setdefault(self.exact[i], []).append((a, b))
+        for (lr, b1, b2, wd, eps, step, adamw), ranges in by_kind.items():
+            out = {k: [flat[k][a - a0 : b - a0] for a, b in ranges] for k in flat}
+            steps = list(torch.full((len(ranges),), step, dtype=torch.float32))
+            kernel = torch._fused_adamw_ if adamw else torch._fused_adam_
+            kernel(out["param"], [g[a:b] for a, b in ranges], out["exp_avg"],
+                   out["exp_avg_sq"], [], steps, amsgrad=False, lr=lr, beta1=b1, beta2=b2,
+                   weight_decay=wd, eps=eps, maximize=False)  # fmt: skip
+        return new
 
 
 @functools.cache

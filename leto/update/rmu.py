@@ -65,7 +65,15 @@ from leto.memory.lending import Lender
 from leto.plugins import SDC_POINT, Computed, point
 from leto.ranges import leto_range
 from leto.update import rmu_recovery, steps
-from leto.update.chunk_pass import ChunkPass
+from leto.update.chunk_pass import (
+    FRESH,
+    RESUME,
+    TAG_LIMIT,
+    ChunkPass,
+    ItemLog,
+    log_bytes,
+    not_resumable,
+)
 from leto.update.layout import RetainedModel
 from leto.update.loop_record import LoopRecord
 from leto.update.marker import (
@@ -123,6 +131,7 @@ class UpdaterConfig:
 
 class Updater:
     AHEAD_NAME = "rmu.undo_ahead"  # the whole-state undo copy (--undo ahead)
+    LOG_NAME = "rmu.itemlog"  # the resumable pass's progress words and slots
 
     def __init__(
         self,
@@ -217,6 +226,19 @@ class Updater:
                 self._ahead_first[n] = off // pb
                 off += t.numel()
             self._ahead_pages = as_pages(whole.view(-1, pb), None, "undo ahead", None)
+        # The resumable pass (where the fused pass runs with the Horner scheme): no undo
+        # copy of a chunk; each item's old values go to small slots as it is written
+        # (``chunk_pass.ItemLog``). Not under --undo ahead (the whole state is copied
+        # there), nor in the ablation. Never lent: a recovery reads it.
+        self.log: ItemLog | None = None
+        if self.chunk_pass is not None and cfg.transactions and not self.ahead:
+            why = not_resumable(h1)
+            if why is None:
+                size = -(-log_bytes(pb, h1) // pb) * pb
+                self.log = ItemLog(client.attach(self.LOG_NAME, size, kind=reusable), pb, h1)
+            else:
+                self.undo_note = f"not resumable: {why}"
+        self._resume_chunk: tuple[int, int] | None = None  # (group, chunk) a finish resumes
         par = client.attach("rmu.parity", len(BUFFERS) * h1 * pb, kind=reusable)
         self.buf = {
             b: [par[(k * h1 + i) * pb : (k * h1 + i + 1) * pb] for i in range(h1)]
@@ -282,6 +304,11 @@ class Updater:
         self._chunk_base = [0]
         for gi in range(len(self.groups)):
             self._chunk_base.append(self._chunk_base[-1] + len(self.state.chunks(gi)))
+        if self.log is not None and self._chunk_base[-1] >= 1 << 16:
+            raise InvalidInput(
+                f"{self._chunk_base[-1]} chunks an update: the resumable pass names at most "
+                f"65,535 (give a larger chunk size)"
+            )
 
     @property
     def digest_complete(self) -> bool:
@@ -303,6 +330,16 @@ class Updater:
                 else "queued at the iteration's start"
             )
             return f"whole state ({size}) copied during forward and backward, {when} (--undo ahead)"
+        rc = self.recheck
+        if self.log is not None and rc is not None and self.user is not None and rc.every:
+            return "per chunk, before its update (the update recheck restores every chunk from it)"
+        if self.log is not None:
+            n = self.log.progress.numel() * 8 + self.log.slots.numel() * 4
+            return (
+                f"none: the fused pass keeps each item's old values in slots as it writes "
+                f"them ({n / 2**20:.0f} MiB, resumable item by item); an undo copy only "
+                f"for a chunk the update recheck samples"
+            )
         note = f" ({self.undo_note})" if self.undo_note else ""
         return f"per chunk, before its update{note}"
 
@@ -610,6 +647,14 @@ class Updater:
             # No chunk is written (and no UPDATE marker, which vouches for the copy
             # at recovery) before the whole-state copy has landed.
             self._wait(self._ahead_done)
+        self._resume_chunk = None
+        if self.log is not None:
+            if m.phase is Phase.UPDATE and m.step is Step.START:
+                self._resume_chunk = (m.group, m.chunk)  # perhaps cut short item by item
+            elif m.phase is not Phase.UPDATE:
+                # No progress word of an earlier update (or an earlier life of the job's
+                # iterations, after a checkpoint) may name a chunk of this one.
+                self.log.progress.zero_()
         if m.phase is not Phase.UPDATE:
             m = m.but(
                 iteration=iteration,
@@ -677,6 +722,21 @@ class Updater:
             units, pages, undo = self._chunk(gi, j)
             fresh_undo = False
             scratch_event, scratch_copied = None, False
+            if m.step is Step.START and self._resumable(it, gi, j):
+                # No undo copy and no UNDO_DONE: a crash in the pass is resumed item by
+                # item from the item log (recovery: rmu_recovery).
+                with leto_range("scratch parity copy"), self._side():
+                    self._copy(self._buf_flat[y], self._buf_flat[x])
+                scratch_event = self._side_done()
+                mode = RESUME if self._resume_chunk == (gi, j) else FRESH
+                self._resume_chunk = None
+                point("update.undo", it)  # where the copy was: a crash leaves the chunk as it was
+                with self._span("chunk pass"):
+                    self._wait(scratch_event)
+                    self._chunk_pass(it, gi, j, units, y, pages, mode)
+                point("update.commit", it)
+                m = self._write(m.but(step=Step.START, chunk=j + 1, auth=y))
+                continue
             if m.step is Step.START and self.ahead and self._fused is not None:
                 # The whole-state copy is the chunk's undo copy: no copy, no marker
                 # write (recovery reverts a START chunk from it under --undo ahead). The
@@ -760,10 +820,33 @@ class Updater:
             with self._span("tier-2 refresh"):
                 self._refresh_tier2(g, m.auth)
 
-    def _chunk_pass(self, it: int, gi: int, j: int, units, y: Auth, pages) -> None:
+    def _resumable(self, it: int, gi: int, j: int) -> bool:
+        """Whether chunk ``j`` of group ``gi`` takes the resumable pass this update: not
+        one the update recheck samples or a settlement redoes (they read its undo copy)."""
+        if self.log is None or self._fused is None:
+            return False
+        rc = self.recheck
+        if rc is not None and self.user is not None:
+            if rc.due(it, self._chunk_base[gi] + j) or rc.must_settle(it, gi, j):
+                return False
+        return True
+
+    def log_tag(self, it: int, gi: int, j: int) -> int:
+        """The progress words' tag of chunk ``j`` of group ``gi`` in iteration ``it``'s
+        update (the words are cleared before each update: this tells chunks apart)."""
+        tag = ((it % ((1 << 23) - 1) + 1) << 16) | (self._chunk_base[gi] + j)
+        assert 0 < tag < TAG_LIMIT
+        return tag
+
+    def _chunk_pass(
+        self, it: int, gi: int, j: int, units, y: Auth, pages, mode: int | None = None
+    ) -> None:
         """The fused pass on the chunk in two halves of its pages (a crash point
         between them leaves the chunk half updated), its parity change accumulated into
-        scratch buffer ``y``; then the parity step's crash point."""
+        scratch buffer ``y``; then the parity step's crash point. ``mode``: the
+        resumable pass's (FRESH or RESUME), None for the pass after an undo copy; the
+        CPU twin of the resumable pass has its crash point inside its first half, with
+        a unit half written."""
         code = self.code(self.groups[gi])
         first, _ = self.state.chunk_pages(gi, units)
         ue = self.state.unit_elems
@@ -779,15 +862,19 @@ class Updater:
         def absorb(old, new):
             code.tier1.update(scratch, first, old, new, group=gid)
 
+        inside = mode is not None and self.device.type != "cuda"
+        log = dict(log=self.log, tag=self.log_tag(it, gi, j), mode=mode) if mode is not None else {}
         for k, part in enumerate([(0, mid), (mid, ue)] if mid else [(0, ue)]):
-            if k == 1:
+            if k == 1 and not inside:
                 point("update.optimizer", it)  # a crash here leaves the chunk half updated
-            self._fused.run(units, part, first, scratch, code.tier1, live, parity_update)
+            if inside:
+                log["mid"] = (lambda: point("update.optimizer", it)) if k == 0 else None
+            self._fused.run(units, part, first, scratch, code.tier1, live, parity_update, **log)
         # The pass (the CUDA kernel and its CPU twin alike) absorbed its values into
         # parity as it computed them: a wrong value emulated here is folded in too
         # (``absorb``), so parity agrees with it, as with a pass that computed it wrong.
         point(SDC_POINT, it, dest=Computed(live, absorb))
-        if not mid:
+        if not mid and not inside:
             point("update.optimizer", it)
         point("update.parity", it)
 

@@ -14,7 +14,9 @@ import torch
 
 from leto.errors import RetainedStateLost
 from leto.memory.client import GroupView
-from leto.update.marker import BUFFERS, MarkerState, Phase, Step
+from leto.update.chunk_pass import PARITY
+from leto.update.marker import BUFFERS, MarkerState, Phase, Step, scratch_buffer
+from leto.update.optim import CUT_ELEMS
 
 
 def recover(upd, report: dict) -> MarkerState | None:
@@ -68,6 +70,8 @@ def recover_in_flight(
     buf_lost = {b: any(p // upd.h1 == k for p in par_lost) for k, b in enumerate(BUFFERS)}
     upd._stale = {b for b, gone in buf_lost.items() if gone}
     code = upd.code(g)
+    if upd.log is not None and m.step is Step.START and m.chunk < len(upd.state.chunks(gi)):
+        return _recover_resumable(upd, m, g, lost_data, buf_lost, failed)
     steps = (Step.UNDO_DONE, Step.UPDATE_DONE, Step.PARITY_DONE)
     # Under --undo ahead the fused pass writes no UNDO_DONE: a chunk the marker says is
     # about to start may be half updated, and its undo copy is already in place.
@@ -116,3 +120,51 @@ def recover_in_flight(
     elif lost_data:
         code.tier1.reconstruct(g.data, parity, sorted(lost_data), group=g.gid)
     return m
+
+
+def _recover_resumable(upd, m: MarkerState, g: GroupView, lost_data: set, buf_lost: dict,
+                       failed: dict) -> MarkerState:  # fmt: skip
+    """The chunk the marker names may be cut short item by item by the resumable pass
+    (``chunk_pass.ItemLog``): each item's units before its recorded one updated, the
+    recorded one restorable from its slot, the rest old. Its parity is the authoritative
+    buffer's (the old chunk's) plus the change of the items' recorded units: the pass in
+    PARITY mode computes that change D from the log alone (restoring each half-written
+    unit from its slot), into the scratch buffer. Lost data pages of the group are then
+    rebuilt from x ⊕ D — the state the crash left, which the resumed pass continues; a
+    lost authoritative buffer is re-encoded as encode(data) ⊕ D."""
+    gi, j = m.group, m.chunk
+    if failed.get(upd.LOG_NAME, {}).get("failed_pages"):
+        raise RetainedStateLost(
+            f"the resumable pass's item log lost while chunk {j} of group {g.gid} may have "
+            f"been in flight"
+        )
+    code, x = upd.code(g), m.auth
+    y = scratch_buffer(gi, x)
+    units, pages, _ = upd._chunk(gi, j)
+    first, _ = upd.state.chunk_pages(gi, units)
+    ue = upd.state.unit_elems
+    mid = ue // 2 // CUT_ELEMS * CUT_ELEMS
+    scratch = upd._pages(y, upd.buf[y]).pages
+    live = upd._pages(("chunk", gi, j), pages).pages
+    delta = upd._buf_flat[y]
+    delta.zero_()
+    for part in [(0, mid), (mid, ue)] if mid else [(0, ue)]:
+        upd.chunk_pass.run(units, part, first, scratch, code.tier1, live, None, log=upd.log,
+                           tag=upd.log_tag(m.iteration, gi, j), mode=PARITY)  # fmt: skip
+    parity = upd._buf_flat[x]
+    if buf_lost[x]:
+        if lost_data:
+            raise RetainedStateLost(
+                f"group {g.gid}: data pages and the authoritative parity buffer were both lost"
+            )
+        code.tier1.encode(g.data, out=upd.buf[x], group=g.gid)
+        _xor_into(parity, delta)
+    elif lost_data:
+        _xor_into(delta, parity)  # the parity of the state the crash left
+        code.tier1.reconstruct(g.data, upd.buf[y], sorted(lost_data), group=g.gid)
+    return m
+
+
+def _xor_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    a, b = dst.view(torch.int32), src.view(torch.int32)
+    a.bitwise_xor_(b)
