@@ -560,7 +560,7 @@ if [[ $what == resumable-pass ]]; then
   # in the update).
   parts=${LETO_RP_PARTS:-tests bench userpath zoo}
   [[ " $parts " == *" tests "* ]] && { timeout 200 python3 -m pytest -p no:cacheprovider -q -rfEs -m gpu \
-    tests/test_chunk_pass.py tests/test_resumable_pass.py tests/test_undo_ahead.py 2>&1 | tail -6 \
+    tests/test_chunk_pass.py tests/test_resumable_pass.py ${LETO_RP_MORE_TESTS:-} 2>&1 | tail -6 \
     | tee "$OUT/resumable_tests.txt" || rc=1; }
   [[ " $parts " == *" bench "* ]] && { timeout 150 python3 -m bench.resumable_pass --repeats 3 2>&1 \
     | tee "$OUT/resumable_pass.txt" | grep -A1 '": {\|bit-ident' | grep -v '^--' || rc=1; }
