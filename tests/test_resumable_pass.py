@@ -312,3 +312,15 @@ def test_a_code_with_more_parity_rows_than_the_horner_scheme_copies_each_chunk(m
         client.close()
     finally:
         sm.stop()
+
+
+def test_chunks_longer_than_the_record_names_copy_each_chunk(pool, monkeypatch):
+    import leto.update.rmu as rmu
+
+    monkeypatch.setattr(rmu, "MAX_CHUNK_UNITS", 2)  # the record's 14 bits, made small
+    tr = u.Trainer(pool, "adamw-fused", **KW)
+    try:
+        assert tr.up.log is None
+        assert "not resumable: chunks of 4 units (its record names 2)" in tr.up.undo_path
+    finally:
+        tr.client.close()

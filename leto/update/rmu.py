@@ -67,6 +67,7 @@ from leto.ranges import leto_range
 from leto.update import rmu_recovery, steps
 from leto.update.chunk_pass import (
     FRESH,
+    MAX_CHUNK_UNITS,
     RESUME,
     TAG_LIMIT,
     ChunkPass,
@@ -233,6 +234,8 @@ class Updater:
         self.log: ItemLog | None = None
         if self.chunk_pass is not None and cfg.transactions and not self.ahead:
             why = not_resumable(h1)
+            if why is None and self.state.max_chunk_units > MAX_CHUNK_UNITS:
+                why = f"chunks of {self.state.max_chunk_units} units (its record names {MAX_CHUNK_UNITS})"
             if why is None:
                 size = -(-log_bytes(pb, h1) // pb) * pb
                 self.log = ItemLog(client.attach(self.LOG_NAME, size, kind=reusable), pb, h1)
