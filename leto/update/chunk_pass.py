@@ -414,7 +414,9 @@ class ChunkPass:
                 for r in range(h):
                     t[r][sel] = slots[log.plane_of_sums(s_, r)][sel]
                 for jj in range(G):  # the step's units back to their old values
-                    for k in np.unique(start[sel & (mask >> jj & 1 == 1)]):
+                    # (a set, not np.unique: that imports numpy.ma, on a promoted
+                    # trainer's path to its first iteration)
+                    for k in sorted(set(start[sel & (mask >> jj & 1 == 1)].tolist())):
                         at = np.nonzero(sel & (mask >> jj & 1 == 1) & (start == k))[0]
                         for a in range(3):
                             block(a, int(k) + jj)[at] = slots[log.plane_of_data(s_, jj, a)][at]
