@@ -57,7 +57,10 @@ def rf_units() -> int:
 
 
 def rf_hints() -> int:
-    return int(os.environ.get(ENV_RF_HINTS, "2"))
+    h = int(os.environ.get(ENV_RF_HINTS, "2"))
+    if h not in (0, 1, 2):
+        raise ValueError(f"{ENV_RF_HINTS}={h}: 0 (none), 1 (evict-first state), 2 (L2 policies)")
+    return h
 
 
 def _spec(name: str) -> tuple[str, tuple[str, ...], list[str]]:

@@ -10,6 +10,7 @@ a dead process leaves behind; the next "process" reconnects and recovers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -259,3 +260,33 @@ def run(
         return out
     finally:
         hooks.disarm()
+
+
+@contextlib.contextmanager
+def watched_update(up: Updater):
+    """While inside: every chunk copy between the state and its undo copy (the units, in
+    order; each still made) and every UPDATE marker step written, as two lists."""
+    copies, steps = [], []
+    real_copy, real_write = up._runs_copy, up.marker.write
+
+    def copy(units, to_undo, hook_it=None):
+        copies.append(units)
+        real_copy(units, to_undo, hook_it)
+
+    def write(state):
+        if state.phase.name == "UPDATE":
+            steps.append(state.step.name)
+        return real_write(state)
+
+    up._runs_copy, up.marker.write = copy, write
+    try:
+        yield copies, steps
+    finally:
+        up._runs_copy, up.marker.write = real_copy, real_write
+
+
+def update_steps_without_copies(up: Updater) -> int:
+    """The UPDATE marker writes of an update that copies no chunk: per group LOAD->START,
+    STORE and TIER2, per chunk its commit."""
+    n_chunks = sum(len(up.state.chunks(gi)) for gi in range(len(up.groups)))
+    return n_chunks + 3 * len(up.groups)

@@ -22,7 +22,6 @@ from leto.memory.client import PoolClient
 from leto.memory.config import PoolConfig
 from leto.memory.launch import start_state_manager
 from leto.update.chunk_pass import DONE, FRESH, PARITY, RESUMABLE_ENV, RESUME, STEP_UNITS
-from leto.update.optim import CUT_ELEMS
 from leto.update.rmu import Updater, UpdaterConfig
 from leto.update.user_optim import UserOptimizer
 from tests import rmu_harness as h
@@ -41,11 +40,6 @@ def pool():
     sm = start_state_manager(small_config(data_pages=12, tier1_pages=3))
     yield sm
     sm.stop()
-
-
-def _halves(ue: int) -> list[tuple[int, int]]:
-    mid = ue // 2 // CUT_ELEMS * CUT_ELEMS
-    return [(0, mid), (mid, ue)] if mid else [(0, ue)]
 
 
 def _mixture(pool_or_cfg, device: str) -> None:
@@ -72,7 +66,7 @@ def _mixture(pool_or_cfg, device: str) -> None:
         log, tag = up.log, up.log_tag(1, gi, 0)
 
         def run(mode, out, u1=None):
-            for part in _halves(ue):
+            for part in up.halves():
                 up.chunk_pass.run((units[0], u1 or units[1]), part, first, out, code, live, None,
                                   log=log, tag=tag, mode=mode)  # fmt: skip
 
@@ -268,16 +262,11 @@ def test_the_update_takes_no_undo_copy_but_the_rechecked_chunks(pool):
     try:
         assert tr.up.log is not None and "none: the fused pass keeps" in tr.up.undo_path
         tr.iteration()
-        copies, writes = [], []
-        real_copy, real_write = tr.up._runs_copy, tr.up.marker.write
-        tr.up._runs_copy = lambda units, to_undo, hook_it=None: copies.append(units)
-        tr.up.marker.write = lambda state: writes.append(state) or real_write(state)
-        tr.iteration()
+        with h.watched_update(tr.up) as (copies, steps):
+            tr.iteration()
         assert copies == [], f"chunk copies on the update's path: {copies}"
-        n_chunks = sum(len(tr.up.state.chunks(gi)) for gi in range(len(tr.up.groups)))
-        steps = [w.step.name for w in writes if w.phase.name == "UPDATE"]
         assert "UNDO_DONE" not in steps, steps
-        assert len(steps) == n_chunks + 3 * len(tr.up.groups), steps
+        assert len(steps) == h.update_steps_without_copies(tr.up), steps
 
         class Every:  # a recheck of every chunk: each takes its undo copy again
             off, every, to_settle = None, True, set()
@@ -291,15 +280,17 @@ def test_the_update_takes_no_undo_copy_but_the_rechecked_chunks(pool):
             def compared(self, *a):
                 pass
 
-        tr.up.recheck, copies[:] = Every(), []
-        tr.iteration()
-        assert len(copies) >= n_chunks, copies
-        tr.up._runs_copy, tr.up.marker.write = real_copy, real_write
+        tr.up.recheck = Every()
+        with h.watched_update(tr.up) as (copies, steps):
+            tr.iteration()
+        chunks = [c for gi in range(len(tr.up.groups)) for c in tr.up.state.chunks(gi)]
+        assert set(copies) == set(chunks), copies  # every chunk copied (and restored)
+        assert steps.count("UNDO_DONE") == len(chunks), steps
     finally:
         tr.client.close()
 
 
-def test_a_code_with_more_parity_rows_than_the_horner_scheme_copies_each_chunk(monkeypatch):
+def test_a_code_with_more_parity_rows_than_the_horner_scheme_copies_each_chunk():
     sm = start_state_manager(small_config(data_pages=12, tier1_pages=5))
     try:
         client = PoolClient.connect(sm.socket_path, sm.token)
@@ -324,3 +315,68 @@ def test_chunks_longer_than_the_record_names_copy_each_chunk(pool, monkeypatch):
         assert "not resumable: chunks of 4 units (its record names 2)" in tr.up.undo_path
     finally:
         tr.client.close()
+
+
+def test_the_twin_under_the_trip_wire_runs_its_first_blocks_and_resumes_the_rest():
+    """faultkit's kernel-abort on the CPU: the twin runs the first N blocks of items
+    (THREADS each) as the kernel would and holds the rest; resumed, the chunk ends with
+    the uninterrupted pass's bytes."""
+    from leto.update.chunk_pass import THREADS
+    from nvbit_tools import tripwire
+
+    sm = start_state_manager(small_config(data_pages=12, tier1_pages=3, page_bytes=64 << 10))
+    try:
+        tr = u.Trainer(sm, "adamw-fused", dims=(256, 600, 7), chunk_units=4)
+        tr.iteration()
+        up, st = tr.up, tr.up.state
+        up.chunk_pass.prepare(UserOptimizer.hparams(up.user), 2, frozenset())
+        h.grads_for(tr.model, 1)
+        units, pages, _ = up._chunk(0, 0)
+        first, _ = st.chunk_pages(0, units)
+        live = up._pages(("chunk", 0, 0), pages).pages
+        code = up.code(up.groups[0]).tier1
+        items = st.page_bytes // 16
+        log, tag = up.log, up.log_tag(1, 0, 0)
+        (lo, hi), rest = up.halves()[0], up.halves()[1:]
+        assert (hi - lo) // 4 > 2 * THREADS  # blocks are held: the test proves something
+
+        def zeros():
+            return [torch.zeros(st.page_bytes, dtype=torch.uint8) for _ in range(up.h1)]
+
+        s0 = [p.clone() for p in live]
+        want = zeros()
+        for part in up.halves():
+            up.chunk_pass.run(units, part, first, want, code, live, None, log=log, tag=tag)
+        s1 = [p.clone() for p in live]
+        for p, s in zip(live, s0, strict=True):
+            p.copy_(s)
+        log.progress.zero_()
+        got = zeros()
+        tripwire.arm(2, kill=False)
+        try:
+            with pytest.raises(tripwire.TripwireFired) as e:
+                up.chunk_pass.run(units, (lo, hi), first, got, code, live, None, log=log, tag=tag)
+        finally:
+            tripwire.disarm()
+        assert e.value.report["partial"] and e.value.report["blocks_launched"] > 2
+        ran = slice(lo // 4, lo // 4 + 2 * THREADS)
+        held = slice(lo // 4 + 2 * THREADS, hi // 4)
+        assert bool((log.progress[ran] == (tag << 24) | DONE).all())
+        assert bool((log.progress[held] == 0).all())
+        changed = False
+        for p, s, n in zip(live, s0, s1, strict=True):
+            w, w0, w1 = (x.view(torch.int32).view(items, 4) for x in (p, s, n))
+            assert torch.equal(w[held], w0[held]) and torch.equal(w[ran], w1[ran])
+            changed |= not torch.equal(w0[ran], w1[ran])
+        assert changed, "the blocks that ran changed nothing: the test proves nothing"
+        got = zeros()  # the resumed pass adds the finished items' saved sums again
+        for part in [(lo, hi), *rest]:
+            up.chunk_pass.run(units, part, first, got, code, live, None, log=log, tag=tag,
+                              mode=RESUME)  # fmt: skip
+        for p, s in zip(live, s1, strict=True):
+            assert torch.equal(p, s)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        tr.client.close()
+    finally:
+        sm.stop()

@@ -223,18 +223,11 @@ def test_the_fused_pass_copies_nothing_on_the_update_path_and_writes_one_marker_
     tr = u.Trainer(pool, "adamw-fused", undo="ahead", **KW)
     try:
         tr.iteration()  # iteration 0: the first steps
-        copies, writes = [], []
-        real_copy, real_write = tr.up._runs_copy, tr.up.marker.write
-        tr.up._runs_copy = lambda units, to_undo, hook_it=None: copies.append(to_undo)
-        tr.up.marker.write = lambda state: writes.append(state) or real_write(state)
-        tr.iteration()
+        with h.watched_update(tr.up) as (copies, steps):
+            tr.iteration()
         assert copies == [], f"chunk copies on the update's path: {copies}"
-        n_chunks = sum(len(tr.up.state.chunks(gi)) for gi in range(len(tr.up.groups)))
-        steps = [w.step.name for w in writes if w.phase.name == "UPDATE"]
         assert "UNDO_DONE" not in steps, steps
-        # Per group LOAD->START, STORE, TIER2; per chunk its commit.
-        assert len(steps) == n_chunks + 3 * len(tr.up.groups), steps
-        tr.up._runs_copy = real_copy
+        assert len(steps) == h.update_steps_without_copies(tr.up), steps
     finally:
         tr.client.close()
 

@@ -61,6 +61,15 @@ def mul_a_inv(w: np.ndarray) -> np.ndarray:
     return ((w >> 1) & 0x7FFF7FFF) ^ ((w & 0x00010001) * 0x8016)
 
 
+def mul_a_pow(w: np.ndarray, e: int) -> np.ndarray:
+    """x · α^e (gf_horner.cuh's mul_a_pow): ``e`` steps of ``mul_a`` or ``mul_a_inv``."""
+    for _ in range(max(e, 0)):
+        w = mul_a(w)
+    for _ in range(max(-e, 0)):
+        w = mul_a_inv(w)
+    return w
+
+
 def horner_sums(h: int, old: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
     """The sums ``t_r`` (r < h) of the changes ``old[j] ⊕ new[j]`` of a run of columns
     (CPU byte pages of one length, a multiple of 4), as the CUDA kernels compute them:
@@ -70,10 +79,5 @@ def horner_sums(h: int, old: list[torch.Tensor], new: list[torch.Tensor]) -> lis
     for o, n in zip(old, new, strict=True):
         d = o.numpy().view(np.uint32) ^ n.numpy().view(np.uint32)
         for r in range(h):
-            w, e = t[r], -(b + r)
-            for _ in range(max(e, 0)):
-                w = mul_a(w)
-            for _ in range(max(-e, 0)):
-                w = mul_a_inv(w)
-            t[r] = w ^ d
+            t[r] = mul_a_pow(t[r], -(b + r)) ^ d
     return [torch.from_numpy(x.view(np.uint8)) for x in t]

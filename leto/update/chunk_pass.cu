@@ -268,8 +268,9 @@ CHUNK_PASS_RS(chunk_pass_rs_h4, 4)
 // record names is never the one being written), then records the step in its progress
 // word, then stores the new values. After its last unit it saves its final sums and
 // records "done". Fences order the three. The slots and progress words are small and
-// rewritten at the same places every step, so they stay in the L2 cache: the chunk's
-// traffic to memory is the in-place pass's, not that plus a copy of the chunk.
+// rewritten at the same places every step, and L2 cache policies ask the cache to keep
+// them: what of them stays there costs no memory traffic (on an H100 not all did —
+// docs/benchmarks.md), where a copy of the chunk cost a read and a write of all of it.
 //
 // Progress word of an item: (tag << 24) | c, tag naming the update's chunk (the caller
 // clears the words before an update's first chunk, so an older chunk's words never match):

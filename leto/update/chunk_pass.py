@@ -59,6 +59,7 @@ TAG_LIMIT = 1 << 39  # a tag fits the progress word's top 40 bits, sign bit clea
 STEP_UNITS = gpu_kernels.rf_units()  # units a thread saves and writes per step (its build's)
 MAX_CHUNK_UNITS = 1 << 14  # a step's first unit fits its 14 bits of the progress word
 DONE = 2  # the progress code of an item that finished the chunk
+STATE = ("param", "exp_avg", "exp_avg_sq")  # the arrays the pass updates, in group order
 SEG = np.dtype(
     [
         ("start", "<i8"),
@@ -324,31 +325,20 @@ class ChunkPass:
         the values it read: the unfused steps' bytes."""
         st, ue = self.state, self.state.unit_elems
         (u0, u1), (lo, hi) = units, part
-        f, g = st.flat, st.grad[st.shard_start :]
-        by_kind: dict[tuple, list] = {}
-        for u in range(u0, u1):
-            e0, e1 = u * ue + lo, u * ue + hi
-            for i in self._segments(e0, e1):
-                r = self.table[i]
-                a, b = max(int(r["start"]), e0), min(int(r["end"]), e1)
-                if a < b:
-                    by_kind.setdefault(self.exact[i], []).append((a, b))
-        names = ("param", "exp_avg", "exp_avg_sq")
+        f = st.flat
+        by_kind = self._by_kind([(u * ue + lo, u * ue + hi) for u in range(u0, u1)])
+        names = STATE
         # The parity change is taken from the values the optimizer read, as the kernel
         # takes it from its registers — not from the undo copy: a page changed silently
         # after the undo copy then leaves parity that disagrees with it (the scrub finds
         # it) instead of parity re-encoding the damage.
         cut = slice(4 * lo, 4 * hi)  # bytes of every page
         read = [p[cut].clone() for p in pages]
-        for (lr, b1, b2, wd, eps, step, adamw), ranges in by_kind.items():
+        for kind, ranges in by_kind.items():
             live = {n: [f[n][a:b] for a, b in ranges] for n in names}
             armed = tripwire.armed()  # faultkit kernel-abort: computed aside, landed
             out = {n: [v.clone() for v in vs] for n, vs in live.items()} if armed else live
-            steps = list(torch.full((len(ranges),), step, dtype=torch.float32))
-            kernel = torch._fused_adamw_ if adamw else torch._fused_adam_
-            kernel(out["param"], [g[a:b] for a, b in ranges], out["exp_avg"],
-                   out["exp_avg_sq"], [], steps, amsgrad=False, lr=lr, beta1=b1, beta2=b2,
-                   weight_decay=wd, eps=eps, maximize=False)  # fmt: skip
+            self._adam(kind, ranges, out)
             if armed:
                 tripwire.land([t for n in names for t in live[n]],
                               [t for n in names for t in out[n]])  # fmt: skip
@@ -446,7 +436,7 @@ class ChunkPass:
                         at = saving[slot[saving] == s_]
                         for r in range(h):
                             slots[log.plane_of_sums(s_, r)][at] = t[r][at]
-                    prog[saving] = mine | ((k << 10) | (m_[saving] << 2) | (slot[saving] << 1) | 1)
+                    prog[saving] = mine | step_code(k, m_[saving], slot[saving])
             jj_of = (k - start) % G
             writes = np.nonzero(active & (step_mask >> jj_of & 1 == 1))[0]
             if mode == PARITY:
@@ -472,12 +462,7 @@ class ChunkPass:
                 slot[last & (step_mask != 0)] ^= 1  # the next data step takes the other slot
             for d in deltas:  # the unit's three columns: param, exp_avg, exp_avg_sq
                 for r in range(h):
-                    w, ex = t[r][active], -(b + r)
-                    for _ in range(max(ex, 0)):
-                        w = horner.mul_a(w)
-                    for _ in range(max(-ex, 0)):
-                        w = horner.mul_a_inv(w)
-                    t[r][active] = w ^ d[active]
+                    t[r][active] = horner.mul_a_pow(t[r][active], -(b + r)) ^ d[active]
         if not called:
             mid()  # (no unit of the chunk had a value to write halfway)
         if mode != PARITY:
@@ -496,27 +481,35 @@ class ChunkPass:
         """Unit ``u``'s new values over elements [e0, e1) of its page (words, [items, 4],
         param, exp_avg, exp_avg_sq) from ``old``: torch's fused kernel on copies of the
         twin's ranges."""
-        st, ue = self.state, self.state.unit_elems
-        g = st.grad[st.shard_start :]
-        a0 = u * ue + e0
+        a0 = u * self.state.unit_elems
         new = [v.copy() for v in old]
-        flat = {k: torch.from_numpy(v.reshape(-1).view(np.float32))
-                for k, v in zip(("param", "exp_avg", "exp_avg_sq"), new, strict=True)}  # fmt: skip
-        by_kind: dict[tuple, list] = {}
-        for i in self._segments(a0, u * ue + e1):
-            r = self.table[i]
-            a, b = max(int(r["start"]), a0), min(int(r["end"]), u * ue + e1)
-            if a < b:
-                by_kind.setdefault(self.exact[i], []).append((a, b))
-        for (lr, b1, b2, wd, eps, step, adamw), ranges in by_kind.items():
-            out = {k: [flat[k][a - a0 : b - a0] for a, b in ranges] for k in flat}
-            steps = list(torch.full((len(ranges),), step, dtype=torch.float32))
-            kernel = torch._fused_adamw_ if adamw else torch._fused_adam_
-            kernel(out["param"], [g[a:b] for a, b in ranges], out["exp_avg"],
-                   out["exp_avg_sq"], [], steps, amsgrad=False, lr=lr, beta1=b1, beta2=b2,
-                   weight_decay=wd, eps=eps, maximize=False)  # fmt: skip
+        flat = {k: torch.from_numpy(v.reshape(-1).view(np.float32)) for k, v in zip(STATE, new, strict=True)}
+        for kind, ranges in self._by_kind([(a0 + e0, a0 + e1)]).items():
+            self._adam(kind, ranges, {k: [flat[k][a - a0 - e0 : b - a0 - e0] for a, b in ranges] for k in flat})
         return new
 
+    def _by_kind(self, spans: list[tuple[int, int]]) -> dict[tuple, list]:
+        """The segments' element ranges inside ``spans`` ([(start, end)] of the shard's
+        elements), grouped by their hyperparameters (``self.exact``)."""
+        by_kind: dict[tuple, list] = {}
+        for e0, e1 in spans:
+            for i in self._segments(e0, e1):
+                r = self.table[i]
+                a, b = max(int(r["start"]), e0), min(int(r["end"]), e1)
+                if a < b:
+                    by_kind.setdefault(self.exact[i], []).append((a, b))
+        return by_kind
+
+    def _adam(self, kind: tuple, ranges: list, out: dict) -> None:
+        """torch's fused Adam/AdamW of hyperparameters ``kind`` stepping ``out``'s tensors
+        (param, exp_avg, exp_avg_sq: one per range) with the ranges' gradients."""
+        lr, b1, b2, wd, eps, step, adamw = kind
+        g = self.state.grad[self.state.shard_start :]
+        steps = list(torch.full((len(ranges),), step, dtype=torch.float32))
+        kernel = torch._fused_adamw_ if adamw else torch._fused_adam_
+        kernel(out["param"], [g[a:b] for a, b in ranges], out["exp_avg"], out["exp_avg_sq"],
+               [], steps, amsgrad=False, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+               maximize=False)  # fmt: skip
 
 @functools.cache
 def _module():

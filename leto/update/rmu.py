@@ -852,8 +852,7 @@ class Updater:
         a unit half written."""
         code = self.code(self.groups[gi])
         first, _ = self.state.chunk_pages(gi, units)
-        ue = self.state.unit_elems
-        mid = ue // 2 // CUT_ELEMS * CUT_ELEMS
+        halves = self.halves()
         scratch = self._pages(y, self.buf[y]).pages
         live = self._pages(("chunk", gi, j), pages).pages
 
@@ -867,7 +866,7 @@ class Updater:
 
         inside = mode is not None and self.device.type != "cuda"
         log = dict(log=self.log, tag=self.log_tag(it, gi, j), mode=mode) if mode is not None else {}
-        for k, part in enumerate([(0, mid), (mid, ue)] if mid else [(0, ue)]):
+        for k, part in enumerate(halves):
             if k == 1 and not inside:
                 point("update.optimizer", it)  # a crash here leaves the chunk half updated
             if inside:
@@ -877,9 +876,16 @@ class Updater:
         # parity as it computed them: a wrong value emulated here is folded in too
         # (``absorb``), so parity agrees with it, as with a pass that computed it wrong.
         point(SDC_POINT, it, dest=Computed(live, absorb))
-        if not mid and not inside:
+        if len(halves) == 1 and not inside:
             point("update.optimizer", it)
         point("update.parity", it)
+
+    def halves(self) -> list[tuple[int, int]]:
+        """The element ranges of every page the fused pass runs a chunk in: the first and
+        second half (at a multiple of CUT_ELEMS), or the whole page when too short."""
+        ue = self.state.unit_elems
+        mid = ue // 2 // CUT_ELEMS * CUT_ELEMS
+        return [(0, mid), (mid, ue)] if mid else [(0, ue)]
 
     def _refresh_tier2(self, g: GroupView, x: Auth) -> None:
         """Tier 2 from the tier-1 bytes, computed on the device, then copied to host."""

@@ -16,7 +16,6 @@ from leto.errors import RetainedStateLost
 from leto.memory.client import GroupView
 from leto.update.chunk_pass import PARITY
 from leto.update.marker import BUFFERS, MarkerState, Phase, Step, scratch_buffer
-from leto.update.optim import CUT_ELEMS
 
 
 def recover(upd, report: dict) -> MarkerState | None:
@@ -142,13 +141,11 @@ def _recover_resumable(upd, m: MarkerState, g: GroupView, lost_data: set, buf_lo
     y = scratch_buffer(gi, x)
     units, pages, _ = upd._chunk(gi, j)
     first, _ = upd.state.chunk_pages(gi, units)
-    ue = upd.state.unit_elems
-    mid = ue // 2 // CUT_ELEMS * CUT_ELEMS
     scratch = upd._pages(y, upd.buf[y]).pages
     live = upd._pages(("chunk", gi, j), pages).pages
     delta = upd._buf_flat[y]
     delta.zero_()
-    for part in [(0, mid), (mid, ue)] if mid else [(0, ue)]:
+    for part in upd.halves():
         upd.chunk_pass.run(units, part, first, scratch, code.tier1, live, None, log=upd.log,
                            tag=upd.log_tag(m.iteration, gi, j), mode=PARITY)  # fmt: skip
     parity = upd._buf_flat[x]
