@@ -562,7 +562,7 @@ if [[ $what == resumable-pass ]]; then
   [[ " $parts " == *" tests "* ]] && { timeout 200 python3 -m pytest -p no:cacheprovider -q -rfEs -m gpu \
     tests/test_chunk_pass.py tests/test_resumable_pass.py ${LETO_RP_MORE_TESTS:-} 2>&1 | tail -6 \
     | tee "$OUT/resumable_tests.txt" || rc=1; }
-  [[ " $parts " == *" bench "* ]] && { timeout 150 python3 -m bench.resumable_pass --repeats 3 2>&1 \
+  [[ " $parts " == *" bench "* ]] && { timeout ${LETO_RP_BENCH_TIMEOUT:-300} python3 -m bench.resumable_pass --repeats 3 2>&1 \
     | tee "$OUT/resumable_pass.txt" | grep -A1 '": {\|bit-ident' | grep -v '^--' || rc=1; }
   if [[ " $parts " == *" userpath "* ]]; then
     timeout 420 python3 -m bench.user_path --preset h200-1b --iterations ${LETO_RP_ITERS:-12} \

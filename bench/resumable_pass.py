@@ -45,7 +45,8 @@ def main() -> None:
     undo = torch.empty(3 * CHUNK_UNITS * UE, device=dev)
     n_items = UE // 4
     progress = torch.zeros(n_items, dtype=torch.int64, device=dev)
-    slots = torch.zeros((2 * (3 * 8 + H) + H) * n_items * 4, dtype=torch.int32, device=dev)
+    slots = torch.zeros(2 * (3 * 8 + H) * n_items * 4, dtype=torch.int32, device=dev)  # any build, any parts
+    fin = torch.zeros(H * n_items * 4, dtype=torch.int32, device=dev)
     scratch = torch.zeros(H, UE, dtype=torch.int32, device=dev)
     ptrs = torch.tensor([scratch[r].data_ptr() for r in range(H)], dtype=torch.int64, device=dev)
     seg = np.array([(0, total, 3e-4, 0.9, 0.95, 0.1, 1e-8, 10.0, 1, 0)], dtype=cp.SEG)
@@ -69,7 +70,7 @@ def main() -> None:
 
     source, opts, _ = gpu_kernels._spec("chunk_pass")
     built = {}
-    for f, g_, hint in ((1, 1, 2), (1, 2, 2), (1, 4, 2), (1, 2, 1), (2, 2, 2), (2, 4, 2)):
+    for f, g_, hint in ((1, 1, 2), (1, 2, 2), (1, 4, 2), (1, 2, 0), (2, 2, 2)):
         m_ = cupy.RawModule(code=source, options=(*opts, f"-DLETO_RF_FENCE={f}",
                                                   f"-DLETO_RF_UNITS={g_}", f"-DLETO_RF_HINTS={hint}"))
         built[f, g_, hint] = m_.get_function(f"chunk_pass_rf_h{H}")
@@ -89,28 +90,34 @@ def main() -> None:
             rs((blocks,), (cp.THREADS,), (*head(u0, u1, lo, hi), np.uint64(tables[c].data_ptr()),
                                           np.uint64(ptrs.data_ptr()), np.uint64(0)))  # fmt: skip
 
-    def resumable(c, mode=0, fn=None, whole=False):
+    def resumable(c, mode=0, fn=None, parts=cp.RF_PARTS, threads=cp.THREADS):
+        # The chunk's items in ``parts`` launches, one after the other, every launch's
+        # slots at the item's place in it (the updater's ItemLog).
         u0, u1 = c * CHUNK_UNITS, min((c + 1) * CHUNK_UNITS, n_units)
-        parts = ((0, n_items),) if whole else ((0, half), (half, n_items))
-        for lo, hi in parts:
-            b = -(-(hi - lo) // cp.THREADS)
-            (fn or rf)((b,), (cp.THREADS,), (*head(u0, u1, lo, hi), np.uint64(tables[c].data_ptr()),
+        for lo, hi in cp.parts(n_items, parts):
+            b = -(-(hi - lo) // threads)
+            (fn or rf)((b,), (threads,), (*head(u0, u1, lo, hi), np.uint64(tables[c].data_ptr()),
                                           np.uint64(ptrs.data_ptr()), np.uint64(0),
                                           np.uint64(progress.data_ptr()),
-                                          np.uint64(slots.data_ptr()), np.int64(n_items),
+                                          np.uint64(slots.data_ptr()), np.uint64(fin.data_ptr()),
+                                          np.int64(n_items), np.int64(hi - lo),
                                           np.uint64(c + 1), np.int32(mode)))  # fmt: skip
 
     variants = {
         "pass in place (floor)": lambda c: in_place(c, False),
         "undo copy + pass": lambda c: in_place(c, True),
-        "resumable pass": resumable,
-        "resumable pass, L2 policies": lambda c: resumable(c, fn=built[1, 1, 2]),
-        "resumable pass, 2 units a step, L2 policies": lambda c: resumable(c, fn=built[1, 2, 2]),
-        "resumable pass, 4 units a step, L2 policies": lambda c: resumable(c, fn=built[1, 4, 2]),
-        "resumable pass, 2 units a step, evict-first state": lambda c: resumable(c, fn=built[1, 2, 1]),
-        "resumable pass, 2 units, L2 policies, no fence (diagnosis)": lambda c: resumable(c, fn=built[2, 2, 2]),
-        "resumable pass, 4 units, L2 policies, no fence (diagnosis)": lambda c: resumable(c, fn=built[2, 4, 2]),
+        f"resumable pass (default build, {cp.RF_PARTS} parts)": resumable,
     }
+    for q in (1, 2, 4, 8, 16):
+        variants[f"resumable, 2 units, policies, {q} parts"] = lambda c, q=q: resumable(c, fn=built[1, 2, 2], parts=q)
+    for q in (4, 8):
+        variants[f"resumable, 2 units, policies, {q} parts, 128 threads a block"] = (
+            lambda c, q=q: resumable(c, fn=built[1, 2, 2], parts=q, threads=128))
+        variants[f"resumable, 4 units, policies, {q} parts"] = lambda c, q=q: resumable(c, fn=built[1, 4, 2], parts=q)
+        variants[f"resumable, 1 unit, policies, {q} parts"] = lambda c, q=q: resumable(c, fn=built[1, 1, 2], parts=q)
+        variants[f"resumable, 2 units, no hints, {q} parts"] = lambda c, q=q: resumable(c, fn=built[1, 2, 0], parts=q)
+        variants[f"resumable, 2 units, policies, no fence (diagnosis), {q} parts"] = (
+            lambda c, q=q: resumable(c, fn=built[2, 2, 2], parts=q))
 
     stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
     out = {}

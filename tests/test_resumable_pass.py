@@ -66,7 +66,7 @@ def _mixture(pool_or_cfg, device: str) -> None:
         log, tag = up.log, up.log_tag(1, gi, 0)
 
         def run(mode, out, u1=None):
-            for part in up.halves():
+            for part in up.parts(resumable=True):
                 up.chunk_pass.run((units[0], u1 or units[1]), part, first, out, code, live, None,
                                   log=log, tag=tag, mode=mode)  # fmt: skip
 
@@ -85,73 +85,82 @@ def _mixture(pool_or_cfg, device: str) -> None:
                 w.view(torch.int32).view(items, 4).copy_(s)
             run(FRESH, dummy, units[0] + k)
             sums.append(torch.stack([log.sums(2, r) for r in range(up.h1)]).clone())
-        # Every item gets a fate: not started, stopped in the step from unit k (the step's
-        # units each untouched, half written or written), finished.
+        # A crash finds the parts before the one in flight finished, the parts after it not
+        # started, and in it every fate: not started, stopped in the step from unit k (the
+        # step's units each untouched, half written or written), finished. Each part in
+        # turn is the one in flight (its slots are at the item's place in the part).
         G = STEP_UNITS
         gen = torch.Generator().manual_seed(5)
         steps = -(-n // G)
-        fate = torch.randint(-1, steps + 1, (items,), generator=gen) * G  # < 0: not started
-        fate = torch.where(fate >= steps * G, n, fate).to(device)
         idx = torch.arange(items, device=device)
         inside = torch.zeros(n, items, dtype=torch.bool, device=device)
         for row in up.chunk_pass.table:  # the units with values to change, item by item
             e = (units[0] + torch.arange(n, device=device)[:, None]) * ue + 4 * idx[None, :]
             inside |= (e >= int(row["start"])) & (e < int(row["end"]))
         q = torch.arange(n, device=device).repeat_interleave(3)[:, None]  # page -> unit
-        done = fate == n
-        stopped = (fate >= 0) & (fate < n)
-        restored = torch.where(((q < fate) | done)[..., None], s1, s0)
-        in_step = (q >= fate) & (q < fate + G) & stopped
-        how = torch.randint(0, 3, (3 * n, items), generator=gen).to(device)  # 0 untouched
         is_param = (torch.arange(3 * n, device=device) % 3 == 0)[:, None]
-        written = in_step & ((how == 2) | ((how == 1) & is_param))
-        state = torch.where(written[..., None], s1, restored)
-        # What the crash left in the log.
-        prog = torch.full((items,), (tag + 1) << 24, dtype=torch.int64, device=device)
-        slot = torch.randint(0, 2, (items,), generator=gen).to(device)
-        mask = torch.zeros(items, dtype=torch.int64, device=device)
-        for j in range(G):
-            unit = (fate + j).clamp(0, n - 1)
-            bit = stopped & (fate + j < n) & inside[unit, idx]
-            mask |= bit.long() << j
-        code_of = (fate.clamp(min=0) << 10) | (mask << 2) | (slot << 1) | 1
-        prog = torch.where(stopped, (tag << 24) | code_of, prog)
-        prog = torch.where(done, torch.full_like(prog, (tag << 24) | DONE), prog)
-        log.progress.copy_(prog)
-        log.slots.copy_(torch.randint(-(2**31), 2**31 - 1, log.slots.shape, generator=gen))
-        for k in range(0, n, G):
-            for sl in (0, 1):
-                at = stopped & (fate == k) & (slot == sl)
-                for j in range(min(G, n - k)):
-                    mine = at & ((mask >> j) & 1 == 1)
-                    for a in range(3):
-                        log.data(sl, j, a)[mine] = s0[3 * (k + j) + a][mine]
-                for r in range(up.h1):
-                    log.sums(sl, r)[at] = sums[k][r][at]
-        for r in range(up.h1):
-            log.sums(2, r)[done] = sums[n][r][done]
-        assert bool(stopped.any() and done.any() and (fate < 0).any() and written.any())
-        for w, st_ in zip(live, state, strict=True):
-            w.view(torch.int32).view(items, 4).copy_(st_)
-        # PARITY: the change from the old chunk to the state left, units restored.
-        delta = [torch.zeros(pb, dtype=torch.uint8, device=device) for _ in range(up.h1)]
-        run(PARITY, delta)
-        assert torch.equal(words(live), restored), "PARITY mode restores each stopped unit"
-        want = [torch.zeros(pb, dtype=torch.uint8, device=device) for _ in range(up.h1)]
-        old = [s.reshape(-1).view(torch.uint8) for s in s0]
-        code.update(want, first, old, [w.clone() for w in live], group=up.groups[gi].gid)
-        for r in range(up.h1):
-            assert torch.equal(delta[r], want[r]), f"PARITY row {r}"
-        assert torch.equal(log.progress, prog), "PARITY mode writes no progress"
-        # RESUME: from the state the crash left to the uninterrupted pass's bytes.
-        for w, s in zip(live, state, strict=True):
-            w.view(torch.int32).view(items, 4).copy_(s)
-        out = [torch.zeros(pb, dtype=torch.uint8, device=device) for _ in range(up.h1)]
-        run(RESUME, out)
-        assert torch.equal(words(live), s1), "RESUME ends with the uninterrupted pass's state"
-        for r in range(up.h1):
-            assert torch.equal(out[r], y1[r]), f"parity row {r}"
-        assert bool((log.progress == (tag << 24) | DONE).all())
+        part_list = up.parts(resumable=True)
+        assert len(part_list) > 1, part_list
+        for lo, hi in part_list:
+            i0, i1 = lo // 4, hi // 4
+            fate = torch.randint(-1, steps + 1, (items,), generator=gen) * G  # < 0: not started
+            fate = torch.where(fate >= steps * G, n, fate).to(device)
+            fate[:i0], fate[i1:] = n, -1
+            done = fate == n
+            stopped = (fate >= 0) & (fate < n)
+            restored = torch.where(((q < fate) | done)[..., None], s1, s0)
+            in_step = (q >= fate) & (q < fate + G) & stopped
+            how = torch.randint(0, 3, (3 * n, items), generator=gen).to(device)  # 0 untouched
+            written = in_step & ((how == 2) | ((how == 1) & is_param))
+            state = torch.where(written[..., None], s1, restored)
+            # What the crash left in the log.
+            prog = torch.full((items,), (tag + 1) << 24, dtype=torch.int64, device=device)
+            slot = torch.randint(0, 2, (items,), generator=gen).to(device)
+            mask = torch.zeros(items, dtype=torch.int64, device=device)
+            for j in range(G):
+                unit = (fate + j).clamp(0, n - 1)
+                bit = stopped & (fate + j < n) & inside[unit, idx]
+                mask |= bit.long() << j
+            code_of = (fate.clamp(min=0) << 10) | (mask << 2) | (slot << 1) | 1
+            prog = torch.where(stopped, (tag << 24) | code_of, prog)
+            prog = torch.where(done, torch.full_like(prog, (tag << 24) | DONE), prog)
+            log.progress.copy_(prog)
+            for t_ in (log.slots, log.fin):
+                t_.copy_(torch.randint(-(2**31), 2**31 - 1, t_.shape, generator=gen))
+            here = slice(i0, i1)  # the part's items; its slots at [0, i1 - i0)
+            for k in range(0, n, G):
+                for sl in (0, 1):
+                    at = (stopped & (fate == k) & (slot == sl))[here]
+                    for j in range(min(G, n - k)):
+                        mine = at & ((mask[here] >> j) & 1 == 1)
+                        for a in range(3):
+                            log.data(sl, j, a)[: i1 - i0][mine] = s0[3 * (k + j) + a][here][mine]
+                    for r in range(up.h1):
+                        log.sums(sl, r)[: i1 - i0][at] = sums[k][r][here][at]
+            for r in range(up.h1):
+                log.sums(2, r)[done] = sums[n][r][done]
+            assert bool(stopped.any() and done.any() and (fate < 0).any() and written.any())
+            for w, st_ in zip(live, state, strict=True):
+                w.view(torch.int32).view(items, 4).copy_(st_)
+            # PARITY: the change from the old chunk to the state left, units restored.
+            delta = [torch.zeros(pb, dtype=torch.uint8, device=device) for _ in range(up.h1)]
+            run(PARITY, delta)
+            assert torch.equal(words(live), restored), "PARITY mode restores each stopped unit"
+            want = [torch.zeros(pb, dtype=torch.uint8, device=device) for _ in range(up.h1)]
+            old = [s.reshape(-1).view(torch.uint8) for s in s0]
+            code.update(want, first, old, [w.clone() for w in live], group=up.groups[gi].gid)
+            for r in range(up.h1):
+                assert torch.equal(delta[r], want[r]), f"PARITY row {r}, part {(lo, hi)}"
+            assert torch.equal(log.progress, prog), "PARITY mode writes no progress"
+            # RESUME: from the state the crash left to the uninterrupted pass's bytes.
+            for w, s in zip(live, state, strict=True):
+                w.view(torch.int32).view(items, 4).copy_(s)
+            out = [torch.zeros(pb, dtype=torch.uint8, device=device) for _ in range(up.h1)]
+            run(RESUME, out)
+            assert torch.equal(words(live), s1), f"RESUME ends uninterrupted, part {(lo, hi)}"
+            for r in range(up.h1):
+                assert torch.equal(out[r], y1[r]), f"parity row {r}, part {(lo, hi)}"
+            assert bool((log.progress == (tag << 24) | DONE).all())
         tr.client.close()
     finally:
         sm.stop()
@@ -337,7 +346,7 @@ def test_the_twin_under_the_trip_wire_runs_its_first_blocks_and_resumes_the_rest
         code = up.code(up.groups[0]).tier1
         items = st.page_bytes // 16
         log, tag = up.log, up.log_tag(1, 0, 0)
-        (lo, hi), rest = up.halves()[0], up.halves()[1:]
+        (lo, hi), *rest = up.parts(resumable=True)
         assert (hi - lo) // 4 > 2 * THREADS  # blocks are held: the test proves something
 
         def zeros():
@@ -345,7 +354,7 @@ def test_the_twin_under_the_trip_wire_runs_its_first_blocks_and_resumes_the_rest
 
         s0 = [p.clone() for p in live]
         want = zeros()
-        for part in up.halves():
+        for part in up.parts(resumable=True):
             up.chunk_pass.run(units, part, first, want, code, live, None, log=log, tag=tag)
         s1 = [p.clone() for p in live]
         for p, s in zip(live, s0, strict=True):

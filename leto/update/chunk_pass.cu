@@ -289,9 +289,13 @@ CHUNK_PASS_RS(chunk_pass_rs_h4, 4)
 // chunk, from which a recovery rebuilds lost pages before resuming. Mode 2 reads no
 // segment (n_seg may be 0).
 //
-// Slot planes (uint4, n_items each): slot s at planes s*(3G+H) + 3j + a (unit j of the
-// step; param, exp_avg, exp_avg_sq) and s*(3G+H) + 3G + r (sums); the final sums at
-// 2*(3G+H) + r.
+// Slot planes (uint4, n_slot each, at the item's place in its launch: item - item_lo): slot
+// s at planes s*(3G+H) + 3j + a (unit j of the step; param, exp_avg, exp_avg_sq) and
+// s*(3G+H) + 3G + r (sums). A chunk's items run in parts, one launch each, one after the
+// other, all on the same slot planes: only the items of one launch are ever in flight, so
+// the slots hold only theirs, and the fewer they are, the more of them the L2 cache keeps
+// (each launch's slots are rewritten every step). The final sums outlive the launch: the
+// planes "fin" (uint4, n_items each, at the item) r.
 
 #ifndef LETO_RF_UNITS
 X
@@ -385,17 +389,20 @@ __device__ __forceinline__ void chunk_pass_rf_body(
     const float* __restrict__ g, long long unit_elems, int u_begin, int u_end,
     long long item_lo, long long item_hi, const Seg* __restrict__ segs, int n_seg,
     const unsigned int* __restrict__ mtables, const unsigned long long* __restrict__ out_ptrs,
-    LetoTripwire* tw, unsigned long long* __restrict__ progress, uint4* __restrict__ slots,
-    long long n_items, unsigned long long tag, int mode) {
+    LetoTripwire* tw, unsigned long long* __restrict__ progress, uint4* __restrict__ slot_planes,
+    uint4* __restrict__ fin, long long n_items, long long n_slot, unsigned long long tag,
+    int mode) {
   if (tw && !tripwire_enter(tw)) return;
   constexpr int NP = (H + 1) / 2;
   constexpr int SLOT = 3 * G + H;  // planes per slot
   __shared__ __align__(16) unsigned int tab[H * 4 * NP * 16];
   stage<NP>(tab, mtables, 0, H);
   __syncthreads();
-  const long long item = item_lo + blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  const long long at = blockIdx.x * (long long)blockDim.x + threadIdx.x;  // in the launch
+  const long long item = item_lo + at;
   const int n = u_end - u_begin;
   if (item < item_hi) {
+    uint4* const slots = slot_planes + at;  // plane q of this item's slot: slots[q * n_slot]
     unsigned int t[H][4];
 #pragma unroll
     for (int r = 0; r < H; ++r) t[r][0] = t[r][1] = t[r][2] = t[r][3] = 0;
@@ -409,7 +416,7 @@ __device__ __forceinline__ void chunk_pass_rf_body(
       if ((w >> 24) == tag) {
         const int c = (int)(w & 0xFFFFFF);
         if (c == 2) {
-          rf_load_sums<H>(slots, n_items, 2 * SLOT, item, t);
+          rf_load_sums<H>(fin, n_items, 0, item, t);
           done = true;
         } else if (c & 1) {
           k = c >> 10;
@@ -420,11 +427,11 @@ __device__ __forceinline__ void chunk_pass_rf_body(
           for (int j = 0; j < G; ++j) {
             if (!(mask >> j & 1)) continue;
             const long long e = (long long)(u_begin + k + j) * unit_elems + item * 4;
-            *reinterpret_cast<uint4*>(p + e) = slots[(s0 + 3 * j + 0) * n_items + item];
-            *reinterpret_cast<uint4*>(m + e) = slots[(s0 + 3 * j + 1) * n_items + item];
-            *reinterpret_cast<uint4*>(v + e) = slots[(s0 + 3 * j + 2) * n_items + item];
+            *reinterpret_cast<uint4*>(p + e) = slots[(s0 + 3 * j + 0) * n_slot];
+            *reinterpret_cast<uint4*>(m + e) = slots[(s0 + 3 * j + 1) * n_slot];
+            *reinterpret_cast<uint4*>(v + e) = slots[(s0 + 3 * j + 2) * n_slot];
           }
-          rf_load_sums<H>(slots, n_items, s0 + 3 * G, item, t);
+          rf_load_sums<H>(slots, n_slot, s0 + 3 * G, 0, t);
         }
       }
     }
@@ -467,9 +474,9 @@ __device__ __forceinline__ void chunk_pass_rf_body(
         m0[j] = rf_load(m + e, stream);
         v0[j] = rf_load(v + e, stream);
         const float4 gg = rf_load(g + e, stream);
-        rf_keep(slots + (s0 + 3 * j + 0) * n_items + item, *reinterpret_cast<const uint4*>(&p0[j]), keep);
-        rf_keep(slots + (s0 + 3 * j + 1) * n_items + item, *reinterpret_cast<const uint4*>(&m0[j]), keep);
-        rf_keep(slots + (s0 + 3 * j + 2) * n_items + item, *reinterpret_cast<const uint4*>(&v0[j]), keep);
+        rf_keep(slots + (s0 + 3 * j + 0) * n_slot, *reinterpret_cast<const uint4*>(&p0[j]), keep);
+        rf_keep(slots + (s0 + 3 * j + 1) * n_slot, *reinterpret_cast<const uint4*>(&m0[j]), keep);
+        rf_keep(slots + (s0 + 3 * j + 2) * n_slot, *reinterpret_cast<const uint4*>(&v0[j]), keep);
         if (seg_of[j] != cached) {
           s = segs[seg_of[j]];
           bias_corrections(s, bc1, bc2s);
@@ -482,7 +489,7 @@ __device__ __forceinline__ void chunk_pass_rf_body(
         if (left > 2) adam_element(p1[j].z, gg.z, m1[j].z, v1[j].z, s, bc1, bc2s);
         if (left > 3) adam_element(p1[j].w, gg.w, m1[j].w, v1[j].w, s, bc1, bc2s);
       }
-      rf_save_sums<H>(slots, n_items, s0 + 3 * G, item, t, keep);
+      rf_save_sums<H>(slots, n_slot, s0 + 3 * G, 0, t, keep);
       rf_fence();  // the slot before the record that names it
       *word = mine | (unsigned long long)((k << 10) | (mask << 2) | (slot << 1) | 1);
       rf_fence();  // the record before the values it allows to be half written
@@ -506,7 +513,7 @@ __device__ __forceinline__ void chunk_pass_rf_body(
       slot ^= 1;
     }
     if (mode != 2 && !done) {
-      rf_save_sums<H>(slots, n_items, 2 * SLOT, item, t);
+      rf_save_sums<H>(fin, n_items, 0, item, t);
       rf_fence();  // the final sums (and the last step's values) before "done"
       *word = mine | 2ull;
     }
@@ -520,11 +527,11 @@ __device__ __forceinline__ void chunk_pass_rf_body(
       float* p, float* m, float* v, const float* g, long long unit_elems, int u_begin,    \
       int u_end, long long item_lo, long long item_hi, const Seg* segs, int n_seg,        \
       const unsigned int* mtables, const unsigned long long* out_ptrs, LetoTripwire* tw,   \
-      unsigned long long* progress, uint4* slots, long long n_items,                      \
-      unsigned long long tag, int mode) {                                                 \
+      unsigned long long* progress, uint4* slots, uint4* fin, long long n_items,          \
+      long long n_slot, unsigned long long tag, int mode) {                               \
     chunk_pass_rf_body<H, LETO_RF_UNITS>(p, m, v, g, unit_elems, u_begin, u_end, item_lo, \
                                          item_hi, segs, n_seg, mtables, out_ptrs, tw,     \
-                                         progress, slots, n_items, tag, mode);            \
+                                         progress, slots, fin, n_items, n_slot, tag, mode);\
   }
 
 CHUNK_PASS_RF(chunk_pass_rf_h1, 1)

@@ -46,11 +46,14 @@ from leto.erasure import field, horner
 from leto.erasure.codec import ReedSolomon
 from leto.erasure.kernels import by_name, for_device
 from leto.update.layout import RetainedModel
+from leto.update.optim import CUT_ELEMS
 from leto.update.user_optim import ADAM, ADAMW, UserOptimizer
 from nvbit_tools import tripwire
 
 ENV = "LETO_CHUNK_PASS"  # "0": the unfused steps
 RESUMABLE_ENV = "LETO_RESUMABLE_PASS"  # "0": an undo copy of every chunk instead
+RF_PARTS_ENV = "LETO_RF_PARTS"  # the parts (launches) the resumable pass runs a chunk in
+RF_PARTS = 4  # the default: see rf_parts' callers and docs/update.md
 MAX_ROWS = 16
 THREADS = 256
 # Modes of the resumable pass (chunk_pass.cu's chunk_pass_rf_h*).
@@ -114,10 +117,30 @@ def not_resumable(h1: int) -> str | None:
     return None
 
 
-def log_bytes(page_bytes: int, h1: int) -> int:
-    """Bytes of an ``ItemLog`` for pages of ``page_bytes`` and ``h1`` tier-1 pages."""
-    items = page_bytes // 16
-    return items * 8 + ItemLog.planes(h1) * items * 16
+def parts(unit_elems: int, n: int) -> list[tuple[int, int]]:
+    """The element ranges of every page a chunk's pass runs in, one launch each: ``n``
+    parts (fewer where pages are short), cut at multiples of ``CUT_ELEMS``."""
+    cuts = sorted({k * unit_elems // n // CUT_ELEMS * CUT_ELEMS for k in range(n)} | {unit_elems})
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def rf_parts() -> int:
+    """The parts the resumable pass runs a chunk's items in (LETO_RF_PARTS)."""
+    n = int(os.environ.get(RF_PARTS_ENV, str(RF_PARTS)))
+    if not 1 <= n <= 64:
+        raise ValueError(f"{RF_PARTS_ENV}={n}: from 1 to 64 parts")
+    return n
+
+
+def log_bytes(page_bytes: int, h1: int, part_list: list[tuple[int, int]]) -> int:
+    """Bytes of an ``ItemLog`` for pages of ``page_bytes``, ``h1`` tier-1 pages and the
+    pass's ``part_list``."""
+    return ItemLog.nbytes(page_bytes, h1, slot_items(part_list))
+
+
+def slot_items(part_list: list[tuple[int, int]]) -> int:
+    """Items of the largest part: the slots' length."""
+    return max(hi - lo for lo, hi in part_list) // 4
 
 
 def step_code(k: int, mask: int, slot: int) -> int:
@@ -130,35 +153,45 @@ class ItemLog:
     """What the resumable pass records per item (16 bytes at one offset of every page of
     a chunk) so that a crash anywhere in it can be resumed without an undo copy of the
     chunk (chunk_pass.cu explains the protocol): a progress word per item, two slots per
-    item (the old values of the unit being written and the parity sums before it) and
-    the final sums. Lives in pool memory, so it outlives the trainer that wrote it."""
+    item in flight (the old values of the unit being written and the parity sums before
+    it) and the final sums. A chunk's items run in parts (``parts``), one launch after the
+    other, so the slots are for one part's items: ``slot_items`` of them, at the item's
+    place in its part. Lives in pool memory, so it outlives the trainer that wrote it."""
 
-    def __init__(self, flat: torch.Tensor, page_bytes: int, h: int):
-        self.items, self.h = page_bytes // 16, h
-        n = self.items
+    def __init__(self, flat: torch.Tensor, page_bytes: int, h: int, slot_items: int):
+        self.items, self.h, self.slot_items = page_bytes // 16, h, slot_items
+        n, s = self.items, slot_items
         self.progress = flat[: n * 8].view(torch.int64)
         planes = self.planes(h)
-        self.slots = flat[n * 8 : n * 8 + planes * n * 16].view(torch.int32).view(planes, n, 4)
+        end = n * 8 + planes * s * 16
+        self.slots = flat[n * 8 : end].view(torch.int32).view(planes, s, 4)
+        self.fin = flat[end : end + h * n * 16].view(torch.int32).view(h, n, 4)
 
     @staticmethod
     def planes(h: int) -> int:
-        return 2 * (3 * STEP_UNITS + h) + h
+        """Planes of the two slots (each: 3 per unit of a step, then ``h`` of sums)."""
+        return 2 * (3 * STEP_UNITS + h)
+
+    @classmethod
+    def nbytes(cls, page_bytes: int, h: int, slot_items: int) -> int:
+        items = page_bytes // 16
+        return items * 8 + cls.planes(h) * slot_items * 16 + h * items * 16
 
     def plane_of_data(self, slot: int, unit: int, array: int) -> int:
         return slot * (3 * STEP_UNITS + self.h) + 3 * unit + array
 
     def plane_of_sums(self, slot: int, row: int) -> int:
-        base = slot * (3 * STEP_UNITS + self.h)
-        return base + (3 * STEP_UNITS if slot < 2 else 0) + row
+        return slot * (3 * STEP_UNITS + self.h) + 3 * STEP_UNITS + row
 
     def data(self, slot: int, unit: int, array: int) -> torch.Tensor:
         """Slot ``slot``'s old values of the step's unit ``unit``, of ``array`` (0 param,
-        1 exp_avg, 2 exp_avg_sq): [items, 4] words."""
+        1 exp_avg, 2 exp_avg_sq): [slot_items, 4] words, at the item's place in its part."""
         return self.slots[self.plane_of_data(slot, unit, array)]
 
     def sums(self, slot: int, row: int) -> torch.Tensor:
-        """Slot ``slot``'s parity sums of row ``row``; slot 2: the final sums."""
-        return self.slots[self.plane_of_sums(slot, row)]
+        """Slot ``slot``'s parity sums of row ``row`` ([slot_items, 4], at the item's place
+        in its part); slot 2: the final sums ([items, 4], at the item)."""
+        return self.fin[row] if slot == 2 else self.slots[self.plane_of_sums(slot, row)]
 
 
 class ChunkPass:
@@ -251,6 +284,11 @@ class ChunkPass:
             raise RuntimeError("ChunkPass.prepare was not called for this update")
         if log is not None and not 0 < tag < TAG_LIMIT:
             raise ValueError(f"resumable pass: tag {tag} outside 1 .. 2^39 - 1")
+        if log is not None and (part[1] - part[0]) // 4 > log.slot_items:
+            raise ValueError(
+                f"resumable pass: part {part} has {(part[1] - part[0]) // 4} items, the item "
+                f"log's slots {log.slot_items}"
+            )
         if self.device.type == "cuda":
             self._kernel(units, part, col0, scratch, code, log, tag, mode)
         elif log is not None:
@@ -298,7 +336,8 @@ class ChunkPass:
             with tripwire.launch_on_torch_stream(self.device):
                 self._launch_rf[rows]((blocks,), (THREADS,), (
                     *head, *tail, np.uint64(tw), np.uint64(log.progress.data_ptr()),
-                    np.uint64(log.slots.data_ptr()), np.int64(log.items), np.uint64(tag),
+                    np.uint64(log.slots.data_ptr()), np.uint64(log.fin.data_ptr()),
+                    np.int64(log.items), np.int64(log.slot_items), np.uint64(tag),
                     np.int32(mode)))  # fmt: skip
             if tw:
                 tripwire.fire(self.device)
@@ -368,7 +407,8 @@ class ChunkPass:
         # whole pages: the last unit's run past the parameters' end too, as on the GPU.
         words = [pg.numpy().view(np.uint32) for pg in pages]
         prog = log.progress[i0:i1].numpy()
-        slots = log.slots.numpy().view(np.uint32)[:, i0:i1]
+        slots = log.slots.numpy().view(np.uint32)[:, : i1 - i0]  # at the item's place in the part
+        fin = log.fin.numpy().view(np.uint32)[:, i0:i1]
 
         def block(a: int, k: int) -> np.ndarray:  # [items, 4] words of array a, unit u0+k
             return words[3 * k + a][4 * i0 : 4 * i1].reshape(items, 4)
@@ -398,7 +438,7 @@ class ChunkPass:
             slot = np.where(stopped, (c >> 1) & 1, 0)
             mask = np.where(stopped, (c >> 2) & 0xFF, 0)
             for r in range(h):
-                t[r][done] = slots[log.plane_of_sums(2, r)][done]
+                t[r][done] = fin[r][done]
             for s_ in (0, 1):
                 sel = stopped & (slot == s_)
                 for r in range(h):
@@ -468,7 +508,7 @@ class ChunkPass:
         if mode != PARITY:
             rest = np.nonzero(~done)[0]
             for r in range(h):
-                slots[log.plane_of_sums(2, r)][rest] = t[r][rest]
+                fin[r][rest] = t[r][rest]
             prog[rest] = mine | DONE
         cut = slice(16 * i0, 16 * i1)  # bytes of every page
         sums = [torch.from_numpy(np.ascontiguousarray(t[r]).reshape(-1).view(np.uint8)) for r in range(h)]

@@ -74,6 +74,9 @@ from leto.update.chunk_pass import (
     ItemLog,
     log_bytes,
     not_resumable,
+    parts,
+    rf_parts,
+    slot_items,
 )
 from leto.update.layout import RetainedModel
 from leto.update.loop_record import LoopRecord
@@ -89,7 +92,6 @@ from leto.update.marker import (
     start_buffer,
 )
 from leto.update.optim import (
-    CUT_ELEMS,
     AdamWConfig,
     MuonConfig,
     clip_coefficient,
@@ -237,8 +239,11 @@ class Updater:
             if why is None and self.state.max_chunk_units > MAX_CHUNK_UNITS:
                 why = f"chunks of {self.state.max_chunk_units} units (its record names {MAX_CHUNK_UNITS})"
             if why is None:
-                size = -(-log_bytes(pb, h1) // pb) * pb
-                self.log = ItemLog(client.attach(self.LOG_NAME, size, kind=reusable), pb, h1)
+                rf = self.parts(resumable=True)
+                size = -(-log_bytes(pb, h1, rf) // pb) * pb
+                self.log = ItemLog(
+                    client.attach(self.LOG_NAME, size, kind=reusable), pb, h1, slot_items(rf)
+                )
             else:
                 self.undo_note = f"not resumable: {why}"
         self._resume_chunk: tuple[int, int] | None = None  # (group, chunk) a finish resumes
@@ -844,15 +849,15 @@ class Updater:
     def _chunk_pass(
         self, it: int, gi: int, j: int, units, y: Auth, pages, mode: int | None = None
     ) -> None:
-        """The fused pass on the chunk in two halves of its pages (a crash point
-        between them leaves the chunk half updated), its parity change accumulated into
-        scratch buffer ``y``; then the parity step's crash point. ``mode``: the
-        resumable pass's (FRESH or RESUME), None for the pass after an undo copy; the
-        CPU twin of the resumable pass has its crash point inside its first half, with
-        a unit half written."""
+        """The fused pass on the chunk in parts of its pages, one launch each (``parts``:
+        a crash point halfway leaves the chunk half updated), its parity change
+        accumulated into scratch buffer ``y``; then the parity step's crash point.
+        ``mode``: the resumable pass's (FRESH or RESUME), None for the pass after an undo
+        copy; the CPU twin of the resumable pass has its crash point inside its first
+        part, with a unit half written."""
         code = self.code(self.groups[gi])
         first, _ = self.state.chunk_pages(gi, units)
-        halves = self.halves()
+        part_list = self.parts(resumable=mode is not None)
         scratch = self._pages(y, self.buf[y]).pages
         live = self._pages(("chunk", gi, j), pages).pages
 
@@ -866,8 +871,8 @@ class Updater:
 
         inside = mode is not None and self.device.type != "cuda"
         log = dict(log=self.log, tag=self.log_tag(it, gi, j), mode=mode) if mode is not None else {}
-        for k, part in enumerate(halves):
-            if k == 1 and not inside:
+        for k, part in enumerate(part_list):
+            if k == len(part_list) // 2 and k and not inside:
                 point("update.optimizer", it)  # a crash here leaves the chunk half updated
             if inside:
                 log["mid"] = (lambda: point("update.optimizer", it)) if k == 0 else None
@@ -876,16 +881,16 @@ class Updater:
         # parity as it computed them: a wrong value emulated here is folded in too
         # (``absorb``), so parity agrees with it, as with a pass that computed it wrong.
         point(SDC_POINT, it, dest=Computed(live, absorb))
-        if len(halves) == 1 and not inside:
+        if len(part_list) == 1 and not inside:
             point("update.optimizer", it)
         point("update.parity", it)
 
-    def halves(self) -> list[tuple[int, int]]:
-        """The element ranges of every page the fused pass runs a chunk in: the first and
-        second half (at a multiple of CUT_ELEMS), or the whole page when too short."""
-        ue = self.state.unit_elems
-        mid = ue // 2 // CUT_ELEMS * CUT_ELEMS
-        return [(0, mid), (mid, ue)] if mid else [(0, ue)]
+    def parts(self, resumable: bool) -> list[tuple[int, int]]:
+        """The element ranges of every page the fused pass runs a chunk in, one launch
+        each: the first and second half, or for the resumable pass ``rf_parts()`` parts
+        (its slots hold one part's items, and fewer stay in the L2 cache; a recovery
+        runs the same parts: the slots are at the item's place in its part)."""
+        return parts(self.state.unit_elems, rf_parts() if resumable else 2)
 
     def _refresh_tier2(self, g: GroupView, x: Auth) -> None:
         """Tier 2 from the tier-1 bytes, computed on the device, then copied to host."""

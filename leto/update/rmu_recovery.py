@@ -145,7 +145,7 @@ def _recover_resumable(upd, m: MarkerState, g: GroupView, lost_data: set, buf_lo
     live = upd._pages(("chunk", gi, j), pages).pages
     delta = upd._buf_flat[y]
     delta.zero_()
-    for part in upd.halves():
+    for part in upd.parts(resumable=True):
         upd.chunk_pass.run(units, part, first, scratch, code.tier1, live, None, log=upd.log,
                            tag=upd.log_tag(m.iteration, gi, j), mode=PARITY)  # fmt: skip
     parity = upd._buf_flat[x]
