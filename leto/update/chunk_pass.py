@@ -53,7 +53,11 @@ from nvbit_tools import tripwire
 ENV = "LETO_CHUNK_PASS"  # "0": the unfused steps
 RESUMABLE_ENV = "LETO_RESUMABLE_PASS"  # "0": an undo copy of every chunk instead
 RF_PARTS_ENV = "LETO_RF_PARTS"  # the parts (launches) the resumable pass runs a chunk in
-RF_PARTS = 4  # the default: see rf_parts' callers and docs/update.md
+# The default: on an H100 (2026-12-06) one launch for all items or two halves took the
+# same time (17.6, 17.5 ms, bench.resumable_pass); four parts 23.1, eight 41.1: with fewer
+# items a launch, each thread's walk through the chunk's units (two fences a step) is
+# what takes the time. Two halves keep the slots at half the items.
+RF_PARTS = 2
 MAX_ROWS = 16
 THREADS = 256
 # Modes of the resumable pass (chunk_pass.cu's chunk_pass_rf_h*).
