@@ -69,13 +69,16 @@ def main() -> None:
     from leto import gpu_kernels
 
     source, opts, _ = gpu_kernels._spec("chunk_pass")
-    built = {}
-    for f, g_, hint in ((1, 1, 2), (1, 2, 2), (1, 4, 2), (1, 2, 0), (2, 2, 2)):
-        m_ = cupy.RawModule(code=source, options=(*opts, f"-DLETO_RF_FENCE={f}",
-                                                  f"-DLETO_RF_UNITS={g_}", f"-DLETO_RF_HINTS={hint}"))
-        built[f, g_, hint] = m_.get_function(f"chunk_pass_rf_h{H}")
-
-    persist = _persisting_window(dev)
+    built, regs = {}, {}
+    # (fence, units a step, hints, new values computed after the fences)
+    for f, g_, hint, late in ((1, 2, 2, 0), (1, 4, 2, 0), (1, 4, 2, 1), (1, 8, 2, 1), (2, 2, 2, 1)):
+        m_ = cupy.RawModule(code=source, options=(*opts, f"-DLETO_RF_FENCE={f}", f"-DLETO_RF_UNITS={g_}",
+                                                  f"-DLETO_RF_HINTS={hint}", f"-DLETO_RF_LATE={late}"))
+        built[f, g_, hint, late] = fn_ = m_.get_function(f"chunk_pass_rf_h{H}")
+        regs[f"fence {f}, {g_} units, hints {hint}, late {late}"] = (
+            f"{fn_.num_regs} registers, {fn_.local_size_bytes} bytes local")
+    own = mod.module.get_function(f"chunk_pass_rf_h{H}")
+    regs["the default build"] = f"{own.num_regs} registers, {own.local_size_bytes} bytes local"
 
     def head(u0, u1, lo, hi):
         return (np.uint64(p.data_ptr()), np.uint64(m.data_ptr()), np.uint64(v.data_ptr()),
@@ -105,37 +108,19 @@ def main() -> None:
                                           np.int64(n_items), np.int64(hi - lo),
                                           np.uint64(c + 1), np.int32(mode)))  # fmt: skip
 
-    def windowed(fn, nbytes):
-        """``fn`` with the slots' first ``nbytes`` in a persisting-L2 access-policy window
-        on the stream (CUDA's L2 set-aside), reset after."""
-
-        def run(c):
-            if c == 0:
-                persist(slots.data_ptr(), nbytes)
-            fn(c)
-            if c == n_chunks - 1:
-                persist(0, 0)
-
-        return run
-
     variants = {
         "pass in place (floor)": lambda c: in_place(c, False),
         "undo copy + pass": lambda c: in_place(c, True),
         f"resumable pass (default build, {cp.RF_PARTS} parts)": resumable,
-        "resumable, 2 units, policies, 1 part": lambda c: resumable(c, fn=built[1, 2, 2], parts=1),
-        "resumable, 4 units, policies, 1 part": lambda c: resumable(c, fn=built[1, 4, 2], parts=1),
-        "resumable, 4 units, policies, 2 parts": lambda c: resumable(c, fn=built[1, 4, 2], parts=2),
-        "resumable, 2 units, policies, no fence (diagnosis), 2 parts": lambda c: resumable(c, fn=built[2, 2, 2], parts=2),
+        "resumable, 2 units, values computed before the fences (the first build), 2 parts":
+            lambda c: resumable(c, fn=built[1, 2, 2, 0], parts=2),
+        "resumable, 4 units, values computed before the fences, 2 parts":
+            lambda c: resumable(c, fn=built[1, 4, 2, 0], parts=2),
+        "resumable, 4 units, 2 parts": lambda c: resumable(c, fn=built[1, 4, 2, 1], parts=2),
+        "resumable, 4 units, 1 part": lambda c: resumable(c, fn=built[1, 4, 2, 1], parts=1),
+        "resumable, 8 units, 1 part": lambda c: resumable(c, fn=built[1, 8, 2, 1], parts=1),
+        "resumable, 2 units, no fence (diagnosis), 2 parts": lambda c: resumable(c, fn=built[2, 2, 2, 1], parts=2),
     }
-    # The slots of one launch (2 parts: half the items) in a persisting-L2 window.
-    live = 2 * (3 * 2 + H) * 16 * (n_items // 2)
-    if persist is not None:
-        variants["resumable, 2 units, no hints, 2 parts, persisting window"] = windowed(
-            lambda c: resumable(c, fn=built[1, 2, 0], parts=2), live)
-        variants["resumable, 2 units, policies, 2 parts, persisting window"] = windowed(
-            lambda c: resumable(c, fn=built[1, 2, 2], parts=2), live)
-        variants["resumable, 2 units, no hints, 4 parts, persisting window"] = windowed(
-            lambda c: resumable(c, fn=built[1, 2, 0], parts=4), live // 2)
 
     stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
     out = {}
@@ -166,48 +151,10 @@ def main() -> None:
                 times.append(a.elapsed_time(b))
             times = sorted(times[1:])
             out[name] = {"median ms": times[len(times) // 2], "min ms": times[0], "max ms": times[-1]}
+    out["registers"] = regs
     out["state"] = f"{n_units} units of {PAGE >> 20} MiB, {n_chunks} chunks of {CHUNK_UNITS} units, H1={H}"
     out["device"] = torch.cuda.get_device_name()
     print(json.dumps(out, indent=1))
-
-
-def _persisting_window(dev: torch.device):
-    """A function (base, nbytes) that puts [base, base + nbytes) in a persisting-L2
-    access-policy window on torch's current stream (nbytes 0: off, and the persisting
-    lines released), by the CUDA runtime through cuda.bindings; None where it is missing."""
-    try:
-        from cuda.bindings import runtime as rt
-    except ImportError:
-        return None
-    prop = torch.cuda.get_device_properties(dev)
-    most = getattr(prop, "persisting_l2_cache_max_size", 0) or 0
-    if not most:
-        (err, most) = rt.cudaDeviceGetAttribute(rt.cudaDeviceAttr.cudaDevAttrMaxPersistingL2CacheSize, dev.index or 0)
-    value_t = getattr(rt, "cudaStreamAttrValue", None) or rt.cudaLaunchAttributeValue
-    attr_id = (getattr(rt, "cudaStreamAttrID", None) or rt.cudaLaunchAttributeID)
-    key = getattr(attr_id, "cudaStreamAttributeAccessPolicyWindow", None) or attr_id.cudaLaunchAttributeAccessPolicyWindow
-
-    def persist(base: int, nbytes: int) -> None:
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        if nbytes:
-            (err,) = rt.cudaDeviceSetLimit(rt.cudaLimit.cudaLimitPersistingL2CacheSize, most)
-            assert err == rt.cudaError_t.cudaSuccess, err
-        v = value_t()
-        w = v.accessPolicyWindow
-        w.base_ptr = base
-        w.num_bytes = nbytes
-        w.hitRatio = min(1.0, most / nbytes) if nbytes else 0.0
-        w.hitProp = rt.cudaAccessProperty.cudaAccessPropertyPersisting
-        w.missProp = rt.cudaAccessProperty.cudaAccessPropertyStreaming
-        v.accessPolicyWindow = w
-        (err,) = rt.cudaStreamSetAttribute(stream, key, v)
-        assert err == rt.cudaError_t.cudaSuccess, err
-        if not nbytes:
-            (err,) = rt.cudaCtxResetPersistingL2Cache()
-            assert err == rt.cudaError_t.cudaSuccess, err
-
-    print(f"persisting-L2 set-aside at most {most / 2**20:.1f} MiB", flush=True)
-    return persist
 
 
 if __name__ == "__main__":
