@@ -77,8 +77,6 @@ def main() -> None:
         built[f, g_, hint, late] = fn_ = m_.get_function(f"chunk_pass_rf_h{H}")
         regs[f"fence {f}, {g_} units, hints {hint}, late {late}"] = (
             f"{fn_.num_regs} registers, {fn_.local_size_bytes} bytes local")
-    own = mod.module.get_function(f"chunk_pass_rf_h{H}")
-    regs["the default build"] = f"{own.num_regs} registers, {own.local_size_bytes} bytes local"
 
     def head(u0, u1, lo, hi):
         return (np.uint64(p.data_ptr()), np.uint64(m.data_ptr()), np.uint64(v.data_ptr()),
