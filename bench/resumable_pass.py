@@ -70,12 +70,12 @@ def main() -> None:
 
     source, opts, _ = gpu_kernels._spec("chunk_pass")
     built, regs = {}, {}
-    # (fence, units a step, hints, new values computed after the fences)
-    for f, g_, hint, late in ((1, 2, 2, 0), (1, 4, 2, 0), (1, 4, 2, 1), (1, 8, 2, 1), (2, 2, 2, 1)):
+    # (fence, units a step, hints)
+    for f, g_, hint in ((1, 4, 2), (2, 2, 2)):
         m_ = cupy.RawModule(code=source, options=(*opts, f"-DLETO_RF_FENCE={f}", f"-DLETO_RF_UNITS={g_}",
-                                                  f"-DLETO_RF_HINTS={hint}", f"-DLETO_RF_LATE={late}"))
-        built[f, g_, hint, late] = fn_ = m_.get_function(f"chunk_pass_rf_h{H}")
-        regs[f"fence {f}, {g_} units, hints {hint}, late {late}"] = (
+                                                  f"-DLETO_RF_HINTS={hint}"))
+        built[f, g_, hint] = fn_ = m_.get_function(f"chunk_pass_rf_h{H}")
+        regs[f"fence {f}, {g_} units, hints {hint}"] = (
             f"{fn_.num_regs} registers, {fn_.local_size_bytes} bytes local")
 
     def head(u0, u1, lo, hi):
@@ -110,14 +110,10 @@ def main() -> None:
         "pass in place (floor)": lambda c: in_place(c, False),
         "undo copy + pass": lambda c: in_place(c, True),
         f"resumable pass (default build, {cp.RF_PARTS} parts)": resumable,
-        "resumable, 2 units, values computed before the fences (the first build), 2 parts":
-            lambda c: resumable(c, fn=built[1, 2, 2, 0], parts=2),
-        "resumable, 4 units, values computed before the fences, 2 parts":
-            lambda c: resumable(c, fn=built[1, 4, 2, 0], parts=2),
-        "resumable, 4 units, 2 parts": lambda c: resumable(c, fn=built[1, 4, 2, 1], parts=2),
-        "resumable, 4 units, 1 part": lambda c: resumable(c, fn=built[1, 4, 2, 1], parts=1),
-        "resumable, 8 units, 1 part": lambda c: resumable(c, fn=built[1, 8, 2, 1], parts=1),
-        "resumable, 2 units, no fence (diagnosis), 2 parts": lambda c: resumable(c, fn=built[2, 2, 2, 1], parts=2),
+        "resumable, 1 part": lambda c: resumable(c, parts=1),
+        "resumable, 4 parts": lambda c: resumable(c, parts=4),
+        "resumable, 4 units a step, 2 parts": lambda c: resumable(c, fn=built[1, 4, 2], parts=2),
+        "resumable, no fence (diagnosis), 2 parts": lambda c: resumable(c, fn=built[2, 2, 2], parts=2),
     }
 
     stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())

@@ -308,9 +308,6 @@ X
 #ifndef LETO_RF_FENCE
 #define LETO_RF_FENCE 1
 #endif
-#ifndef LETO_RF_LATE
-#define LETO_RF_LATE 1
-#endif
 __device__ __forceinline__ void rf_fence() {
 #if LETO_RF_FENCE == 0
   __threadfence();
@@ -467,15 +464,7 @@ __device__ __forceinline__ void chunk_pass_rf_body(
         }
         continue;
       }
-      // The old values (and the gradient) are what a step holds in registers; the new
-      // values are computed from them after the fences, as they are stored
-      // (LETO_RF_LATE=0 builds the first version: computed before, held across them).
-      float4 p0[G], m0[G], v0[G];
-#if LETO_RF_LATE
-      float4 g0[G];
-#else
-      float4 p1_[G], m1_[G], v1_[G];
-#endif
+      float4 p0[G], m0[G], v0[G], p1[G], m1[G], v1[G];
       const int s0 = slot * SLOT;
 #pragma unroll
       for (int j = 0; j < G; ++j) {
@@ -488,21 +477,17 @@ __device__ __forceinline__ void chunk_pass_rf_body(
         rf_keep(slots + (s0 + 3 * j + 0) * n_slot, *reinterpret_cast<const uint4*>(&p0[j]), keep);
         rf_keep(slots + (s0 + 3 * j + 1) * n_slot, *reinterpret_cast<const uint4*>(&m0[j]), keep);
         rf_keep(slots + (s0 + 3 * j + 2) * n_slot, *reinterpret_cast<const uint4*>(&v0[j]), keep);
-#if LETO_RF_LATE
-        g0[j] = gg;
-#else
         if (seg_of[j] != cached) {
           s = segs[seg_of[j]];
           bias_corrections(s, bc1, bc2s);
           cached = seg_of[j];
         }
-        p1_[j] = p0[j], m1_[j] = m0[j], v1_[j] = v0[j];
+        p1[j] = p0[j], m1[j] = m0[j], v1[j] = v0[j];
         const long long left = s.end - e;
-        adam_element(p1_[j].x, gg.x, m1_[j].x, v1_[j].x, s, bc1, bc2s);
-        if (left > 1) adam_element(p1_[j].y, gg.y, m1_[j].y, v1_[j].y, s, bc1, bc2s);
-        if (left > 2) adam_element(p1_[j].z, gg.z, m1_[j].z, v1_[j].z, s, bc1, bc2s);
-        if (left > 3) adam_element(p1_[j].w, gg.w, m1_[j].w, v1_[j].w, s, bc1, bc2s);
-#endif
+        adam_element(p1[j].x, gg.x, m1[j].x, v1[j].x, s, bc1, bc2s);
+        if (left > 1) adam_element(p1[j].y, gg.y, m1[j].y, v1[j].y, s, bc1, bc2s);
+        if (left > 2) adam_element(p1[j].z, gg.z, m1[j].z, v1[j].z, s, bc1, bc2s);
+        if (left > 3) adam_element(p1[j].w, gg.w, m1[j].w, v1[j].w, s, bc1, bc2s);
       }
       rf_save_sums<H>(slots, n_slot, s0 + 3 * G, 0, t, keep);
       rf_fence();  // the slot before the record that names it
@@ -518,28 +503,12 @@ __device__ __forceinline__ void chunk_pass_rf_body(
           continue;
         }
         const long long e = (long long)(u_begin + k + j) * unit_elems + item * 4;
-#if LETO_RF_LATE
-        if (seg_of[j] != cached) {
-          s = segs[seg_of[j]];
-          bias_corrections(s, bc1, bc2s);
-          cached = seg_of[j];
-        }
-        float4 p1 = p0[j], m1 = m0[j], v1 = v0[j];
-        const float4 gg = g0[j];
-        const long long left = s.end - e;
-        adam_element(p1.x, gg.x, m1.x, v1.x, s, bc1, bc2s);
-        if (left > 1) adam_element(p1.y, gg.y, m1.y, v1.y, s, bc1, bc2s);
-        if (left > 2) adam_element(p1.z, gg.z, m1.z, v1.z, s, bc1, bc2s);
-        if (left > 3) adam_element(p1.w, gg.w, m1.w, v1.w, s, bc1, bc2s);
-#else
-        const float4 p1 = p1_[j], m1 = m1_[j], v1 = v1_[j];
-#endif
-        rf_store(p + e, p1, stream);
-        rf_store(m + e, m1, stream);
-        rf_store(v + e, v1, stream);
-        horner_step<H>(t, xor4(p0[j], p1));  // columns in group order: param, exp_avg,
-        horner_step<H>(t, xor4(m0[j], m1));  // exp_avg_sq of each unit
-        horner_step<H>(t, xor4(v0[j], v1));
+        rf_store(p + e, p1[j], stream);
+        rf_store(m + e, m1[j], stream);
+        rf_store(v + e, v1[j], stream);
+        horner_step<H>(t, xor4(p0[j], p1[j]));  // columns in group order: param, exp_avg,
+        horner_step<H>(t, xor4(m0[j], m1[j]));  // exp_avg_sq of each unit
+        horner_step<H>(t, xor4(v0[j], v1[j]));
       }
       slot ^= 1;
     }
