@@ -181,6 +181,8 @@ class RetainedTraining:
         self.on_no_loss = None  # leto.Run: tell the agent too (it says so on the console)
         self.fresh = False  # resume initialized a fresh pool (no retained state, no checkpoint)
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
+        self.begin_s: dict[str, float] = {}  # host seconds of begin()'s parts, summed
+        self.begins = 0
         self._loss_host: torch.Tensor | None = None  # pinned: the loss log's copy (GPU)
         # Gradients reduced in buckets while backward runs (as DDP does); 0: one
         # all-reduce of the whole retained buffer after backward (with rank-local
@@ -321,12 +323,15 @@ class RetainedTraining:
             torch.cuda.synchronize(self.device)
 
     def begin(self, t: int) -> None:
+        c0 = time.perf_counter()
         if self.heartbeat is not None:
             with leto_range("heartbeat"):
                 self.heartbeat(t)
+        c1 = time.perf_counter()
         with leto_range("scrub"):
             self.scrub.step()  # the previous update is done: parity matches the pages
             self._scrub_on_demand(t)
+        c2 = time.perf_counter()
         point("gather", t)
         with leto_range("begin"):
             self.up.state.gather()  # ZeRO-1: the owners' retained shards make the full parameters
@@ -336,6 +341,10 @@ class RetainedTraining:
             if self.buckets is not None:
                 self.buckets.begin()
             self.up.begin(t, zero_grads=not landing)
+        c3 = time.perf_counter()
+        for k, v in (("heartbeat", c1 - c0), ("scrub", c2 - c1), ("updater", c3 - c2)):
+            self.begin_s[k] = self.begin_s.get(k, 0.0) + v
+        self.begins += 1
         self._t = t
         if self.replay is not None:
             with leto_range("gradient replay"):

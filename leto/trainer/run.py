@@ -412,6 +412,11 @@ class Run:
                 _notice(store, line)
         t = self.next_iteration
         t_first, t_loop = t, time.time()
+        # Leto's host time between the script's iterations (from the script's end of one
+        # to its start of the next): the device idles through it where the script waited
+        # for the device (a logged loss), so the loop's figures say it.
+        self._between_s: list[float] = []
+        resumed = None
         while t < total:
             self._t, self._stepped, self._loss = t, False, None
             self._called, self._inf, self._seen = set(), set(), set()
@@ -421,6 +426,8 @@ class Run:
             self._reported = False
             self.job.begin(t)
             self._mark("loop start")
+            if resumed is not None:
+                self._between_s.append(time.perf_counter() - resumed)
             try:
                 yield t
             except GeneratorExit:
@@ -434,6 +441,7 @@ class Run:
                 self._left_early = (t, total)
                 atexit.register(self._said_left_early)
                 raise
+            resumed = time.perf_counter()
             if not self._stepped:
                 if self.scaler is None or len(self._inf) < len(self.optimizers):
                     # (Under a GradScaler: step through scaler.step(), as torch's docs do.)
@@ -471,10 +479,20 @@ class Run:
         # What the loop and the replica check took, in the rank's log (the check's
         # all_gather includes waiting for the slowest replica's update).
         rc, rp = self.job.replica, self.job.replay
+        gaps = sorted(self._between_s)
+        n = max(self.job.begins, 1)
+        parts = ", ".join(f"{k} {1e3 * v / n:.2f}" for k, v in self.job.begin_s.items())
         rank_log.say(
             self.ctx.rank,
             f"the loop ran {time.time() - t_loop:.2f} s for "
-            f"{t - t_first} iteration(s); replica check: "
+            f"{t - t_first} iteration(s); "
+            + (
+                f"Leto's host time between the script's iterations: median "
+                f"{1e3 * gaps[len(gaps) // 2]:.2f} ms (a mean of {parts} ms in its begin); "
+                if gaps
+                else ""
+            )
+            + "replica check: "
             + (
                 f"{rc.checks} updates compared, {1e3 * rc.check_s / rc.checks:.3f} ms each"
                 if rc is not None and rc.checks
