@@ -181,8 +181,7 @@ class RetainedTraining:
         self.on_no_loss = None  # leto.Run: tell the agent too (it says so on the console)
         self.fresh = False  # resume initialized a fresh pool (no retained state, no checkpoint)
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
-        self.begin_s: dict[str, float] = {}  # host seconds of begin()'s parts, summed
-        self.begins = 0
+        self.begin_s: dict[str, list[float]] = {}  # host seconds of begin()'s parts
         self._loss_host: torch.Tensor | None = None  # pinned: the loss log's copy (GPU)
         # Gradients reduced in buckets while backward runs (as DDP does); 0: one
         # all-reduce of the whole retained buffer after backward (with rank-local
@@ -343,8 +342,7 @@ class RetainedTraining:
             self.up.begin(t, zero_grads=not landing)
         c3 = time.perf_counter()
         for k, v in (("heartbeat", c1 - c0), ("scrub", c2 - c1), ("updater", c3 - c2)):
-            self.begin_s[k] = self.begin_s.get(k, 0.0) + v
-        self.begins += 1
+            self.begin_s.setdefault(k, []).append(v)
         self._t = t
         if self.replay is not None:
             with leto_range("gradient replay"):

@@ -416,6 +416,8 @@ class Run:
         # to its start of the next): the device idles through it where the script waited
         # for the device (a logged loss), so the loop's figures say it.
         self._between_s: list[float] = []
+        self._after_s: list[float] = []  # of which before the next begin (checks, checkpoint)
+        self._checkpoint_s: list[float] = []  # of which the checkpointer's
         resumed = None
         while t < total:
             self._t, self._stepped, self._loss = t, False, None
@@ -424,6 +426,8 @@ class Run:
                 self.scaler.begin()
             self._got_grad.clear()
             self._reported = False
+            if resumed is not None:
+                self._after_s.append(time.perf_counter() - resumed)
             self.job.begin(t)
             self._mark("loop start")
             if resumed is not None:
@@ -459,9 +463,11 @@ class Run:
                 self._loop.write_end(t)
             self._t = None
             self._check_schedulers(t, skipped=not self._stepped)
+            c0 = time.perf_counter()
             if self.checkpointer is not None:
                 with leto_range("checkpoint"):
                     self.checkpointer.after_iteration(t, self.job)
+            self._checkpoint_s.append(time.perf_counter() - c0)
             self._mark("after step")
             self._clock = None  # the first iteration is over: no more marks, no syncs
             if self._shapes is not None:
@@ -479,16 +485,23 @@ class Run:
         # What the loop and the replica check took, in the rank's log (the check's
         # all_gather includes waiting for the slowest replica's update).
         rc, rp = self.job.replica, self.job.replay
-        gaps = sorted(self._between_s)
-        n = max(self.job.begins, 1)
-        parts = ", ".join(f"{k} {1e3 * v / n:.2f}" for k, v in self.job.begin_s.items())
+        def median(xs: list[float]) -> float:
+            return 1e3 * sorted(xs)[len(xs) // 2]
+
+        gaps = self._between_s
+        parts = ", ".join(
+            f"{k} {median(v[1:]):.2f}"
+            for k, v in [("checks", [0.0, *self._after_s]), ("checkpoint", [0.0, *self._checkpoint_s]),
+                         *self.job.begin_s.items()]  # fmt: skip
+            if len(v) > 1
+        )
         rank_log.say(
             self.ctx.rank,
             f"the loop ran {time.time() - t_loop:.2f} s for "
             f"{t - t_first} iteration(s); "
             + (
                 f"Leto's host time between the script's iterations: median "
-                f"{1e3 * gaps[len(gaps) // 2]:.2f} ms (a mean of {parts} ms in its begin); "
+                f"{median(gaps):.2f} ms (medians: {parts} ms); "
                 if gaps
                 else ""
             )
