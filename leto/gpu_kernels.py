@@ -35,7 +35,7 @@ from pathlib import Path
 
 from leto import native
 
-MODULES = ("codec", "chunk_pass")
+MODULES = ("codec", "chunk_pass", "grad_clip")
 LOCK_TIMEOUT_S = 300.0  # past it, a trainer compiles the module itself (and says so)
 ENV_PREBUILD = "LETO_PREBUILD"  # 0: leto run starts no prebuild
 ENV_SPLIT = "LETO_NVRTC_SPLIT"  # 0: NVRTC optimizes on one thread
@@ -78,6 +78,10 @@ def _spec(name: str) -> tuple[str, tuple[str, ...], list[str]]:
         opts = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true",
                 "-fmad=true", f"-I{tripwire}", f"-I{kernels}",
                 f"-DLETO_RF_UNITS={rf_units()}", f"-DLETO_RF_HINTS={rf_hints()}")  # fmt: skip
+    elif name == "grad_clip":
+        # IEEE denormals (``-ftz=false``): the multiply torch's _foreach_mul_ does.
+        source = resources.files("leto.update").joinpath("grad_clip.cu").read_text()
+        opts = ("-std=c++17", "-ftz=false", f"-I{tripwire}", f"-I{kernels}")
     else:
         raise ValueError(f"no CUDA module {name!r}: one of {', '.join(MODULES)}")
     return source, opts, [h.read_text() for h in headers]

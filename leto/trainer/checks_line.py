@@ -55,4 +55,5 @@ def describe(job, replay_every: int) -> str:
     # unfused steps and why — slower on a GPU, and said nowhere else on the console).
     parts.append(f"chunk updates: {job.up.update_path}")
     parts.append(f"undo copies: {job.up.undo_path}")
+    parts.append(f"gradient parity: {job.up.grad_parity_path}")
     return "checks: " + "; ".join(parts) + " (docs/integrity.md)"

@@ -51,6 +51,7 @@ from leto.ranges import leto_range
 from leto.trainer import grad_landing
 from leto.trainer.buckets import GradBuckets
 from leto.trainer.dp_group import DPGroup
+from leto.update import grad_clip
 from leto.update.marker import MarkerState, Phase
 from leto.update.rmu import Updater, UpdaterConfig, decide
 from leto.update.schedule import WarmupCosine
@@ -207,6 +208,15 @@ class RetainedTraining:
             self.buckets.before_launch = self._local_grad
             if self.landing is not None:
                 self.buckets.before_finish = self.landing.finish
+        # The gradients' parity taken in the script's clip_grad_norm_ (leto.update.
+        # grad_clip), where no reduction writes them after the clip: one data-parallel
+        # replica (an all-reduce on a view moves no autograd version counter).
+        if self.up.clip_parity is not None and (self.dp.size > 1 or external_grads):
+            self.up.clip_parity_reason = (
+                "gradients reduced across ranks" if self.dp.size > 1 else "a library's own gradients"
+            )
+            self.up.clip_parity = None
+        grad_clip.install(self.up.clip_parity)
         # --undo ahead with LETO_UNDO_AHEAD_AT=grad: the whole-state copy queued when the
         # iteration's first gradient lands, for the device to run it beside the rest of
         # backward (queued at the iteration's start, the default, it ran alone on an

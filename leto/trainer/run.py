@@ -85,6 +85,7 @@ from leto.trainer.exit_hook import uncaught
 from leto.trainer.loop_state import LoopState
 from leto.trainer.retained import RetainedTraining
 from leto.trainer.rng_state import GlobalRNG
+from leto.update import grad_clip
 from leto.update.rmu import UpdaterConfig
 from leto.update.user_optim import UserOptimizer
 
@@ -482,6 +483,7 @@ class Run:
         settled, the full scrub, ZeRO-1's final gather; collective (a loop the script
         left early does not reach it: see iterations())."""
         self.ctx.loop_ended()
+        grad_clip.install(None)  # (the script's clips after the loop are torch's alone)
         # What the loop and the replica check took, in the rank's log (the check's
         # all_gather includes waiting for the slowest replica's update).
         rc, rp = self.job.replica, self.job.replay

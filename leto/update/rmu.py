@@ -64,7 +64,7 @@ from leto.memory.errors import PoolFdLimit, RemoteError
 from leto.memory.lending import Lender
 from leto.plugins import SDC_POINT, Computed, point
 from leto.ranges import leto_range
-from leto.update import rmu_recovery, steps
+from leto.update import grad_clip, rmu_recovery, steps
 from leto.update.chunk_pass import (
     FRESH,
     MAX_CHUNK_UNITS,
@@ -317,6 +317,12 @@ class Updater:
                 f"{self._chunk_base[-1]} chunks an update: the resumable pass names at most "
                 f"65,535 (give a larger chunk size)"
             )
+        # The gradients' tier-1 parity taken in the script's clip_grad_norm_ pass
+        # (leto.update.grad_clip): made here, used once the trainer installs it.
+        self.clip_parity: grad_clip.ClipParity | None = None
+        self.clip_parity_reason = grad_clip.unsupported(self)
+        if self.clip_parity_reason is None:
+            self.clip_parity = grad_clip.ClipParity(self)
 
     @property
     def digest_complete(self) -> bool:
@@ -350,6 +356,15 @@ class Updater:
             )
         note = f" ({self.undo_note})" if self.undo_note else ""
         return f"per chunk, before its update{note}"
+
+    @property
+    def grad_parity_path(self) -> str:
+        """Where the gradients' tier-1 parity is taken (the checks line)."""
+        cp = self.clip_parity
+        if cp is not None and cp.off is None:
+            return f"in clip_grad_norm_'s pass over them ({cp.name}), else at the step"
+        why = cp.off if cp is not None else self.clip_parity_reason
+        return f"at the step ({why})"
 
     @property
     def update_path(self) -> str:
@@ -575,16 +590,29 @@ class Updater:
                 loss = float(loss.detach())
         if self.lender is not None:
             self.lender.reclaim()  # no activation may still live in the buffers
-        for g in self.grad_groups:
+        # Taken in the script's clip_grad_norm_ where the gradients were not written since
+        # (leto.update.grad_clip); checked against a fresh encode now and then.
+        cp = self.clip_parity
+        ahead = cp.parity(iteration) if cp is not None else None
+        audit = ahead is not None and cp.audit_due()
+        if ahead is not None:
+            cp.used += 1
+        for gi, g in enumerate(self.grad_groups):
             code = self.code(g)
             t1 = self.gradparity[: self.h1]
             t2 = self.gradparity[self.h1 :]
             with self._span("grad parity encode"):
-                code.tier1.encode(
-                    self._pages(("grad", g.gid), g.data_pages or g.data),
-                    out=self._pages("gp1", t1),
-                    group=g.gid,
-                )
+                if ahead is not None and not audit:
+                    for dst, src in zip(t1, ahead[gi], strict=True):
+                        dst.copy_(src)
+                else:
+                    code.tier1.encode(
+                        self._pages(("grad", g.gid), g.data_pages or g.data),
+                        out=self._pages("gp1", t1),
+                        group=g.gid,
+                    )
+                    if audit:
+                        cp.audit(gi, t1)
                 code.tier2.encode(self._pages("gp1", t1), out=self._pages("gp2", t2), group=g.gid)
             with self._span("grad parity to host"):
                 self._copy(self._host_tier(g, 0), self._gp_flat, "grad_parity", iteration)
