@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|copy-overlap|resumable-pass|grad-landing|certify-1b|user-recovery|fresh-start|cold-start|pin-stall|megatron|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|copy-overlap|resumable-pass|clip-parity|grad-landing|certify-1b|user-recovery|fresh-start|cold-start|pin-stall|megatron|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -576,6 +576,38 @@ if [[ $what == resumable-pass ]]; then
       --cases tied,groups,two-optimizers,fp16 --kill-cases ${LETO_RP_ZOO_KILL:-tied,groups,two-optimizers,fp16} \
       --json "$OUT/resumable_zoo.json" > "$OUT/resumable_zoo.txt" 2>&1 || rc=1
     tail -c 1500 "$OUT/resumable_zoo.txt"
+  fi
+fi
+if [[ $what == clip-parity ]]; then
+  # Issue 59 item 2: the gradients' parity taken in the script's clip_grad_norm_ pass
+  # (leto.update.grad_clip, grad_clip.cu). LETO_CP_PARTS picks (default all, in order):
+  # tests (its GPU tests, the chunk pass's and the resumable pass's), userpath (16 K
+  # tokens: torchrun, leto run's defaults and LETO_CLIP_PARITY=0 side by side,
+  # deterministic, bytes compared), zoo (real models' shapes, killed in the update),
+  # breakdown (16 K).
+  parts=${LETO_CP_PARTS:-tests userpath zoo}
+  [[ " $parts " == *" tests "* ]] && { timeout 240 python3 -m pytest -p no:cacheprovider -q -rfEs -m gpu \
+    tests/test_grad_clip.py tests/test_chunk_pass.py tests/test_resumable_pass.py 2>&1 | tail -6 \
+    | tee "$OUT/clip_parity_tests.txt" || rc=1; }
+  if [[ " $parts " == *" userpath "* ]]; then
+    timeout 420 python3 -m bench.user_path --preset h200-1b --iterations ${LETO_CP_ITERS:-16} \
+      --skip ${LETO_CP_SKIP:-8} --timeout-s 200 --script-args="--deterministic --tokens zipf" \
+      --leto-variant "step=LETO_CLIP_PARITY=0" --json "$OUT/clip_parity_userpath.json" \
+      > "$OUT/clip_parity_userpath.txt" 2>&1 || rc=1
+    grep -E "iterations, ms|median|bit-ident" "$OUT/clip_parity_userpath.txt" | tail -8
+    grep -rh "host time between\|gradient parity" /tmp/leto-user-path-* 2>/dev/null | head -6
+  fi
+  if [[ " $parts " == *" zoo "* ]]; then
+    timeout ${LETO_CP_ZOO_TIMEOUT:-300} python3 -m bench.zoo --device cuda --size tiny \
+      --cases tied,groups,two-optimizers,fp16 --kill-cases ${LETO_CP_ZOO_KILL:-tied,fp16} \
+      --json "$OUT/clip_parity_zoo.json" > "$OUT/clip_parity_zoo.txt" 2>&1 || rc=1
+    tail -c 1500 "$OUT/clip_parity_zoo.txt"
+  fi
+  if [[ " $parts " == *" breakdown "* ]]; then
+    timeout 280 python3 -m bench.update_breakdown --preset h200-1b --window 4:3 \
+      --script-args="--deterministic --tokens zipf" --timeout-s 260 \
+      --json "$OUT/clip_parity_breakdown.json" > "$OUT/clip_parity_breakdown.txt" 2>&1 || rc=1
+    grep -A14 "^range" "$OUT/clip_parity_breakdown.txt"
   fi
 fi
 if [[ $what == grad-landing ]]; then
