@@ -42,6 +42,10 @@ def test_a_check_wrong_twice_is_switched_off_and_no_device_is_named(tmp_path):
     assert len(said) == 1 and "update recheck: on (every chunk)" in said[0], said
     assert "gradient replay: off" in said[0] and "loss guard: on" in said[0], said
     assert "undo copies: per chunk, before its update" in said[0], said
+    # The script clips (one rank): its clip took the gradients' parity (leto.update.grad_clip).
+    assert "gradient parity: in clip_grad_norm_'s pass over them (CPU twin)" in said[0], said
+    logs = "".join(p.read_text() for p in (tmp_path / "leto" / "logs").glob("rank0.gen*.log"))
+    assert "gradient parity from the clip's pass at 3 of 3 steps" in logs, logs[-2000:]
     assert not (tmp_path / "leto" / "logs" / FAULTY_FILE).exists()
     assert got["faulty"] == []
     recs = (tmp_path / "leto" / "train" / "rank0.recheck.jsonl").read_text().splitlines()

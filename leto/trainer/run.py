@@ -507,6 +507,11 @@ class Run:
                 if gaps
                 else ""
             )
+            + (
+                f"gradient parity from the clip's pass at {cp.used} of {t - t_first} steps; "
+                if (cp := self.job.up.clip_parity) is not None
+                else ""
+            )
             + "replica check: "
             + (
                 f"{rc.checks} updates compared, {1e3 * rc.check_s / rc.checks:.3f} ms each"
