@@ -348,7 +348,7 @@ class Updater:
         if self.log is not None and rc is not None and self.user is not None and rc.every:
             return "per chunk, before its update (the update recheck restores every chunk from it)"
         if self.log is not None:
-            n = self.log.progress.numel() * 8 + self.log.slots.numel() * 4
+            n = sum(t.numel() * t.element_size() for t in (self.log.progress, self.log.slots, self.log.fin))
             return (
                 f"none: the fused pass keeps each item's old values in slots as it writes "
                 f"them ({n / 2**20:.0f} MiB, resumable item by item); an undo copy only "
