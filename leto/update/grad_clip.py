@@ -69,6 +69,9 @@ def unsupported(upd) -> str | None:
         return "a sharded gradient buffer"
     if not upd.grad_groups:
         return "no gradient protection groups"
+    if any(m[0] != "grad" for g in upd.grad_groups for m in g.members):
+        # (a page of another allocation could change between the clip and the step)
+        return "gradient protection groups shared with other allocations"
     return None
 
 
