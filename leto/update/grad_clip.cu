@@ -25,6 +25,7 @@ struct PageSeg {
   long long lo, hi;
 };
 
+template <int H>
 __device__ __forceinline__ uint4 scale_item(const unsigned long long* __restrict__ page_ptrs,
                                             const int* __restrict__ page_seg,
                                             const PageSeg* __restrict__ segs, int k,
@@ -78,11 +79,11 @@ __device__ __forceinline__ void grad_clip_body(
       for (int j = 0; j < 4; ++j) d[j] = reinterpret_cast<const uint4*>(page_ptrs[k + j])[item];
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        horner_step<H>(t, scale_item(page_ptrs, page_seg, segs, k + j, item, c, d[j]));
+        horner_step<H>(t, scale_item<H>(page_ptrs, page_seg, segs, k + j, item, c, d[j]));
     }
     for (; k < n_pages; ++k) {
       const uint4 d = reinterpret_cast<const uint4*>(page_ptrs[k])[item];
-      horner_step<H>(t, scale_item(page_ptrs, page_seg, segs, k, item, c, d));
+      horner_step<H>(t, scale_item<H>(page_ptrs, page_seg, segs, k, item, c, d));
     }
     horner_finish<H>(t, tab, out_ptrs, item, false);
   }
