@@ -182,6 +182,43 @@ def test_on_the_gpu_edge_coefficients_keep_torchs_bytes_and_the_codecs_parity(in
     _edge_case("cuda")
 
 
+def test_a_clip_of_some_gradients_scales_those_alone_and_the_parity_covers_all(counting, installed):
+    """Two clips in one iteration, each of a subset (as a script clipping its parts
+    apart): each leaves torch's bytes; the parity after the second is the encode of all;
+    the step encodes nothing."""
+    sm = start_state_manager(_config("cpu"))
+    try:
+        tr = _trainer(sm, "cpu")
+        cp = tr.up.clip_parity
+        grad_clip.install(cp)
+        cp.used = grad_clip.AUDIT_FIRST  # (past the first audits: the step encodes nothing)
+        tr.up.begin(tr.t)
+        h.grads_for(tr.model, tr.t)
+        params = [p for p in tr.model.parameters() if p.grad is not None]
+        assert len(params) >= 2
+        for part in (params[:1], params[1:]):
+            want = [p.grad.clone() for p in part]
+            others = [p.grad.clone() for p in params if all(p is not q for q in part)]
+            norm = torch.nn.utils.get_total_norm(want, 2.0, False, None)
+            grad_clip._torch_clip([type("P", (), {"grad": g})() for g in want], 0.01, norm, None)
+            torch.nn.utils.clip_grad_norm_(part, 0.01)
+            for p, w in zip(part, want, strict=True):
+                assert torch.equal(p.grad.view(torch.int32), w.view(torch.int32))
+            rest = [p.grad for p in params if all(p is not q for q in part)]
+            for a, b in zip(rest, others, strict=True):
+                assert torch.equal(a, b), "a gradient the clip was not given changed"
+        fresh = _encode(tr)
+        for gi in range(len(tr.up.grad_groups)):
+            for r, page in enumerate(fresh[gi]):
+                assert torch.equal(cp.bufs[gi][r], page), (gi, r)
+        _step(tr, counting)
+        assert not _grad_lists(tr) & set(counting)
+        assert cp.taken == 2 and cp.used == grad_clip.AUDIT_FIRST + 1
+        tr.client.close()
+    finally:
+        sm.stop()
+
+
 def test_a_write_autograd_sees_after_the_clip_makes_the_step_encode(counting, installed):
     sm = start_state_manager(_config("cpu"))
     try:
