@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -18,7 +20,6 @@ from leto.erasure.codec import ReedSolomon
 from leto.memory.config import PoolConfig
 from leto.memory.launch import start_state_manager
 from leto.update import grad_clip
-from leto.update.user_optim import UserOptimizer
 from tests import rmu_harness as h
 from tests import test_user_optim as u
 from tests.pool_helpers import small_config
@@ -59,24 +60,30 @@ def _encode(tr) -> list[list[torch.Tensor]]:
 
 
 def _step(tr, counting):
-    """The iteration's step after the clip: protect, sync, update (what leto.Run does)."""
-    t = tr.t
-    hp = UserOptimizer.hparams(tr.up.user)
-    tr.loop.write(t, {"hparams": hp, "scheduler": [sc.state_dict() for sc in tr.scheds], "state": {}})
-    tr.up.hparams = hp
+    """The iteration's step after the clip, the encodes counted from its start."""
     counting.clear()
-    tr.up.protect_grads(t)
-    tr.up.sync(t)
-    tr.up.update(t)
-    for o, sc in zip(tr.opts, tr.scheds, strict=True):
-        o._opt_called = True
-        sc.step()
-    tr.t += 1
+    tr.step()
 
 
 def _grad_lists(tr) -> set[int]:
     """The gradient groups' page lists, as the step's tier-1 encode gets them."""
     return {id(tr.up._pages(("grad", g.gid), g.data_pages or g.data)) for g in tr.up.grad_groups}
+
+
+@contextlib.contextmanager
+def _clipped():
+    """A CPU trainer whose iteration's gradients are in and clipped at 0.5 under Leto."""
+    sm = start_state_manager(_config("cpu"))
+    try:
+        tr = _trainer(sm, "cpu")
+        grad_clip.install(tr.up.clip_parity)
+        tr.up.begin(tr.t)
+        h.grads_for(tr.model, tr.t)
+        torch.nn.utils.clip_grad_norm_(list(tr.model.parameters()), 0.5)
+        yield tr, tr.up.clip_parity
+        tr.client.close()
+    finally:
+        sm.stop()
 
 
 @pytest.fixture
@@ -220,36 +227,19 @@ def test_a_clip_of_some_gradients_scales_those_alone_and_the_parity_covers_all(c
 
 
 def test_a_write_autograd_sees_after_the_clip_makes_the_step_encode(counting, installed):
-    sm = start_state_manager(_config("cpu"))
-    try:
-        tr = _trainer(sm, "cpu")
-        cp = tr.up.clip_parity
-        grad_clip.install(cp)
-        tr.up.begin(tr.t)
-        h.grads_for(tr.model, tr.t)
-        torch.nn.utils.clip_grad_norm_(list(tr.model.parameters()), 0.5)
+    with _clipped() as (tr, cp):
         assert cp.parity(tr.t) is not None
         _grads(tr)[1].mul_(0.5)  # (a GradScaler's unscale_, a second clip: in place)
         assert cp.parity(tr.t) is None
         _step(tr, counting)
         assert _grad_lists(tr) <= set(counting)
         assert cp.used == 0
-        tr.client.close()
-    finally:
-        sm.stop()
 
 
 def test_a_write_autograd_does_not_see_is_found_by_the_audit_which_turns_the_pass_off(
     counting, installed, capfd
 ):
-    sm = start_state_manager(_config("cpu"))
-    try:
-        tr = _trainer(sm, "cpu")
-        cp = tr.up.clip_parity
-        grad_clip.install(cp)
-        tr.up.begin(tr.t)
-        h.grads_for(tr.model, tr.t)
-        torch.nn.utils.clip_grad_norm_(list(tr.model.parameters()), 0.5)
+    with _clipped() as (tr, cp):
         _grads(tr)[1].data.add_(1.0)  # autograd's version counter does not move
         assert cp.parity(tr.t) is not None and cp.audit_due()
         fresh = _encode(tr)
@@ -269,9 +259,6 @@ def test_a_write_autograd_does_not_see_is_found_by_the_audit_which_turns_the_pas
         taken = cp.taken
         torch.nn.utils.clip_grad_norm_(list(tr.model.parameters()), 0.5)
         assert cp.taken == taken
-        tr.client.close()
-    finally:
-        sm.stop()
 
 
 def test_where_it_does_not_apply_the_reason_is_said(monkeypatch):

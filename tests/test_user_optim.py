@@ -170,6 +170,12 @@ class Trainer:
             self.up.ahead_at_first_grad()
         h.grads_for(self.model, t)
         torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), 0.5, foreach=True)
+        self.step()
+
+    def step(self) -> None:
+        """The iteration's step once its gradients are in (and clipped): the loop record,
+        protect, sync, update, the schedulers (what leto.Run does)."""
+        t = self.t
         hp = UserOptimizer.hparams(self.up.user)
         scheds = [sc.state_dict() for sc in self.scheds]
         self.loop.write(t, {"hparams": hp, "scheduler": scheds, "state": {}})
