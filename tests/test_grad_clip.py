@@ -41,7 +41,8 @@ def installed():
 
 def _trainer(sm, device: str):
     tr = u.Trainer(sm, "adamw-fused", dims=(1024, 2400, 7) if device == "cuda" else DIMS)
-    assert tr.up.clip_parity is not None, tr.up.clip_parity_reason
+    assert tr.up.clip_parity_reason is None, tr.up.clip_parity_reason
+    tr.up.clip_parity = grad_clip.ClipParity(tr.up)  # (as the trainer makes it: one rank)
     return tr
 
 

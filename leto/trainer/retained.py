@@ -182,7 +182,7 @@ class RetainedTraining:
         self.on_no_loss = None  # leto.Run: tell the agent too (it says so on the console)
         self.fresh = False  # resume initialized a fresh pool (no retained state, no checkpoint)
         self.heartbeat = heartbeat  # (iteration) -> None: progress for a hang monitor
-        self.begin_s: dict[str, list[float]] = {}  # host seconds of begin()'s parts
+        self.begin_s: dict[str, float] = {}  # host seconds of the last begin()'s parts
         self._loss_host: torch.Tensor | None = None  # pinned: the loss log's copy (GPU)
         # Gradients reduced in buckets while backward runs (as DDP does); 0: one
         # all-reduce of the whole retained buffer after backward (with rank-local
@@ -211,11 +211,12 @@ class RetainedTraining:
         # The gradients' parity taken in the script's clip_grad_norm_ (leto.update.
         # grad_clip), where no reduction writes them after the clip: one data-parallel
         # replica (an all-reduce on a view moves no autograd version counter).
-        if self.up.clip_parity is not None and (self.dp.size > 1 or external_grads):
+        if self.up.clip_parity_reason is None and (self.dp.size > 1 or external_grads):
             self.up.clip_parity_reason = (
                 "gradients reduced across ranks" if self.dp.size > 1 else "a library's own gradients"
             )
-            self.up.clip_parity = None
+        if self.up.clip_parity_reason is None:
+            self.up.clip_parity = grad_clip.ClipParity(self.up)
         grad_clip.install(self.up.clip_parity)
         # --undo ahead with LETO_UNDO_AHEAD_AT=grad: the whole-state copy queued when the
         # iteration's first gradient lands, for the device to run it beside the rest of
@@ -351,8 +352,7 @@ class RetainedTraining:
                 self.buckets.begin()
             self.up.begin(t, zero_grads=not landing)
         c3 = time.perf_counter()
-        for k, v in (("heartbeat", c1 - c0), ("scrub", c2 - c1), ("updater", c3 - c2)):
-            self.begin_s.setdefault(k, []).append(v)
+        self.begin_s = {"heartbeat": c1 - c0, "scrub": c2 - c1, "updater": c3 - c2}
         self._t = t
         if self.replay is not None:
             with leto_range("gradient replay"):

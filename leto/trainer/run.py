@@ -416,10 +416,8 @@ class Run:
         # Leto's host time between the script's iterations (from the script's end of one
         # to its start of the next): the device idles through it where the script waited
         # for the device (a logged loss), so the loop's figures say it.
-        self._between_s: list[float] = []
-        self._after_s: list[float] = []  # of which before the next begin (checks, checkpoint)
-        self._checkpoint_s: list[float] = []  # of which the checkpointer's
-        resumed = None
+        self._gaps: list[dict[str, float]] = []  # seconds of each gap, and of its parts
+        resumed, checkpoint_s = None, 0.0
         while t < total:
             self._t, self._stepped, self._loss = t, False, None
             self._called, self._inf, self._seen = set(), set(), set()
@@ -427,12 +425,12 @@ class Run:
                 self.scaler.begin()
             self._got_grad.clear()
             self._reported = False
-            if resumed is not None:
-                self._after_s.append(time.perf_counter() - resumed)
+            checks = time.perf_counter() - resumed if resumed is not None else 0.0
             self.job.begin(t)
             self._mark("loop start")
             if resumed is not None:
-                self._between_s.append(time.perf_counter() - resumed)
+                self._gaps.append({"all": time.perf_counter() - resumed, "checks": checks,
+                                   "checkpoint": checkpoint_s, **self.job.begin_s})  # fmt: skip
             try:
                 yield t
             except GeneratorExit:
@@ -468,7 +466,7 @@ class Run:
             if self.checkpointer is not None:
                 with leto_range("checkpoint"):
                     self.checkpointer.after_iteration(t, self.job)
-            self._checkpoint_s.append(time.perf_counter() - c0)
+            checkpoint_s = time.perf_counter() - c0
             self._mark("after step")
             self._clock = None  # the first iteration is over: no more marks, no syncs
             if self._shapes is not None:
@@ -487,24 +485,20 @@ class Run:
         # What the loop and the replica check took, in the rank's log (the check's
         # all_gather includes waiting for the slowest replica's update).
         rc, rp = self.job.replica, self.job.replay
-        def median(xs: list[float]) -> float:
-            return 1e3 * sorted(xs)[len(xs) // 2]
 
-        gaps = self._between_s
-        parts = ", ".join(
-            f"{k} {median(v[1:]):.2f}"
-            for k, v in [("checks", [0.0, *self._after_s]), ("checkpoint", [0.0, *self._checkpoint_s]),
-                         *self.job.begin_s.items()]  # fmt: skip
-            if len(v) > 1
-        )
+        def median(key: str) -> float:
+            xs = sorted(g[key] for g in self._gaps)
+            return 1e3 * xs[len(xs) // 2]
+
+        parts = ", ".join(f"{k} {median(k):.2f}" for k in self._gaps[0] if k != "all") if self._gaps else ""
         rank_log.say(
             self.ctx.rank,
             f"the loop ran {time.time() - t_loop:.2f} s for "
             f"{t - t_first} iteration(s); "
             + (
                 f"Leto's host time between the script's iterations: median "
-                f"{median(gaps):.2f} ms (medians: {parts} ms); "
-                if gaps
+                f"{median('all'):.2f} ms (medians: {parts} ms); "
+                if self._gaps
                 else ""
             )
             + (

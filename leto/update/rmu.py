@@ -234,12 +234,14 @@ class Updater:
         # (``chunk_pass.ItemLog``). Not under --undo ahead (the whole state is copied
         # there), nor in the ablation. Never lent: a recovery reads it.
         self.log: ItemLog | None = None
+        ue = self.state.unit_elems  # (the fused pass's launches: parts of every page)
+        self._parts = {False: parts(ue, 2), True: parts(ue, rf_parts())}
         if self.chunk_pass is not None and cfg.transactions and not self.ahead:
             why = not_resumable(h1)
             if why is None and self.state.max_chunk_units > MAX_CHUNK_UNITS:
                 why = f"chunks of {self.state.max_chunk_units} units (its record names {MAX_CHUNK_UNITS})"
             if why is None:
-                rf = self.parts(resumable=True)
+                rf = self._parts[True]
                 size = -(-log_bytes(pb, h1, rf) // pb) * pb
                 self.log = ItemLog(
                     client.attach(self.LOG_NAME, size, kind=reusable), pb, h1, slot_items(rf)
@@ -318,11 +320,10 @@ class Updater:
                 f"65,535 (give a larger chunk size)"
             )
         # The gradients' tier-1 parity taken in the script's clip_grad_norm_ pass
-        # (leto.update.grad_clip): made here, used once the trainer installs it.
+        # (leto.update.grad_clip): made by the trainer where it applies (the reason
+        # where it does not; the trainer adds its own).
         self.clip_parity: grad_clip.ClipParity | None = None
         self.clip_parity_reason = grad_clip.unsupported(self)
-        if self.clip_parity_reason is None:
-            self.clip_parity = grad_clip.ClipParity(self)
 
     @property
     def digest_complete(self) -> bool:
@@ -915,10 +916,10 @@ class Updater:
 
     def parts(self, resumable: bool) -> list[tuple[int, int]]:
         """The element ranges of every page the fused pass runs a chunk in, one launch
-        each: the first and second half, or for the resumable pass ``rf_parts()`` parts
-        (its slots hold one part's items, and fewer stay in the L2 cache; a recovery
-        runs the same parts: the slots are at the item's place in its part)."""
-        return parts(self.state.unit_elems, rf_parts() if resumable else 2)
+        each: the first and second half, or for the resumable pass ``rf_parts()`` parts,
+        fixed when the updater is made (its item log's slots hold one part's items, at
+        the item's place in the part; a recovery runs the same parts)."""
+        return self._parts[resumable]
 
     def _refresh_tier2(self, g: GroupView, x: Auth) -> None:
         """Tier 2 from the tier-1 bytes, computed on the device, then copied to host."""
