@@ -201,7 +201,8 @@ class Run:
         self.schedulers = megatron.schedulers(self.schedulers, ctx.store, ctx.rank)
         for sc in self.schedulers:
             if not any(
-                getattr(sc, "optimizer", None) is o for o in [*self.optimizers, *megatron_optimizers]
+                getattr(sc, "optimizer", None) is o
+                for o in [*self.optimizers, *megatron_optimizers]
             ):
                 raise InvalidInput("an LR scheduler drives an optimizer that was not given")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
@@ -490,7 +491,11 @@ class Run:
             xs = sorted(g[key] for g in self._gaps)
             return 1e3 * xs[len(xs) // 2]
 
-        parts = ", ".join(f"{k} {median(k):.2f}" for k in self._gaps[0] if k != "all") if self._gaps else ""
+        parts = (
+            ", ".join(f"{k} {median(k):.2f}" for k in self._gaps[0] if k != "all")
+            if self._gaps
+            else ""
+        )
         rank_log.say(
             self.ctx.rank,
             f"the loop ran {time.time() - t_loop:.2f} s for "
@@ -504,6 +509,11 @@ class Run:
             + (
                 f"gradient parity from the clip's pass at {cp.used} of {t - t_first} steps; "
                 if (cp := self.job.up.clip_parity) is not None
+                else ""
+            )
+            + (
+                f"checkpoints: {self.checkpointer.summary()}; "
+                if self.checkpointer is not None
                 else ""
             )
             + "replica check: "
