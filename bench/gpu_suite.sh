@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: machine facts, GPU tests, benchmarks.
-# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|copy-overlap|resumable-pass|clip-parity|grad-landing|certify-1b|user-recovery|fresh-start|cold-start|pin-stall|megatron|all]
+# Usage (device tool, repo root):  bash bench/gpu_suite.sh [codec|codec-pages|pool|rmu|rmu-tests|rmu-bench|overhead|overhead-run|overhead-chunks|chunk-pass|overhead-x2|run-api|abort|faultkit|faultkit-abort|runtime|scale|preinit|integrity|scrub-bench|userpath|plain-recovery|moe|moe-userpath|replay-gpu|sdc|sdc-userpath|zoo|zoo-only|tied-job|certify|sdc-inject|gpu-tests|titan|titan-*|world2-shared|world2-*|breakdown|horner|horner-userpath|undo-ahead|copy-overlap|resumable-pass|clip-parity|userpath-long|grad-landing|certify-1b|user-recovery|fresh-start|cold-start|pin-stall|megatron|all]
 # Writes logs and JSON under $OUT (or ./out when run by hand).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -609,6 +609,19 @@ if [[ $what == clip-parity ]]; then
       --json "$OUT/clip_parity_breakdown.json" > "$OUT/clip_parity_breakdown.txt" 2>&1 || rc=1
     grep -A14 "^range" "$OUT/clip_parity_breakdown.txt"
   fi
+fi
+if [[ $what == userpath-long ]]; then
+  # The user path over a run long enough to carry a checkpoint (issue 59: what a user
+  # lives over hours, not only the steady median): 16 K tokens (LETO_UL_PRESET),
+  # torchrun, leto run's defaults and --no-checkpoints side by side, deterministic,
+  # bytes compared; median and mean; then each rank log's loop line (the saves, the
+  # interval, each save's stall).
+  timeout ${LETO_UL_TIMEOUT:-480} python3 -m bench.user_path --preset ${LETO_UL_PRESET:-h200-1b} \
+    --iterations ${LETO_UL_ITERS:-150} --skip ${LETO_UL_SKIP:-8} --timeout-s 300 \
+    --script-args="--deterministic --tokens zipf" --leto-variant "nockpt=--no-checkpoints" \
+    --keep-work --json "$OUT/userpath_long.json" > "$OUT/userpath_long.txt" 2>&1 || rc=1
+  grep -E "median|bit-ident|FAILED" "$OUT/userpath_long.txt" | tail -8
+  grep -rh "the loop ran" /tmp/leto-user-path-* 2>/dev/null | cut -c1-900 | tee "$OUT/userpath_long_loop.txt"
 fi
 if [[ $what == grad-landing ]]; then
   # Issue 59: gradients landing in the retained buffer by copy (leto.trainer.grad_landing)

@@ -494,9 +494,10 @@ def print_table(res: dict) -> None:
     t = Table(
         title=f"The user path: {res['nproc_per_node']} rank(s) on {res['device']}, "
         f"{_params_text(res)}, {res['tokens_per_iteration']} tokens "
-        f"per iteration; median and max of iterations {res['skip']}+"
+        f"per iteration; median, mean and max of iterations {res['skip']}+ (the mean "
+        f"carries what comes every so often: a checkpoint's scrub and staging)"
     )
-    cols = ("run", "median ms", "max ms", "x torchrun", "to 1st iteration s",
+    cols = ("run", "median ms", "mean ms", "max ms", "x torchrun", "mean x", "to 1st iteration s",
             "outside loop s", "peak alloc GiB", "device GiB", "params", "losses")  # fmt: skip
     for c in cols:
         t.add_column(c)
@@ -505,8 +506,10 @@ def print_table(res: dict) -> None:
         t.add_row(
             escape(f"{r['name']} #{r['repeat']}"),  # a variant's "[name]" is not markup
             _ms(r.get("median_s")),
+            _ms(r.get("mean_s")),
             _ms(r.get("max_s")),
             "-" if r.get("ratio") is None else f"{r['ratio']:.3f}",
+            "-" if r.get("mean_ratio") is None else f"{r['mean_ratio']:.3f}",
             "-" if r.get("first_done_s") is None else f"{r['first_done_s']:.1f}",
             "-" if r.get("outside_loop_s") is None else f"{r['outside_loop_s']:.1f}",
             _gib(r.get("peak_allocated_bytes")) if res["device"] == "cuda" else "-",
@@ -590,6 +593,7 @@ def run_all(
             reference = base
         for r in done:
             r["ratio"] = ratio(r["median_s"], base["median_s"])
+            r["mean_ratio"] = ratio(r.get("mean_s"), base.get("mean_s"))
             ref = base if r is not base else reference
             if ref is None or ref is r or "error" in r or "error" in ref:
                 continue
@@ -740,7 +744,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(res)
     for name, s in res["summary"].items():
         print(f"{name}: median {_ms(s['median_s'])} ms over {s['runs']} run(s), "
-              f"{'-' if s['ratio'] is None else format(s['ratio'], '.3f')}x torchrun")  # fmt: skip
+              f"{'-' if s['ratio'] is None else format(s['ratio'], '.3f')}x torchrun; "
+              f"mean {_ms(s['mean_s'])} ms, "
+              f"{'-' if s['mean_ratio'] is None else format(s['mean_ratio'], '.3f')}x")  # fmt: skip
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(res, indent=2))
     return 1 if any("error" in r for r in res["runs"]) else 0
@@ -749,14 +755,18 @@ def main(argv: list[str] | None = None) -> int:
 def _summary(runs: list[dict]) -> dict:
     """Per launch, the median of its runs' medians and its ratio to torchrun's."""
     medians: dict[str, list[float]] = {}
+    means: dict[str, list[float]] = {}
     for r in runs:
         if "error" not in r and r["median_s"] is not None:
             medians.setdefault(r["name"], []).append(r["median_s"])
+            means.setdefault(r["name"], []).append(r["mean_s"])
     base = statistics.median(medians[TORCHRUN]) if medians.get(TORCHRUN) else None
+    base_mean = statistics.median(means[TORCHRUN]) if means.get(TORCHRUN) else None
     out = {}
     for name, m in medians.items():
-        med = statistics.median(m)
-        out[name] = {"median_s": med, "runs": len(m), "ratio": ratio(med, base)}
+        med, mean = statistics.median(m), statistics.median(means[name])
+        out[name] = {"median_s": med, "runs": len(m), "ratio": ratio(med, base),
+                     "mean_s": mean, "mean_ratio": ratio(mean, base_mean)}  # fmt: skip
     return out
 
 

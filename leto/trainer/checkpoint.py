@@ -190,7 +190,9 @@ class Checkpointer:
         # a checkpoint that predates it (CorruptState, a fatal failure, if found now).
         t0 = time.perf_counter()  # the loop's stall from here is the save's cost
         job.settle_checks()  # a checkpoint holds no update a recheck found wrong
+        s0 = time.perf_counter()
         self.scrubs.append(job.scrub.full(when=f"before the checkpoint of iteration {t}"))
+        scrub_s = time.perf_counter() - s0
         step = _step_dir(self.root, t)
         # A save over an existing checkpoint (a fallback passed over it, and the schedule
         # reached its iteration again): its metadata goes first, and no rank writes
@@ -221,7 +223,13 @@ class Checkpointer:
         blocking_s = time.perf_counter() - t0
         self.last_t = t
         self.saves.append(
-            {"iteration": t, "blocking_s": blocking_s, "wait_s": 0.0, "interval": self.interval}
+            {
+                "iteration": t,
+                "blocking_s": blocking_s,
+                "scrub_s": scrub_s,
+                "wait_s": 0.0,
+                "interval": self.interval,
+            }
         )
         if self._young:
             if self._t_iter:
@@ -258,7 +266,11 @@ class Checkpointer:
             return "no save" + (f", {len(self.deferred)} put off" if self.deferred else "")
         its = [s["iteration"] for s in self.saves]
         how = f"fixed at {self.fixed}" if self.fixed else f"Young's {self.interval}"
-        blocking = ", ".join(f"{1e3 * self.cost_s(s):.1f}" for s in self.saves[:3])
+        blocking = ", ".join(
+            f"{1e3 * self.cost_s(s):.1f} (scrub {1e3 * s['scrub_s']:.1f}, staging "
+            f"{1e3 * s['wait_s']:.1f})"
+            for s in self.saves[:3]
+        )
         return (
             f"{len(its)} saved (iteration {', '.join(map(str, its[:4]))}"
             f"{', ...' if len(its) > 4 else ''}), interval {how}, the loop stalled {blocking} ms"
