@@ -6,6 +6,7 @@ few iterations, not by a collective at every one."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -41,24 +42,51 @@ def _job():
     )
 
 
-def test_youngs_interval_counts_the_scrub_before_the_save(world1, tmp_path):
+def _young_run(tmp_path, warm_until: int, slow_s: float) -> ckpt.Checkpointer:
+    """Iterations of ITER_S; the staging buffers made at ``warm_until`` (the first save
+    put off until then); the iteration after the save ``slow_s`` slower (its staging
+    copy beside forward and backward, which no wait of the loop measures)."""
     ck = ckpt.Checkpointer(tmp_path, 0, mttf_s=60.0, hof_ratio=0.0)
     job = _job()
-    for t in range(3):
+    ck._warming = Future()  # the staging buffers being made
+    for t in range(warm_until + 3):
+        if t == warm_until:
+            ck._warming.set_result(None)
         ck.before_update()
-        time.sleep(ITER_S)
+        saved = len(ck.saves)
+        time.sleep(ITER_S + (slow_s if saved and ck.saves[-1]["iteration"] == t - 1 else 0))
         ck.after_iteration(t, job)
         ck.drain()
     ck.close()
+    return ck
+
+
+def test_youngs_interval_counts_the_scrub_before_the_save(world1, tmp_path):
+    ck = _young_run(tmp_path, warm_until=0, slow_s=0.0)
     first = ck.saves[0]
-    assert ck.cost_s(first) >= SCRUB_S, first
-    t_iter = sorted(ck._t_iter)[len(ck._t_iter) // 2]
-    want = round(young_interval(ck.cost_s(first) / t_iter, 60.0, t_iter))
-    assert ck.interval == want, (ck.interval, want, first, t_iter)
+    assert first["iteration"] == 0 and ck.cost_s(first) >= SCRUB_S, first
+    # The job's first iteration saved: no other iteration to compare its time with.
+    t_iter = statistics.median(ck._t_iter[:1])
+    want = round(young_interval(first["cost_s"] / t_iter, 60.0, t_iter))
+    assert first["cost_s"] == ck.cost_s(first) and ck.interval == want, (ck.interval, want)
     # What the save's call alone gave: a fraction of it.
     alone = round(young_interval(1e-3 / t_iter, 60.0, t_iter))
     assert ck.interval >= 5 * alone, (ck.interval, alone)
     assert "interval Young's" in ck.summary() and "1 saved (iteration 0)" in ck.summary()
+
+
+def test_youngs_interval_counts_the_save_iterations_slowdown(world1, tmp_path):
+    """A save put off while its buffers were made (to iteration 4), whose staging slowed
+    the iteration beside it: that slowdown is its cost, beyond the stall measured."""
+    slow = 4 * SCRUB_S
+    ck = _young_run(tmp_path, warm_until=ckpt.RETRY, slow_s=slow)
+    first = ck.saves[0]
+    assert first["iteration"] == ckpt.RETRY, ck.saves
+    assert first["cost_s"] >= SCRUB_S + slow > ck.cost_s(first), first
+    others = ck._t_iter[: ckpt.RETRY]  # the iterations timed before the save's
+    t_iter = statistics.median(others)
+    want = round(young_interval(first["cost_s"] / t_iter, 60.0, t_iter))
+    assert ck.interval == want, (ck.interval, want, first, ck._t_iter)
 
 
 def test_a_save_put_off_is_agreed_on_again_every_few_iterations(world1, tmp_path, monkeypatch):
