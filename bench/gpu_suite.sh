@@ -616,9 +616,13 @@ if [[ $what == userpath-long ]]; then
   # torchrun, leto run's defaults and --no-checkpoints side by side, deterministic,
   # bytes compared; median and mean; then each rank log's loop line (the saves, the
   # interval, each save's stall).
+  # LETO_UL_REPEATS runs the list that many times, in alternating order; LETO_UL_VARIANT
+  # is the leto run variant beside the defaults (empty: none).
+  variant=${LETO_UL_VARIANT-nockpt=--no-checkpoints}
   timeout ${LETO_UL_TIMEOUT:-480} python3 -m bench.user_path --preset ${LETO_UL_PRESET:-h200-1b} \
     --iterations ${LETO_UL_ITERS:-150} --skip ${LETO_UL_SKIP:-8} --timeout-s 300 \
-    --script-args="--deterministic --tokens zipf" --leto-variant "nockpt=--no-checkpoints" \
+    --repeats ${LETO_UL_REPEATS:-1} --script-args="--deterministic --tokens zipf" \
+    ${variant:+--leto-variant "$variant"} \
     --keep-work --json "$OUT/userpath_long.json" > "$OUT/userpath_long.txt" 2>&1 || rc=1
   grep -E "median|bit-ident|FAILED" "$OUT/userpath_long.txt" | tail -8
   grep -rh "the loop ran" /tmp/leto-user-path-* 2>/dev/null | cut -c1-900 | tee "$OUT/userpath_long_loop.txt"
