@@ -13,6 +13,11 @@ a side stream just before it, by each mechanism in turn:
   with work on the SMs; advisory — cuda-python's documentation names Tegra);
 * ``kernel-N``: a Triton copy kernel of N programs (grid-stride), using at most N SMs.
 
+With ``--to-host``, the copy is the checkpoint stager's instead: device to host buffers
+page-locked by the driver in 64 MiB pieces, one ``copy_`` a piece (``stager``:
+``leto.trainer.staging``'s own buffers and pieces), as a save's staging runs beside the
+next forward and backward.
+
 For each: the compute alone, the copy alone, and both together (the compute's slowdown,
 the copy's time beside it). Bytes are checked after each copy (``torch.equal``). What it
 found on an H100 (no mechanism hides the copy): docs/benchmarks.md#h100-2026-12-06.
@@ -84,12 +89,21 @@ def main() -> None:
     ap.add_argument("--matmuls", type=int, default=120, help="the compute chain's length")
     ap.add_argument("--dim", type=int, default=8192)
     ap.add_argument("--programs", default="8,16,33,66", help="kernel-N variants")
+    ap.add_argument("--to-host", action="store_true", help="the stager's device-to-host copy")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     dev = torch.device("cuda")
     n = int(args.gib * GiB) // 8
     src = torch.randint(-(2**62), 2**62, (n,), dtype=torch.int64, device=dev)
-    dst = torch.empty_like(src)
+    host = None
+    if args.to_host:
+        from leto.trainer.staging import HostBuffers, _pieces
+
+        host = HostBuffers({"x": (src.shape, src.dtype, True)}, dev)
+        dst = host.tensors["x"]
+        print(f"host buffers: {host.nbytes() / GiB:.1f} GiB, {host.refused} piece(s) refused")
+    else:
+        dst = torch.empty_like(src)
     a = torch.randn(args.dim, args.dim, dtype=torch.bfloat16, device=dev)
     b = torch.randn(args.dim, args.dim, dtype=torch.bfloat16, device=dev)
     c = torch.empty_like(a)
@@ -105,10 +119,18 @@ def main() -> None:
         for _ in range(args.matmuls):
             torch.mm(a, b, out=c)
 
-    methods = {"torch": lambda: dst.copy_(src, non_blocking=True)}
-    for pieces in (1, 8):
+    if host is not None:
+
+        def stager():
+            for a_, b_ in _pieces(src, dst):
+                b_.copy_(a_, non_blocking=True)
+
+        methods = {"stager": stager}
+    else:
+        methods = {"torch": lambda: dst.copy_(src, non_blocking=True)}
+    for pieces in () if host is not None else (1, 8):
         methods[f"batch-overlap/{pieces}"] = lambda p=pieces: _batch_copy(dst, src, side, p)
-    if kern is not None:
+    if kern is not None and host is None:
         for p in (int(x) for x in args.programs.split(",")):
             methods[f"kernel-{p}"] = lambda p=p: kern[(p,)](src, dst, n, BLOCK=4096, num_warps=8)
 
@@ -145,18 +167,18 @@ def main() -> None:
         dst.zero_()
         both = [timed(fn, True) for _ in range(2)]
         comp, cp = min(both)
-        exact = torch.equal(dst, src)
+        exact = torch.equal(dst, src.cpu()) if host is not None else torch.equal(dst, src)
         row = {
             "method": name,
             "copy_alone_ms": alone,
-            "copy_alone_gbps": 2 * n * 8 / alone / 1e6,
+            "copy_alone_gbps": (1 if host is not None else 2) * n * 8 / alone / 1e6,
             "compute_beside_ms": comp,
             "compute_slowdown_ms": comp - base,
             "copy_beside_ms": cp,
             "bytes_equal": exact,
         }
         rows.append(row)
-        print(f"{name:>16}: copy alone {alone:7.1f} ms ({row['copy_alone_gbps']:5.0f} GB/s r+w); "
+        print(f"{name:>16}: copy alone {alone:7.1f} ms ({row['copy_alone_gbps']:5.0f} GB/s{'' if host is not None else ' r+w'}); "
               f"beside compute: compute {comp:7.1f} ms (+{comp - base:5.1f}), copy {cp:7.1f} ms; "
               f"bytes equal {exact}")  # fmt: skip
     if args.json_out:

@@ -418,6 +418,7 @@ class Run:
         # to its start of the next): the device idles through it where the script waited
         # for the device (a logged loss), so the loop's figures say it.
         self._gaps: list[dict[str, float]] = []  # seconds of each gap, and of its parts
+        self._gap_at: list[int] = []  # the iteration each gap came before
         resumed, checkpoint_s = None, 0.0
         while t < total:
             self._t, self._stepped, self._loss = t, False, None
@@ -432,6 +433,7 @@ class Run:
             if resumed is not None:
                 self._gaps.append({"all": time.perf_counter() - resumed, "checks": checks,
                                    "checkpoint": checkpoint_s, **self.job.begin_s})  # fmt: skip
+                self._gap_at.append(t)
             try:
                 yield t
             except GeneratorExit:
@@ -496,6 +498,13 @@ class Run:
             if self._gaps
             else ""
         )
+        if self._gaps:  # the longest gap and its parts (a checkpoint's, where one was due)
+            k = max(range(len(self._gaps)), key=lambda i: self._gaps[i]["all"])
+            longest = self._gaps[k]
+            parts += (
+                f"; the longest {1e3 * longest['all']:.1f} before iteration {self._gap_at[k]} ("
+                + (", ".join(f"{n} {1e3 * v:.1f}" for n, v in longest.items() if n != "all") + ")")
+            )
         rank_log.say(
             self.ctx.rank,
             f"the loop ran {time.time() - t_loop:.2f} s for "
