@@ -90,14 +90,39 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=8192)
     ap.add_argument("--programs", default="8,16,33,66", help="kernel-N variants")
     ap.add_argument("--to-host", action="store_true", help="the stager's device-to-host copy")
+    ap.add_argument(
+        "--pool-source", action="store_true",
+        help="--to-host from the pool's memory (cuMemCreate pages mapped contiguously, as "
+        "the retained state is), not from torch's allocator",
+    )  # fmt: skip
+    ap.add_argument(
+        "--main-d2h", action="store_true",
+        help="the compute stream copies 32 bytes to the host every 10 multiplies, as the "
+        "trainer's marker writes do",
+    )  # fmt: skip
+    ap.add_argument(
+        "--threaded", action="store_true",
+        help="the copy queued from another thread, as the stager does, while this one "
+        "queues the compute",
+    )  # fmt: skip
     ap.add_argument("--json-out")
     args = ap.parse_args()
     dev = torch.device("cuda")
     n = int(args.gib * GiB) // 8
     src = torch.randint(-(2**62), 2**62, (n,), dtype=torch.int64, device=dev)
+    if args.pool_source:
+        from leto.memory.backends.cuda import CudaPageOwner
+
+        page = 2 << 20
+        owner = CudaPageOwner(page, dev.index or 0)
+        pages = owner.create_many(-(-n * 8 // page))
+        pool = owner.map(pages).tensor.view(torch.int64)[:n]
+        pool.copy_(src)
+        src = pool
+        print(f"source: {len(pages)} pool pages of 2 MiB, mapped contiguously")
     host = None
     if args.to_host:
-        from leto.trainer.staging import HostBuffers, _pieces
+        from leto.trainer.staging import HostBuffers, _pieces, copy_pieces
 
         host = HostBuffers({"x": (src.shape, src.dtype, True)}, dev)
         dst = host.tensors["x"]
@@ -115,17 +140,23 @@ def main() -> None:
     except Exception as e:  # (no Triton: the kernel variants are skipped, and said)
         print(f"Triton copy kernel unavailable: {e}")
 
+    flag_d, flag_h = torch.zeros(8, device=dev), torch.zeros(8, pin_memory=True)
+
     def compute():
-        for _ in range(args.matmuls):
+        for k in range(args.matmuls):
             torch.mm(a, b, out=c)
+            if args.main_d2h and k % 10 == 0:  # a marker write's small copy to the host
+                flag_h.copy_(flag_d, non_blocking=True)
 
     if host is not None:
 
-        def stager():
+        def all_at_once():
             for a_, b_ in _pieces(src, dst):
                 b_.copy_(a_, non_blocking=True)
 
-        methods = {"stager": stager}
+        # The stager's copy (two pieces queued at a time), and every piece queued at once
+        # (as it was before).
+        methods = {"stager": lambda: copy_pieces(src, dst, side), "all-queued": all_at_once}
     else:
         methods = {"torch": lambda: dst.copy_(src, non_blocking=True)}
     for pieces in () if host is not None else (1, 8):
@@ -137,16 +168,29 @@ def main() -> None:
     def timed(run_copy, with_compute: bool) -> tuple[float | None, float | None]:
         torch.cuda.synchronize(dev)
         e = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        if run_copy is not None:
-            side.wait_stream(main_s)
+
+        def queue_copy():
             with torch.cuda.stream(side):
                 e[2].record(side)
                 run_copy()
                 e[3].record(side)
+
+        th = None
+        if run_copy is not None:
+            side.wait_stream(main_s)
+            if args.threaded:
+                import threading
+
+                th = threading.Thread(target=queue_copy)
+                th.start()
+            else:
+                queue_copy()
         if with_compute:
             e[0].record(main_s)
             compute()
             e[1].record(main_s)
+        if th is not None:
+            th.join()
         torch.cuda.synchronize(dev)
         comp = e[0].elapsed_time(e[1]) if with_compute else None
         cp = e[2].elapsed_time(e[3]) if run_copy is not None else None
