@@ -122,7 +122,7 @@ def main() -> None:
         print(f"source: {len(pages)} pool pages of 2 MiB, mapped contiguously")
     host = None
     if args.to_host:
-        from leto.trainer.staging import HostBuffers, _pieces, copy_pieces
+        from leto.trainer.staging import HostBuffers, _pieces
 
         host = HostBuffers({"x": (src.shape, src.dtype, True)}, dev)
         dst = host.tensors["x"]
@@ -150,13 +150,20 @@ def main() -> None:
 
     if host is not None:
 
-        def all_at_once():
+        def stager():
             for a_, b_ in _pieces(src, dst):
                 b_.copy_(a_, non_blocking=True)
 
-        # The stager's copy (two pieces queued at a time), and every piece queued at once
-        # (as it was before).
-        methods = {"stager": lambda: copy_pieces(src, dst, side), "all-queued": all_at_once}
+        def paced():  # two pieces queued at a time (tried: as slow beside --main-d2h)
+            queued = []
+            for a_, b_ in _pieces(src, dst):
+                if len(queued) >= 2:
+                    queued.pop(0).synchronize()
+                b_.copy_(a_, non_blocking=True)
+                queued.append(torch.cuda.Event())
+                queued[-1].record(side)
+
+        methods = {"stager": stager, "paced-2": paced}
     else:
         methods = {"torch": lambda: dst.copy_(src, non_blocking=True)}
     for pieces in () if host is not None else (1, 8):

@@ -135,26 +135,3 @@ def test_pieces_cover_the_tensor_once_within_one_registration_each(numel):
         d.copy_(s)
         seen += d.numel()
     assert seen == numel and torch.equal(dst, src)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_staging_queues_two_pieces_at_a_time_and_copies_every_byte(monkeypatch):
-    """The trainer's own copies to the host queue behind the stager's on the copy
-    engine: no more than IN_FLIGHT pieces may be queued at once."""
-    monkeypatch.setattr(staging, "CHUNK_BYTES", 1 << 16)
-    n_pieces = 9
-    src = torch.randint(0, 2**31, (n_pieces * (1 << 14) + 5,), dtype=torch.int32, device="cuda")
-    bufs = staging.HostBuffers({"x": (src.shape, src.dtype, True)}, src.device)
-    dst = bufs.tensors["x"]
-    waits = []
-    real = torch.cuda.Event.synchronize
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda ev: (waits.append(ev), real(ev))[1])
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        staging.copy_pieces(src, dst, stream)
-    stream.synchronize()
-    # One wait before each piece queued beyond the first IN_FLIGHT (10 pieces: 9 full, 1 short).
-    assert len(waits) == n_pieces + 1 - staging.IN_FLIGHT, len(waits)
-    assert torch.equal(dst, src.cpu())
-    bufs.release()

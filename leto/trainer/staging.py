@@ -26,9 +26,7 @@ way.
 * Order: ``stage`` records an event on the caller's stream; the copies run on a stream
   of their own after it, so they read the state the caller's stream left (the update
   of that iteration) without the host waiting for the GPU. Each copy stays within one
-  registered piece (the driver copies asynchronously only within one registration),
-  and only two are queued at a time (``copy_pieces``): the trainer's own copies to the
-  host queue behind them.
+  registered piece (the driver copies asynchronously only within one registration).
 * ``close`` is the protocol's and does nothing (some releases call it after each save);
   ``shutdown`` is the checkpointer's, once, at the end.
 
@@ -38,7 +36,6 @@ made again, unpaced).
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import threading
@@ -52,7 +49,6 @@ from leto import rank_log
 from leto.job import keys
 
 CHUNK_BYTES = 64 << 20  # one registration (and one copy) at most
-IN_FLIGHT = 2  # staging copies queued at a time (copy_pieces)
 PACE = 2.0  # after registering a piece, idle this many times as long (background only)
 ENV_AHEAD = "LETO_STAGING_AHEAD"  # "0": a parked shadow makes no buffers ahead
 
@@ -109,24 +105,6 @@ class HostBuffers:
 
 def shapes_of(state: dict[str, torch.Tensor]) -> Shapes:
     return {k: (v.shape, v.dtype, v.is_cuda) for k, v in state.items()}
-
-
-def copy_pieces(src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
-    """Copy ``src`` (on the device) into ``dst`` (host, registered in pieces) on
-    ``stream``, at most ``IN_FLIGHT`` pieces queued at a time; returns when the last is
-    queued. The device-to-host copies of every stream share the copy engine, in the
-    order they were queued: 13 GB queued at once made the trainer's next small copy to
-    the host (a marker write, ahead of the next forward) wait for all of it — one
-    iteration 230-250 ms longer at each save on an H100, at 16 K and 128 K tokens alike,
-    while the same copy beside compute alone slowed nothing (+0.5 ms)."""
-    queued: collections.deque = collections.deque()
-    for s, d in _pieces(src, dst):
-        if len(queued) >= IN_FLIGHT:
-            queued.popleft().synchronize()  # (releases the GIL while it waits)
-        d.copy_(s, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        queued.append(ev)
 
 
 def _pieces(src: torch.Tensor, dst: torch.Tensor):
@@ -282,7 +260,8 @@ class HostStager(AsyncStager):
                     if not v.is_cuda:
                         bufs[k].copy_(v)
                         continue
-                    copy_pieces(v, bufs[k], self._stream)
+                    for s, d in _pieces(v, bufs[k]):
+                        d.copy_(s, non_blocking=True)
             self._stream.synchronize()
             return bufs
 
