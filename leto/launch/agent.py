@@ -46,7 +46,7 @@ from leto.integrity import faulty
 from leto.job import fault_plan, keys
 from leto.job import store as job_store
 from leto.job.config import ENV_FAULT_PLAN, RunConfig
-from leto.launch.cell import Cell, kill_group
+from leto.launch.cell import Cell, kill_group, stop_group
 from leto.launch.monitor import Failure, FailureKind, Monitor
 from leto.launch.recovery import Recovery, RecoveryRecord
 from leto.launch.relay import Relay
@@ -368,11 +368,15 @@ class Agent:
         return code
 
     def _fence_all(self, cells: list[Cell]) -> list[int]:
-        """Kill every live trainer's process group at once, then wait for them: the
-        ranks it fenced. One at a time (each cell's stop), the last ranks outlived their
-        peers long enough to fail on the closed connections (gloo's "Connection closed by
-        peer") and leave error files that read as crashes of their own."""
+        """Stop every live trainer's process group, then kill them all, then wait for
+        them: the ranks it fenced. One at a time (each cell's stop), the last ranks
+        outlived their peers long enough to fail on the closed connections (gloo's
+        "Connection closed by peer") and leave error files that read as crashes of their
+        own; killed in one loop, a rank still did when the agent was preempted between
+        two kills (CI, two busy cores). A stopped rank runs nothing when a peer dies."""
         live = [cl for cl in cells if cl.active is not None and cl.active.poll() is None]
+        for cl in live:
+            stop_group(cl.active)
         for cl in live:
             kill_group(cl.active)
         for cl in live:

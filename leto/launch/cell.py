@@ -243,6 +243,16 @@ class Cell:
         self.sm.stop()
 
 
+def stop_group(p: subprocess.Popen) -> None:
+    """SIGSTOP the process group ``p`` leads: frozen, it runs no more of its code (a
+    collective failing on a peer's death, its error file) until it is killed; a group
+    already gone is not an error."""
+    try:
+        os.killpg(p.pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        pass
+
+
 def kill_group(p: subprocess.Popen) -> None:
     """SIGKILL the process group ``p`` leads (``start_new_session``); a group already
     gone is not an error."""
