@@ -6,8 +6,8 @@ fatal failures (FF: retained state beyond what parity covers, a dead state manag
 their interval comes from Young's formula with the FF-only MTTF ``M / (1 - h)``
 (h = HOF ratio), the checkpoint cost ``p`` being what the first save cost the loop, in
 iterations: its iteration's time over the median (the full scrub and the settled checks
-before it, the save's call, the next iteration's copies to the host queued behind the
-staging copy, the next update's wait for it; the write overlaps training). The save's
+before it, the save's call, what the staging copy costs the next iteration, the next
+update's wait for it; the write overlaps training). The save's
 call alone once stood for ``p``: 3 ms at 4.3 M parameters on the CPU against a 130 ms
 scrub, which gave an interval of 2 iterations and a loop spending half its time saving.
 A checkpoint is complete when DCP's ``.metadata`` exists; the restore takes the
@@ -244,10 +244,11 @@ class Checkpointer:
         """Young's interval from the first save's cost and the median iteration, at the
         iteration after the save (the last one timed is the save's); every rank calls it
         at the same iteration (a collective). The cost is what the save's iteration took
-        over the median of the others, where there are others: the next iteration's own
-        small copies to the host queue behind its staging copy, which no wait of the
-        loop measures (at 128 K tokens on an H100: 375 ms over the median, 138 ms of it
-        the scrub; docs/benchmarks.md); at least the stall measured (``cost_s``)."""
+        over the median of the others, where there are others: the staging copy costs the
+        next iteration time that no wait of the loop measures (at 128 K tokens on an
+        H100: 375 ms over the median, 138 ms of it the scrub; a component benchmark
+        points at the iteration's small copies to the host queued behind the staging
+        copy: docs/benchmarks.md); at least the stall measured (``cost_s``)."""
         save, others = self.saves[0], self._t_iter[:-1]
         t_iter = statistics.median(others or self._t_iter)
         p_s = self.cost_s(save)
