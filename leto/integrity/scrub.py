@@ -186,15 +186,23 @@ class Scrubber:
     # -- passes -------------------------------------------------------------------------
 
     def full(self, groups: list[int] | None = None, when: str = "full scrub") -> dict:
-        """Check whole groups now (every state group by default); a summary."""
+        """Check whole groups now (every state group by default); a summary.
+
+        Every group's flag is launched first (the background check's pass over whole
+        pages: the group's own page list, no host wait), then read together; only a
+        group flagged is checked again by ``check``, which locates and repairs. Checking
+        each group by ``check`` at once cost a host round trip and a page list of ~1,000
+        slices a group: a full scrub of 13 GB at 1.1 B took 120–170 ms on an H100."""
         self.settle_verified()
         t0 = time.time()
-        gis = range(len(self.groups)) if groups is None else groups
+        gis = list(range(len(self.groups)) if groups is None else groups)
+        launched = [self._launch(gi, 0, self.page_bytes) for gi in gis]
         found = []
-        for gi in gis:
-            found += self.check(gi, when=when)
-        if self.up.device.type == "cuda":
-            torch.cuda.synchronize(self.up.device)
+        for gi, lo, hi, flag, ev in launched:
+            if ev is not None:
+                ev.synchronize()
+            if bool(flag.item()):
+                found += self.check(gi, lo, hi, when=when)
         return {
             "groups": len(gis),
             "bytes": sum(len(self.groups[gi].data) for gi in gis) * self.page_bytes,
