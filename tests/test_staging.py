@@ -4,6 +4,8 @@ calls (close after a save, as torch 2.11 does) leave it usable."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -135,3 +137,33 @@ def test_pieces_cover_the_tensor_once_within_one_registration_each(numel):
         d.copy_(s)
         seen += d.numel()
     assert seen == numel and torch.equal(dst, src)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_stage_at_release_copies_nothing_before_it_and_then_what_the_stream_left(device):
+    """The checkpointer's stager starts a save's copies at ``release`` (after the next
+    iteration's first writes to the host): nothing is read before, and what is read is
+    the state after the work queued before the release."""
+    state = _state(device)
+    stager = HostStager(state, at_release=True)
+    staged = stager.stage(state)
+    time.sleep(0.2)  # (a stage not waiting for its release has copied by now)
+    for v in state.values():
+        v.add_(1)  # queued before the release: the copies come after it
+    want = {k: v.cpu().clone() for k, v in state.items()}
+    assert not staged.done(), "copied before the release"
+    stager.release()
+    got = staged.result(timeout=60)
+    for k in state:
+        assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+    stager.release()  # twice: nothing
+    stager.shutdown()
+
+
+def test_a_stage_never_released_fails_and_says_why(monkeypatch):
+    monkeypatch.setattr(staging, "RELEASE_TIMEOUT_S", 0.2)
+    stager = HostStager(_state("cpu"), at_release=True)
+    staged = stager.stage(_state("cpu"))
+    with pytest.raises(TimeoutError, match="not released within"):
+        staged.result(timeout=30)
+    stager._pool.shutdown(wait=True)

@@ -145,7 +145,7 @@ class Checkpointer:
         1 B parameters), which the next update would otherwise wait for — a save that
         comes due before they exist is put off. Nothing is copied into them yet."""
         state = self._state(job)
-        self._stager = HostStager(state, rank=self.rank)
+        self._stager = HostStager(state, rank=self.rank, at_release=True)
         publish_layout(self.store, self.rank, shapes_of(state))  # for the next shadow
         self._warming = self._stager.prepare(state)
 
@@ -205,7 +205,7 @@ class Checkpointer:
         dist.barrier(group=self.agree_pg)
         state = self._state(job)
         if self._stager is None:
-            self._stager = HostStager(state, rank=self.rank)
+            self._stager = HostStager(state, rank=self.rank, at_release=True)
         stager = self._stager
         # The stager's copies wait on this stream for the update of iteration t.
         # The writer is named: with none, torch picks one by trying its fsspec backend,
@@ -295,10 +295,20 @@ class Checkpointer:
             + (f", put off {len(self.deferred)} times (one in flight)" if self.deferred else "")
         )
 
+    def begin_iteration(self) -> None:
+        """Call once the next iteration has made its first writes to the host (the
+        marker's, the scrub's flags): the last save's staging copies start now, beside
+        its forward and backward, not queued ahead of those writes (``leto.trainer.
+        staging``: they would wait for all 13 GB)."""
+        if self._stager is not None:
+            self._stager.release()
+
     def before_update(self, timeout_s: float = 600.0) -> None:
         """Call before the retained state changes (the next update, the loop record's
         write): the last save's staging copies must have read it. Normally long done:
         it overlapped a forward and backward."""
+        if self._stager is not None:
+            self._stager.release()  # (an iteration that did not begin: now)
         if self.staging is not None:
             staging, self.staging = self.staging, None
             t0 = time.perf_counter()

@@ -429,6 +429,8 @@ class Run:
             self._reported = False
             checks = time.perf_counter() - resumed if resumed is not None else 0.0
             self.job.begin(t)
+            if self.checkpointer is not None:
+                self.checkpointer.begin_iteration()  # the last save's staging starts now
             self._mark("loop start")
             if resumed is not None:
                 self._gaps.append({"all": time.perf_counter() - resumed, "checks": checks,
