@@ -32,7 +32,8 @@ way.
   the scrub's flags): a copy to the host queued on another stream while the staging's
   13 GB ran waited for all of it, on an H100 (``bench.copy_overlap --to-host
   --main-d2h``: compute +220 ms, with the pieces queued two at a time as well), and the
-  iteration after each save was 230-250 ms longer, at 16 K and 128 K tokens alike.
+  iteration of a save was 360-420 ms over the median in six of seven runs of the 1.1 B
+  job (the scrub 120-170 ms of it; 125 ms in the seventh).
 * ``close`` is the protocol's and does nothing (some releases call it after each save);
   ``shutdown`` is the checkpointer's, once, at the end.
 
