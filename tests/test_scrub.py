@@ -66,6 +66,23 @@ def test_a_clean_state_passes_and_flipped_parity_is_repaired_exactly(trained):
     assert s.full()["repaired"] == []
 
 
+def test_a_full_scrub_locates_only_in_the_groups_whose_flag_is_set(trained, monkeypatch):
+    # Scrubber.full launches every group's flag and reads them together; the locating
+    # check (a host round trip and a page list a group: most of a full scrub's time at
+    # 1.1 B on an H100) runs only where a flag is set.
+    up, _ = trained
+    s = Scrubber(up, budget_bytes=0)
+    located = []
+    check = s.check
+    monkeypatch.setattr(s, "check", lambda gi, *a, **k: located.append(gi) or check(gi, *a, **k))
+    assert s.full()["repaired"] == [] and located == []
+    g = up.groups[-1]
+    _flip(g.tier2[0], 11, 1)
+    found = s.full()["repaired"]
+    assert located == [len(up.groups) - 1]
+    assert [(f["group"], f["tier"]) for f in found] == [(g.gid, "tier2")]
+
+
 @pytest.mark.parametrize("updates_since", [0, 1])
 def test_a_flipped_device_page_is_named_and_refused_even_after_an_update(trained, updates_since):
     up, model = trained
