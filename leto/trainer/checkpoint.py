@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from leto.errors import InvalidInput
 from leto.job import keys
 from leto.sim.model import young_interval
-from leto.trainer.staging import HostStager, publish_layout, shapes_of
+from leto.trainer.staging import HostStager, at_release_default, publish_layout, shapes_of
 
 # A save put off (the last one still written, the staging buffers not made yet) is
 # agreed on again this many iterations later.
@@ -145,7 +145,7 @@ class Checkpointer:
         1 B parameters), which the next update would otherwise wait for — a save that
         comes due before they exist is put off. Nothing is copied into them yet."""
         state = self._state(job)
-        self._stager = HostStager(state, rank=self.rank, at_release=True)
+        self._stager = HostStager(state, rank=self.rank, at_release=at_release_default())
         publish_layout(self.store, self.rank, shapes_of(state))  # for the next shadow
         self._warming = self._stager.prepare(state)
 
@@ -205,7 +205,7 @@ class Checkpointer:
         dist.barrier(group=self.agree_pg)
         state = self._state(job)
         if self._stager is None:
-            self._stager = HostStager(state, rank=self.rank, at_release=True)
+            self._stager = HostStager(state, rank=self.rank, at_release=at_release_default())
         stager = self._stager
         # The stager's copies wait on this stream for the update of iteration t.
         # The writer is named: with none, torch picks one by trying its fsspec backend,

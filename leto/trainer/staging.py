@@ -59,6 +59,14 @@ CHUNK_BYTES = 64 << 20  # one registration (and one copy) at most
 RELEASE_TIMEOUT_S = 600.0  # a stage not released by then fails (its future raises)
 PACE = 2.0  # after registering a piece, idle this many times as long (background only)
 ENV_AHEAD = "LETO_STAGING_AHEAD"  # "0": a parked shadow makes no buffers ahead
+# "0": a save's copies start at the save, not at the next iteration's begin (the
+# previous default, kept to measure one against the other).
+ENV_AT_RELEASE = "LETO_STAGING_AT_RELEASE"
+
+
+def at_release_default() -> bool:
+    return os.environ.get(ENV_AT_RELEASE, "1") != "0"
+
 
 Shapes = dict[str, tuple[torch.Size, torch.dtype, bool]]  # name -> (shape, dtype, pinned)
 
