@@ -75,6 +75,22 @@ def test_rank_local_parameters_are_in_no_bucket_and_are_not_divided(monkeypatch)
         assert bool((state.grad[lo:hi] == want).all()), f"{name}: {state.grad[lo:hi][:3]}"
 
 
+@pytest.mark.parametrize("local", [frozenset(), frozenset({"1.weight"})])
+def test_a_reduction_finished_after_the_clip_moves_the_buffers_version(monkeypatch, local):
+    # leto.update.grad_clip uses the parity the script's clip took only while the
+    # gradient buffer's autograd version counter has not moved since; a reduction that
+    # finishes at the step (after the clip) ends with an in-place division, which moves
+    # it (the all-reduce itself would not), whether it divides the whole buffer at once
+    # or bucket by bucket (rank-local parameters between them).
+    model, state = _model_on_flat()
+    b = GradBuckets(dict(model.named_parameters()), state, bucket_mib=64, rank_local=local)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: SimpleNamespace(wait=lambda: None))
+    clipped = state.grad._version
+    b.finish()
+    assert state.grad._version > clipped
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)

@@ -138,3 +138,15 @@ def test_the_ported_llama_is_bit_identical_to_ddp_and_exact_under_faults(tmp_pat
         got = leto(out.name, [JobFault(1, "update.optimizer@2#1", inject=CUDA_LOSE)])
     assert got["injections"] == 1, got["recoveries"]
     assert (why := _same(_params(ddp, 2), _params(out / "train", 2))) is None, why
+    # Two data-parallel replicas clip their reduced gradients: each rank took their
+    # parity in clip_grad_norm_'s pass (the CPU twin, or on a GPU the kernel) at every
+    # step, and no audit against the step's own encode found a difference (it would
+    # turn the pass off with a line saying so).
+    console = (out / "leto-run.log").read_text()
+    assert "gradient parity: in clip_grad_norm_'s pass over them" in console, console[-3000:]
+    logs = {p.name: p.read_text() for p in (out / "logs").glob("rank*.gen1.*.log")}
+    assert len(logs) == 2, sorted(logs)
+    for name, text in logs.items():
+        assert "gradient parity from the clip's pass at 1 of 1 steps" in text, (name, text[-2000:])
+    for text in [console, *logs.values()]:
+        assert "gradient parity is taken at the step from now on" not in text

@@ -209,12 +209,14 @@ class RetainedTraining:
             if self.landing is not None:
                 self.buckets.before_finish = self.landing.finish
         # The gradients' parity taken in the script's clip_grad_norm_ (leto.update.
-        # grad_clip), where no reduction writes them after the clip: one data-parallel
-        # replica (an all-reduce on a view moves no autograd version counter).
-        if self.up.clip_parity_reason is None and (self.dp.size > 1 or external_grads):
-            self.up.clip_parity_reason = (
-                "gradients reduced across ranks" if self.dp.size > 1 else "a library's own gradients"
-            )
+        # grad_clip). Under data parallelism the buckets' reduction ends when backward
+        # does (before the script's clip reads the gradients); one that ends later, at
+        # the step (backward under no_sync, or no buckets), ends with an in-place
+        # division, which moves the buffer's autograd version counter (an all-reduce
+        # alone would not), so the step encodes instead. A library's own gradients are
+        # copied in at the step, after any clip of the script's.
+        if self.up.clip_parity_reason is None and external_grads:
+            self.up.clip_parity_reason = "a library's own gradients"
         if self.up.clip_parity_reason is None:
             self.up.clip_parity = grad_clip.ClipParity(self.up)
         grad_clip.install(self.up.clip_parity)
