@@ -244,16 +244,20 @@ class Checkpointer:
         """Young's interval from the first save's cost and the median iteration, at the
         iteration after the save (the last one timed is the save's); every rank calls it
         at the same iteration (a collective). The cost is what the save's iteration took
-        over the median of the others, where there are others: the staging copy costs the
-        next iteration time that no wait of the loop measures (at 128 K tokens on an
-        H100: 375 ms over the median, 138 ms of it the scrub; a component benchmark
-        points at the iteration's small copies to the host queued behind the staging
-        copy: docs/benchmarks.md); at least the stall measured (``cost_s``)."""
+        over the median of the others, where there are others (the staging copy can cost
+        the next iteration time that no wait of the loop measures: 252 ms at 128 K tokens
+        on an H100 with the copies queued at the save, docs/benchmarks.md), at least the
+        save's blocking part; with no other iteration timed, the stall (``cost_s``)."""
         save, others = self.saves[0], self._t_iter[:-1]
         t_iter = statistics.median(others or self._t_iter)
         p_s = self.cost_s(save)
         if others:
-            p_s = max(p_s, self._t_iter[-1] - t_iter)
+            # The save's iteration over the median, and at least the loop's stall before
+            # the save's call returned (the scrub's device work is extra work). Not the
+            # staging wait: the host waits there while the device still runs the
+            # forward and backward it was given (on an H100 at 16 K tokens: a 93 ms
+            # wait in an iteration 20 ms over the median).
+            p_s = max(save["blocking_s"], self._t_iter[-1] - t_iter)
         save["cost_s"] = p_s
         p = p_s / t_iter
         young = young_interval(p, self.ff_mttf_s, t_iter)
@@ -287,7 +291,8 @@ class Checkpointer:
             f"{len(its)} saved (iteration {', '.join(map(str, its[:4]))}"
             f"{', ...' if len(its) > 4 else ''}), interval {how}"
             + (
-                f" (the first save's iteration {1e3 * first:.0f} ms over the median)"
+                f" (a save's cost {1e3 * first:.0f} ms: the first save's iteration over the "
+                "median, at least its blocking part)"
                 if first
                 else ""
             )
