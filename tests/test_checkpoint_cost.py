@@ -5,10 +5,12 @@ few iterations, not by a collective at every one."""
 
 from __future__ import annotations
 
+import errno
 import math
 import statistics
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -133,3 +135,36 @@ def test_a_staging_wait_the_device_hid_is_not_counted(world1, tmp_path):
     ck._set_young_interval()
     assert ck.saves[0]["cost_s"] == 0.019, ck.saves[0]
     ck.close()
+
+
+def test_a_save_whose_write_fails_is_said_and_training_goes_on(world1, tmp_path, monkeypatch, capsys):
+    """A full disk under a save's write: the trainer is not ended (the checkpoint is
+    insurance, the state is intact in the pool). The failure is said once on the
+    console with the checkpoint a fatal failure would restart from, the folder it left
+    goes at the next save, and that save is written."""
+    fail = [True]
+
+    class FullDisk(ckpt.dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            if fail.pop() if fail else False:
+                (Path(self.path) / "__0_0.distcp").write_bytes(b"\0" * 100)  # a partial shard
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write_data(plan, planner)
+
+    monkeypatch.setattr(ckpt.dcp, "FileSystemWriter", FullDisk)
+    ck = ckpt.Checkpointer(tmp_path, 0, interval=1)
+    job = _job()
+    ck.after_iteration(0, job)  # saved; its write fails in the background
+    ck.before_update()  # (the next iteration's update: the staging released and read)
+    ck.pending.exception(timeout=60)
+    assert (tmp_path / "it00000000").is_dir() and ckpt.latest(tmp_path) is None
+    ck.after_iteration(1, job)  # the failure settled, said; the next save goes ahead
+    ck.drain()
+    ck.close()
+    assert [f["iteration"] for f in ck.failed] == [0], ck.failed
+    assert "No space left on device" in ck.failed[0]["error"], ck.failed
+    said = [x for x in capsys.readouterr().err.splitlines() if "was not written" in x]
+    assert len(said) == 1 and "iteration 0" in said[0] and "restart from the first" in said[0], said
+    assert not (tmp_path / "it00000000").exists(), "the failed save's folder was left"
+    assert ckpt.latest(tmp_path)[1] == 1 and ck.close_error is None
+    assert "1 not written (iteration 0: " in ck.summary(), ck.summary()

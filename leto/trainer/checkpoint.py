@@ -36,12 +36,15 @@ import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from leto import rank_log
 from leto.errors import InvalidInput
 from leto.job import keys
 from leto.sim.model import young_interval
@@ -50,6 +53,16 @@ from leto.trainer.staging import HostStager, at_release_default, publish_layout,
 # A save put off (the last one still written, the staging buffers not made yet) is
 # agreed on again this many iterations later.
 RETRY = 4
+WRITE_TIMEOUT_S = 3600.0  # a save's write waited for (at the end) at most this long
+
+
+def _why(e: BaseException) -> str:
+    """An error in one line: DCP's ``CheckpointException`` (a ``BaseException``) by the
+    error of each rank it names, not its tracebacks."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {_why(x[0])}" for r, x in sorted(e.failures.items()))
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else '(no message)'}"
 
 
 def _step_dir(root: Path, iteration: int) -> Path:
@@ -104,6 +117,7 @@ class Checkpointer:
         self.saves: list[dict] = []
         self.scrubs: list[dict] = []  # the full scrub before each save
         self.deferred: list[int] = []  # iterations a save was due but the last still wrote
+        self.failed: list[dict] = []  # saves whose write failed: iteration, error
         self.staging = None  # the last save's staging (a future), until before_update
         # One stager for the checkpointer's life: its pinned host buffers (12 bytes a
         # parameter) are made once — by ``warm``, in the background — and reused.
@@ -184,7 +198,7 @@ class Checkpointer:
                 self._retry_at = t + RETRY
                 return
             if self.pending is not None:
-                self.pending.result()  # done: raises what the save raised
+                self._settle_write()  # done: a failure is said, not raised
             if self._warming is not None:
                 self._warming.result()
                 self._warming = None
@@ -202,6 +216,7 @@ class Checkpointer:
         # a "complete" checkpoint of mixed state.
         if self.rank == 0:
             (step / ".metadata").unlink(missing_ok=True)
+            self._remove_incomplete()
         dist.barrier(group=self.agree_pg)
         state = self._state(job)
         if self._stager is None:
@@ -298,6 +313,12 @@ class Checkpointer:
             )
             + f", the loop stalled {blocking} ms"
             + (f", put off {len(self.deferred)} times (one in flight)" if self.deferred else "")
+            + (
+                f", {len(self.failed)} not written (iteration "
+                f"{', '.join(str(f['iteration']) for f in self.failed[:4])}: {self.failed[0]['error']})"
+                if self.failed
+                else ""
+            )
         )
 
     def begin_iteration(self) -> None:
@@ -335,11 +356,47 @@ class Checkpointer:
             shutil.rmtree(p, ignore_errors=True)
 
     def drain(self) -> None:
-        """Wait until the last save is staged and written (raises what it raised)."""
+        """Wait until the last save is staged and written (a failed write is said, not
+        raised: ``_settle_write``)."""
         self.before_update()
         if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
+            self._settle_write()
+
+    def _settle_write(self) -> None:
+        """The last save's write, waited for: a failure (a full disk, a lost mount) is
+        said on the console and counted, not raised. The checkpoint is insurance: the
+        training's state is intact in the pool, ``latest`` passes over a save with no
+        metadata, and the next save is tried at its interval. Raised, it ended the
+        trainer, and every promoted shadow after it, on a full disk (seen on an H100)."""
+        pending, self.pending = self.pending, None
+        t = self.saves[-1]["iteration"]
+        try:
+            pending.result(timeout=WRITE_TIMEOUT_S)
+            return
+        except FutureTimeout:
+            why = f"not written within {WRITE_TIMEOUT_S:.0f} s"
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - whatever the writer raised
+            why = _why(e)
+        self.failed.append({"iteration": t, "error": why})
+        found = latest(self.root)
+        message = (
+            f"the checkpoint of iteration {t} was not written ({why}); training goes on, "
+            f"its state intact in the pool. A fatal failure would restart from "
+            + (f"the checkpoint of iteration {found[1]}" if found else "the first iteration")
+            + "; the next save is tried at its interval"
+        )
+        if len(self.failed) == 1:
+            rank_log.tell(self.rank, message + " (any further failure: in this rank's log)")
+        else:
+            rank_log.say(self.rank, message)
+
+    def _remove_incomplete(self) -> None:
+        """Rank 0, once every rank's last write is done (the save's agreement): the
+        folders of saves that were not completed (no metadata) go, as the files a failed
+        write left would fill the disk that made it fail."""
+        for p in self.root.glob("it*"):
+            if p.is_dir() and not (p / ".metadata").exists():
+                shutil.rmtree(p, ignore_errors=True)
 
     def close(self) -> None:
         """At the end of training: wait for the last save, release the buffers. A failure
