@@ -6,8 +6,8 @@ fatal failures (FF: retained state beyond what parity covers, a dead state manag
 their interval comes from Young's formula with the FF-only MTTF ``M / (1 - h)``
 (h = HOF ratio), the checkpoint cost ``p`` being what the first save cost the loop, in
 iterations: its iteration's time over the median (the full scrub and the settled checks
-before it, the save's call, what the staging copy costs the next iteration, the next
-update's wait for it; the write overlaps training). The save's
+before it, the save's call, what the staging copy costs the next iteration; the write
+overlaps training), at least the save's blocking part. The save's
 call alone once stood for ``p``: 3 ms at 4.3 M parameters on the CPU against a 130 ms
 scrub, which gave an interval of 2 iterations and a loop spending half its time saving.
 A checkpoint is complete when DCP's ``.metadata`` exists; the restore takes the
@@ -18,11 +18,13 @@ state that predates it.
 
 Nothing here stalls the loop for long (at 1 B parameters on the H200 the first two
 iterations of a job once took 16 s and 39 s): staging runs in the background (``leto.trainer.staging``:
-pinned host buffers made once, non-blocking copies on a stream of their own),
-overlapping the next forward and backward, and the trainer waits for it only before
+pinned host buffers made once, non-blocking copies on a stream of their own, started
+once the next iteration has begun), overlapping its forward and backward, and the
+trainer waits for it only before
 the next update changes the state (``before_update``); a save that comes due while the
 previous one is still being written is put off to a later iteration (the ranks agree)
-instead of waiting for the disk; and Young's interval is set once an iteration has
+instead of waiting for the disk; a save whose write fails is said, not raised; and
+Young's interval is set once an iteration has
 been timed after the first save (not 1 until then).
 
 Not covered: checkpoints on storage that other nodes cannot read (multi-node jobs need

@@ -31,9 +31,12 @@ way.
   save's copies after the next iteration's first writes to the host (its marker write,
   the scrub's flags): a copy to the host queued on another stream while the staging's
   13 GB ran waited for all of it, on an H100 (``bench.copy_overlap --to-host
-  --main-d2h``: compute +220 ms, with the pieces queued two at a time as well), and the
-  iteration of a save was 360-420 ms over the median in six of seven runs of the 1.1 B
-  job (the scrub 120-170 ms of it; 125 ms in the seventh).
+  --main-d2h``: compute +220 ms, with the pieces queued two at a time as well). On the
+  1.1 B job on an H100 a save's iteration was 252-257 ms over the median with the
+  copies queued at the save, 20-23 ms with them released at the next iteration's begin
+  (16 K tokens, three runs each; 128 K: 252 and 21 ms; docs/benchmarks.md).
+  ``LETO_STAGING_AT_RELEASE=0`` queues them at the save, to measure one against the
+  other.
 * ``close`` is the protocol's and does nothing (some releases call it after each save);
   ``shutdown`` is the checkpointer's, once, at the end.
 
