@@ -262,7 +262,7 @@ class Checkpointer:
         iteration after the save (the last one timed is the save's); every rank calls it
         at the same iteration (a collective). The cost is what the save's iteration took
         over the median of the others, where there are others (the staging copy can cost
-        the next iteration time that no wait of the loop measures: 252 ms at 128 K tokens
+        the next iteration time that no wait of the loop measures: 270 ms at 128 K tokens
         on an H100 with the copies queued at the save, docs/benchmarks.md), at least the
         save's blocking part; with no other iteration timed, the stall (``cost_s``)."""
         save, others = self.saves[0], self._t_iter[:-1]

@@ -32,9 +32,9 @@ way.
   the scrub's flags): a copy to the host queued on another stream while the staging's
   13 GB ran waited for all of it, on an H100 (``bench.copy_overlap --to-host
   --main-d2h``: compute +220 ms, with the pieces queued two at a time as well). On the
-  1.1 B job on an H100 a save's iteration was 252-257 ms over the median with the
-  copies queued at the save, 20-23 ms with them released at the next iteration's begin
-  (16 K tokens, three runs each; 128 K: 252 and 21 ms; docs/benchmarks.md).
+  1.1 B job on an H100 a save's iteration was 257 ms over the median with the copies
+  queued at the save, 20-23 ms with them released at the next iteration's begin (16 K
+  tokens, three runs each; 128 K: 270 and 25 ms; docs/benchmarks.md).
   ``LETO_STAGING_AT_RELEASE=0`` queues them at the save, to measure one against the
   other.
 * ``close`` is the protocol's and does nothing (some releases call it after each save);
