@@ -270,6 +270,10 @@ def test_the_update_takes_no_undo_copy_but_the_rechecked_chunks(pool):
     tr = u.Trainer(pool, "adamw-fused", **KW)
     try:
         assert tr.up.log is not None and "none: the fused pass keeps" in tr.up.undo_path
+        # Why not --undo ahead, in memory: the whole-state copy it would hold.
+        whole = sum(t.numel() * t.element_size() for t in tr.up._alloc_pages.values())
+        assert f"--undo ahead would hold a whole-state copy of {whole / 2**30:.2f} GiB" in tr.up.undo_path
+        assert ("GiB of the device free now" in tr.up.undo_path) == (tr.up.device.type == "cuda")
         tr.iteration()
         with h.watched_update(tr.up) as (copies, steps):
             tr.iteration()

@@ -353,10 +353,22 @@ class Updater:
             return (
                 f"none: the fused pass keeps each item's old values in slots as it writes "
                 f"them ({n / 2**20:.0f} MiB, resumable item by item); an undo copy only "
-                f"for a chunk the update recheck samples"
+                f"for a chunk the update recheck samples; {self._ahead_memory()}"
             )
         note = f" ({self.undo_note})" if self.undo_note else ""
         return f"per chunk, before its update{note}"
+
+    def _ahead_memory(self) -> str:
+        """Why the default and not --undo ahead, in memory: the whole-state copy's size,
+        the device's free memory now, and what was measured (the checks line)."""
+        total = sum(t.numel() * t.element_size() for t in self._alloc_pages.values())
+        free = ""
+        if self.device.type == "cuda":
+            free = f", {torch.cuda.mem_get_info(self.device)[0] / 2**30:.1f} GiB of the device free now"
+        return (
+            f"--undo ahead would hold a whole-state copy of {total / 2**30:.2f} GiB{free}, "
+            f"and was slower on the user path on an H100 (docs/update.md)"
+        )
 
     @property
     def grad_parity_path(self) -> str:
