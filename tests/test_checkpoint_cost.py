@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import math
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch.distributed as dist
 import leto.trainer.checkpoint as ckpt
 from leto.sim.model import young_interval
 
+ROOT = Path(__file__).resolve().parents[1]
 SCRUB_S = 0.05  # a full scrub 10x an iteration, as at 1.1 B on a GPU (0.36 s vs 0.27 s)
 ITER_S = 0.005
 
@@ -168,3 +171,25 @@ def test_a_save_whose_write_fails_is_said_and_training_goes_on(world1, tmp_path,
     assert not (tmp_path / "it00000000").exists(), "the failed save's folder was left"
     assert ckpt.latest(tmp_path)[1] == 1 and ck.close_error is None
     assert "1 not written (iteration 0: " in ck.summary(), ck.summary()
+
+
+def test_a_trainer_ending_between_a_save_and_the_next_begin_exits_at_once(tmp_path):
+    """The save's staging waits for the next iteration's begin; a trainer that ends
+    before it (an error there) exits without copying, not after the release's timeout
+    (the interpreter's exit joins the staging thread and DCP's, which waits for it)."""
+    script = (
+        "import sys, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "import leto.trainer.checkpoint as ckpt\n"
+        "from tests.test_checkpoint_cost import _job\n"
+        "ck = ckpt.Checkpointer(sys.argv[1], 0, interval=1)\n"
+        "ck.after_iteration(0, _job())\n"
+        "print('saved', flush=True)\n"
+    )
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    took = time.monotonic() - t0
+    assert done.returncode == 0 and "saved" in done.stdout, done.stderr[-2000:]
+    assert took < 30, f"exited {took:.0f} s after the save (RELEASE_TIMEOUT_S is 600)"
+    assert ckpt.latest(tmp_path) is None  # nothing was copied, so nothing complete

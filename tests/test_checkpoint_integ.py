@@ -71,7 +71,10 @@ def _worker(rank: int, world: int, port: int, root: str, q) -> None:
     ck = Checkpointer(root, rank, mttf_s=0.2, hof_ratio=0.0)
     job = _job(rank, 1.0)
     ck.warm(job)
-    for t in range(12):
+    # 24 iterations: a save put off while the last is written is asked for again 4
+    # iterations later, and a save's copies start at the next iteration's begin, so
+    # saves come every ~5 iterations (12 iterations gave 2 saves under load).
+    for t in range(24):
         time.sleep(0.01 * (1 + 4 * rank))  # rank 1 measures 5x longer iterations
         ck.before_update()  # as leto.Run does: the last save's staging has read the state
         job.up.state.flat["param"].fill_(float(t))

@@ -364,7 +364,7 @@ class Checkpointer:
         if self.pending is not None:
             self._settle_write()
 
-    def _settle_write(self) -> None:
+    def _settle_write(self, at_end: bool = False) -> None:
         """The last save's write, waited for: a failure (a full disk, a lost mount) is
         said on the console and counted, not raised. The checkpoint is insurance: the
         training's state is intact in the pool, ``latest`` passes over a save with no
@@ -381,6 +381,17 @@ class Checkpointer:
             why = _why(e)
         self.failed.append({"iteration": t, "error": why})
         found = latest(self.root)
+        if at_end:
+            # Training is complete: the checkpoint was only insurance during it.
+            self.close_error = why
+            rank_log.tell(
+                self.rank,
+                f"the last checkpoint (iteration {t}) was not written after training "
+                f"ended ({why}); the trained state is intact in the pool, the newest "
+                f"complete checkpoint under {self.root} is "
+                + (f"iteration {found[1]}'s" if found else "none"),
+            )
+            return
         message = (
             f"the checkpoint of iteration {t} was not written ({why}); training goes on, "
             f"its state intact in the pool. A fatal failure would restart from "
@@ -407,7 +418,9 @@ class Checkpointer:
         finished job as a failed trainer, and a promoted shadow would run the script's
         set-up again for nothing — seen on the H200)."""
         try:
-            self.drain()
+            self.before_update()
+            if self.pending is not None:
+                self._settle_write(at_end=True)
             if self._warming is not None:
                 self._warming.result()
             if self._stager is not None:

@@ -71,6 +71,43 @@ def at_release_default() -> bool:
     return os.environ.get(ENV_AT_RELEASE, "1") != "0"
 
 
+# Stages waiting for their release, cancelled as the interpreter exits: its exit joins
+# the staging thread (and DCP's, which waits for the staging's result), so a trainer
+# that ended between a save and the next iteration's begin would otherwise take
+# RELEASE_TIMEOUT_S to exit. Called before those joins: threading's exit callbacks run
+# newest first, and concurrent.futures registered its own (the joins) at import.
+_waiting: set[threading.Event] = set()
+
+
+def _cancel_waiting() -> None:
+    for ev in list(_waiting):
+        ev.cancelled = True  # type: ignore[attr-defined]
+        ev.set()
+
+
+if hasattr(threading, "_register_atexit"):  # (CPython >= 3.9)
+    threading._register_atexit(_cancel_waiting)
+
+
+def _await_release(released: threading.Event) -> None:
+    """Wait for a stage's release (``at_release``), at most ``RELEASE_TIMEOUT_S``, or
+    until the interpreter exits (``_cancel_waiting``): nothing is copied then."""
+    _waiting.add(released)
+    try:
+        if not released.wait(timeout=RELEASE_TIMEOUT_S):
+            raise TimeoutError(
+                f"checkpoint staging: not released within {RELEASE_TIMEOUT_S:.0f} s of "
+                f"the save (the trainer stopped between iterations?); nothing was copied"
+            )
+    finally:
+        _waiting.discard(released)
+    if getattr(released, "cancelled", False):
+        raise RuntimeError(
+            "checkpoint staging: the trainer ended before the save's copies were "
+            "released; nothing was copied"
+        )
+
+
 Shapes = dict[str, tuple[torch.Size, torch.dtype, bool]]  # name -> (shape, dtype, pinned)
 
 
@@ -282,11 +319,7 @@ class HostStager(AsyncStager):
         shapes = shapes_of(state_dict)
 
         def copy() -> dict[str, torch.Tensor]:
-            if not released.wait(timeout=RELEASE_TIMEOUT_S):
-                raise TimeoutError(
-                    f"checkpoint staging: not released within {RELEASE_TIMEOUT_S:.0f} s of "
-                    f"the save (the trainer stopped between iterations?); nothing was copied"
-                )
+            _await_release(released)
             bufs = self._make(shapes, 0.0)
             if not self.cuda:
                 for k, v in state_dict.items():
